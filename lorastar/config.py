@@ -1,0 +1,106 @@
+"""EngineConfig: the one validated set of engine settings."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_QUANT = (None, "awq", "gptq", "fp8")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. Invalid values raise ``ValueError`` naming the field."""
+
+    model: str | None = None
+    """HF folder (config.json + safetensors + tokenizer). ``None`` uses the embedded SmolLM2-135M-Instruct."""
+
+    device: str = "auto"
+    """``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda"``."""
+
+    dtype: Any = "auto"
+    """``"auto"`` (the checkpoint's dtype on GPU, float32 on CPU), ``"float32"``, ``"float16"``,
+    ``"bfloat16"`` or a ``torch.dtype``."""
+
+    block_size: int = 16
+    """Tokens per KV cache block."""
+
+    max_num_seqs: int = 64
+    """Most sequences in one engine step."""
+
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step (decodes first, then prefill chunks). ``None``: max(2048, block_size)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + output. ``None``: the model's ``max_position_embeddings`` (capped at 8192)."""
+
+    num_kv_blocks: int | None = None
+    """KV blocks to allocate. ``None``: sized from ``kv_cache_memory`` / GPU free memory."""
+
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache when ``num_kv_blocks`` is unset. ``None``: 1 GiB on CPU, 80% of free on GPU."""
+
+    kv_cache_dtype: str = "auto"
+    """``"auto"`` (the model dtype), ``"fp8"`` (e4m3) or ``"fp8_e5m2"``."""
+
+    quantization: str | None = None
+    """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"`` check it;
+    ``"fp8"`` quantizes a 16-bit checkpoint at load time (or checks an FP8 one)."""
+
+    max_loras: int = 8
+    """Distinct adapters in one step (device slots)."""
+
+    max_lora_rank: int = 64
+    """Largest adapter rank accepted."""
+
+    max_cpu_loras: int = 64
+    """Adapters kept in host memory (LRU beyond that, reloaded from disk on demand)."""
+
+    enable_prefix_caching: bool = True
+    """Share the KV blocks of identical prompt prefixes (hash chain of tokens + adapter content)."""
+
+    seed: int = 0
+    """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""
+
+    max_waiting: int | None = None
+    """Bound on the waiting queue; past it new requests are refused (the server answers 503)."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form options for experiments (ignored by the engine core)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.device not in _DEVICES:
+            raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
+        if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES} or a torch.dtype, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization not in _QUANT:
+            raise ValueError(f"quantization must be one of {_QUANT}, got {self.quantization!r}")
+        for name in ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)

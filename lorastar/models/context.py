@@ -1,0 +1,67 @@
+"""The one object passed down the model for a forward pass (no module-level globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens live in the paged KV cache. Built once per step by the runner.
+
+    The flat batch holds ``B`` sequences; sequence ``b`` owns query rows
+    ``query_start_loc[b]:query_start_loc[b+1]`` and, after this step, ``seq_lens[b]`` tokens of
+    context (its new tokens included). Row ``i`` of a sequence with ``q`` new tokens sits at
+    position ``seq_lens[b] - q + i`` and attends to positions ``<=`` that (causal).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset for each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padding entries are 0 and never read)
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host-side copies, so the CPU path never syncs or re-derives them per layer.
+    query_lens_list: list[int] = field(default_factory=list)
+    seq_lens_list: list[int] = field(default_factory=list)
+    # CPU path, decode rows (q == 1): gather indices into the flattened cache and a padding mask.
+    decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
+    decode_gather: torch.Tensor | None = None  # [Bd, Lmax] int64 slots
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool, True = attend
+    # CPU path, prefill rows (q > 1 or with no decode shape): (row_start, q, ctx_slots or None)
+    prefill_seqs: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass
+class LoRAMetadata:
+    """Which adapter slot each token uses. Built once per step by the runner.
+
+    Gather form (decode, punica BGMV): ``token_slots[t]`` is the slot of token ``t`` or -1.
+    Segment form (prefill, punica SGMV): tokens ``seg_starts[s]:seg_starts[s+1]`` all use slot
+    ``seg_slots[s]`` (runs of consecutive tokens with one adapter; -1 = no adapter).
+    ``ranks[slot]`` is the adapter's true rank, so kernels never compute over the padding.
+    """
+
+    token_slots: torch.Tensor  # [num_tokens] int32
+    seg_starts: torch.Tensor  # [num_segments + 1] int32
+    seg_slots: torch.Tensor  # [num_segments] int32
+    ranks: torch.Tensor  # [max_loras] int32
+    max_rank: int  # largest rank among the slots in this batch
+    # Host-side: for the CPU path, (slot, row index tensor) per distinct adapter in the batch.
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    is_decode: bool = False  # every sequence contributes one token
+
+
+@dataclass
+class ForwardContext:
+    attn: AttentionMetadata
+    lora: LoRAMetadata | None = None
+    # Per layer: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Per layer FP8 KV scales (1.0 for unquantized caches).
+    k_scales: list[float] = field(default_factory=list)
+    v_scales: list[float] = field(default_factory=list)
+    use_triton: bool = False
