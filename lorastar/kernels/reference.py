@@ -1,0 +1,142 @@
+"""Plain, obviously-correct torch versions of every kernel op (test oracles; loops are fine here).
+
+Each function mirrors the semantics of the fast op of the same name without ``ref_``. They favour
+clarity over speed: per-sequence / per-token Python loops, fp32 math, no in-place tricks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Paged KV cache + attention
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def ref_reshape_and_cache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, block * BS + offset
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Write token ``t``'s K/V at block ``slot // BS``, offset ``slot % BS`` (FP8: value / scale)."""
+    block_size = k_cache.shape[1]
+    for t in range(key.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot < 0:  # padding token: nothing to store
+            continue
+        blk, off = divmod(slot, block_size)
+        if _is_fp8(k_cache.dtype):
+            k_cache[blk, off] = (key[t].float() / k_scale).to(k_cache.dtype)
+            v_cache[blk, off] = (value[t].float() / v_scale).to(v_cache.dtype)
+        else:
+            k_cache[blk, off] = key[t].to(k_cache.dtype)
+            v_cache[blk, off] = value[t].to(v_cache.dtype)
+
+
+def ref_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, MB] int32
+    seq_lens: torch.Tensor,  # [B] int32, context length after this step
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    *,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new query rows over its paged context, in fp32.
+
+    Row ``i`` of sequence ``b`` (``q_len`` new rows) sits at position ``seq_lens[b] - q_len + i``
+    and attends to positions ``0..`` that one. GQA: query head ``h`` reads kv head ``h // G``.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    result = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        q_len, ctx = end - start, int(seq_lens[b])
+        if q_len == 0:
+            continue
+        # Gather the context one position at a time: obviously right, no index arithmetic tricks.
+        keys, vals = [], []
+        for pos in range(ctx):
+            blk = int(block_tables[b, pos // block_size])
+            keys.append(k_cache[blk, pos % block_size].float() * k_scale)  # [Hkv, D]
+            vals.append(v_cache[blk, pos % block_size].float() * v_scale)
+        k = torch.stack(keys).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = torch.stack(vals).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        qb = q[start:end].float()  # [q_len, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        result[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
+    result = result.to(q.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-LoRA (punica BGMV/SGMV semantics)
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_lora_shrink(
+    x: torch.Tensor,  # [T, H]
+    lora_a: torch.Tensor,  # [S, R, H]
+    token_slots: torch.Tensor,  # [T] int32, -1 = no adapter
+    ranks: torch.Tensor,  # [S] int32
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """``out[t, :r] = scale * x[t] @ lora_a[s, :r].T`` for ``s = token_slots[t] >= 0``; zero elsewhere.
+
+    Returns ``out`` [T, R] in ``x.dtype`` (computed in fp32).
+    """
+    out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        s = int(token_slots[t])
+        if s < 0:
+            continue
+        r = int(ranks[s])
+        out[t, :r] = scale * (lora_a[s, :r].float() @ x[t].float())
+    return out.to(x.dtype)
+
+
+def ref_lora_expand(
+    y: torch.Tensor,  # [T, Ntot]
+    buf: torch.Tensor,  # [T, R]
+    lora_b: torch.Tensor,  # [S, N, R]
+    token_slots: torch.Tensor,  # [T] int32, -1 = no adapter
+    ranks: torch.Tensor,  # [S] int32
+    offset: int,
+) -> torch.Tensor:
+    """Return a new ``y`` with ``y[t, offset:offset+N] += buf[t, :r] @ lora_b[s, :, :r].T``.
+
+    ``r = ranks[s]``; rows with ``s = -1`` are unchanged. Sum in fp32, cast back to ``y.dtype``.
+    """
+    new_y = y.clone()
+    n = lora_b.shape[1]
+    for t in range(y.shape[0]):
+        s = int(token_slots[t])
+        if s < 0:
+            continue
+        r = int(ranks[s])
+        delta = lora_b[s, :, :r].float() @ buf[t, :r].float()  # [N]
+        new_y[t, offset : offset + n] = (y[t, offset : offset + n].float() + delta).to(y.dtype)
+    return new_y
