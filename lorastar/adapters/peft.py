@@ -1,0 +1,364 @@
+"""Read and validate PEFT LoRA adapter folders (adapter_config.json + adapter_model.safetensors).
+
+Everything that would make the served output differ from PEFT's own forward is refused with an
+``AdapterError`` naming the file and the problem: we never silently serve a "close enough" adapter.
+The loaded weights are normalized to float32 with the LoRA scaling folded into B, so the engine
+computes ``y += (x @ A.T) @ B.T`` with no per-adapter scalar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorastar.engine.errors import AdapterError
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+
+# The Llama-family linears an adapter may target, and the submodule each lives under.
+MODULE_GROUP: dict[str, str] = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+SUPPORTED_MODULES: tuple[str, ...] = tuple(MODULE_GROUP)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# PEFT writes `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`; older/other tools
+# drop the `base_model.model.` prefix or keep the adapter name (`.lora_A.default.weight`).
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<group>[A-Za-z_]\w*)\."
+    r"(?P<module>[A-Za-z_]\w*)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
+)
+_LORA_MODULE_RE = re.compile(r"(?:^|\.)(?P<module>[^.]+)\.lora_(?:A|B|embedding_A|embedding_B)(?:\.|$)")
+
+# LoraConfig fields whose truthy value changes the forward pass in a way plain LoRA serving
+# cannot reproduce (or adds weights we would ignore). Value: human-readable reason.
+_REFUSED_FLAGS: dict[str, str] = {
+    "use_dora": "DoRA (use_dora: true) is not supported; merge it into the base or retrain as plain LoRA",
+    "lora_bias": "lora_bias: true (a bias on lora_B) is not supported",
+    "layer_replication": "layer_replication is not supported",
+    "trainable_token_indices": "trainable_token_indices (trained embedding rows) is not supported",
+    "target_parameters": "target_parameters (LoRA on raw nn.Parameters, e.g. MoE experts) is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_qalora": "QA-LoRA (use_qalora: true) is not supported",
+    "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+    "arrow_config": "Arrow routing (arrow_config) is not supported",
+    "kasa_config": "KaSA (kasa_config) is not supported",
+    "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
+}
+
+
+@dataclass
+class ModelSpec:
+    """What an adapter must match in the base: layer count and each target's (in, out) features."""
+
+    num_layers: int
+    module_shapes: dict[str, tuple[int, int]]
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        """Build the spec from a HF Llama/Mistral/Qwen2 config (object or dict)."""
+        get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
+        hidden = int(get("hidden_size"))
+        inter = int(get("intermediate_size"))
+        n_heads = int(get("num_attention_heads"))
+        n_kv = int(get("num_key_value_heads") or n_heads)
+        head_dim = int(get("head_dim") or hidden // n_heads)
+        q_out, kv_out = n_heads * head_dim, n_kv * head_dim
+        return cls(
+            num_layers=int(get("num_hidden_layers")),
+            module_shapes={
+                "q_proj": (hidden, q_out),
+                "k_proj": (hidden, kv_out),
+                "v_proj": (hidden, kv_out),
+                "o_proj": (q_out, hidden),
+                "gate_proj": (hidden, inter),
+                "up_proj": (hidden, inter),
+                "down_proj": (inter, hidden),
+            },
+        )
+
+
+@dataclass
+class LoRAWeights:
+    """A validated adapter. ``weights[(layer, module)] = (A [r, in] fp32, B [out, r] fp32 * scaling)``.
+
+    ``rank`` is the largest rank over the modules (they differ only with ``rank_pattern``);
+    ``alpha``/``use_rslora`` are the config's header values, kept for display and hashing.
+    """
+
+    path: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: frozenset[str]
+    content_hash: str
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    def nbytes(self) -> int:
+        return sum(
+            a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()
+        )
+
+
+def _fail(where: Path, problem: str) -> AdapterError:
+    return AdapterError(f"{where}: {problem}")
+
+
+def _read_config(cfg_path: Path) -> dict[str, Any]:
+    try:
+        text = cfg_path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise _fail(cfg_path, f"cannot read adapter config: {e}") from e
+    try:
+        cfg = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _fail(cfg_path, f"corrupt JSON in adapter config: {e}") from e
+    if not isinstance(cfg, dict):
+        raise _fail(cfg_path, f"adapter config must be a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _as_number(cfg_path: Path, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(cfg_path, f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_rank(cfg_path: Path, name: str, value: Any, max_rank: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(cfg_path, f"{name} must be an integer, got {value!r}")
+    if value < 1:
+        raise _fail(cfg_path, f"{name}={value}: rank must be >= 1")
+    if value > max_rank:
+        raise _fail(cfg_path, f"{name}={value} exceeds max_lora_rank={max_rank}")
+    return value
+
+
+def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
+    # Same rule as peft.utils.other.get_pattern_key: first pattern matching a dotted suffix of the key.
+    for pat, val in patterns.items():
+        if re.match(rf"(.*\.)?({pat})$", key):
+            return val
+    return default
+
+
+def _matches_targets(targets: Any, key: str) -> bool:
+    # Same rule as peft's check_target_module_exists: a string is a full-match regex, a list
+    # matches the exact key or a dotted suffix.
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, key) is not None
+    return key in targets or any(key.endswith(f".{t}") for t in targets)
+
+
+def _validate_config(cfg_path: Path, cfg: dict[str, Any], supported: tuple[str, ...], max_rank: int) -> None:
+    peft_type = cfg.get("peft_type")
+    if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
+        raise _fail(cfg_path, f"peft_type {peft_type!r} is not supported (only LORA adapters are served)")
+    for flag, reason in _REFUSED_FLAGS.items():
+        if cfg.get(flag):
+            raise _fail(cfg_path, f"refused: {reason}")
+    if cfg.get("modules_to_save"):
+        raise _fail(
+            cfg_path,
+            f"refused: modules_to_save={cfg['modules_to_save']!r} (fully trained copies of base modules "
+            "cannot be shared across a multi-adapter batch)",
+        )
+    bias = cfg.get("bias", "none")
+    if bias != "none":
+        raise _fail(cfg_path, f"refused: bias={bias!r} (only bias='none' is supported)")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            try:
+                re.compile(targets)
+            except re.error as e:
+                raise _fail(cfg_path, f"target_modules regex {targets!r} is invalid: {e}") from e
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        unknown = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in supported})
+        if unknown:
+            raise _fail(
+                cfg_path,
+                f"unsupported target_modules {unknown}; supported modules: {list(supported)}",
+            )
+    else:
+        raise _fail(
+            cfg_path, f"target_modules must be a non-empty list of names or a regex string, got {targets!r}"
+        )
+    _as_rank(cfg_path, "r", cfg.get("r", 8), max_rank)
+    _as_number(cfg_path, "lora_alpha", cfg.get("lora_alpha", 8))
+    for pname, conv in (("rank_pattern", _as_rank), ("alpha_pattern", None)):
+        pat = cfg.get(pname) or {}
+        if not isinstance(pat, dict):
+            raise _fail(cfg_path, f"{pname} must be a mapping, got {pat!r}")
+        for k, v in pat.items():
+            if conv is not None:
+                conv(cfg_path, f"{pname}[{k!r}]", v, max_rank)
+            else:
+                _as_number(cfg_path, f"{pname}[{k!r}]", v)
+
+
+def _read_tensors(w_path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    try:
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(w_path), framework="pt", device="cpu") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+        return out
+    except Exception as e:  # safetensors raises SafetensorError / OSError / ValueError on bad files
+        raise _fail(w_path, f"corrupt or unreadable safetensors file: {e}") from e
+
+
+def _content_hash(
+    rank: int,
+    alpha: float,
+    use_rslora: bool,
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+) -> str:
+    # Over the normalized (fp32, scaling folded) tensors, never the path or name: identical content
+    # under two names/paths/dtypes-of-storage must dedupe, and the prefix cache keys on this.
+    h = hashlib.sha256()
+    h.update(f"lora|r={rank}|alpha={float(alpha)!r}|rslora={bool(use_rslora)}\n".encode())
+    for layer, module in sorted(weights):
+        for tag, t in zip("AB", weights[(layer, module)]):
+            t = t.contiguous()
+            h.update(f"{layer}.{module}.{tag}|{t.dtype}|{tuple(t.shape)}\n".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> LoRAWeights:
+    """Read, validate and normalize one PEFT LoRA folder for the base described by ``spec``."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise _fail(folder, "adapter folder does not exist" if not folder.exists() else "not a folder")
+    folder = folder.resolve()
+    cfg_path, w_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not cfg_path.is_file():
+        raise _fail(cfg_path, f"missing {CONFIG_NAME}")
+    if not w_path.is_file():
+        pickles = [n for n in PICKLE_NAMES if (folder / n).is_file()]
+        if pickles:
+            raise _fail(
+                folder / pickles[0],
+                f"refused: only safetensors are read (pickle files can run code); convert to {WEIGHTS_NAME}",
+            )
+        raise _fail(w_path, f"missing {WEIGHTS_NAME}")
+
+    supported = tuple(m for m in SUPPORTED_MODULES if m in spec.module_shapes)
+    cfg = _read_config(cfg_path)
+    _validate_config(cfg_path, cfg, supported, max_rank)
+    r_cfg: int = cfg.get("r", 8)
+    alpha_cfg = float(cfg.get("lora_alpha", 8))
+    use_rslora = bool(cfg.get("use_rslora", False))
+    rank_pattern: dict[str, int] = cfg.get("rank_pattern") or {}
+    alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
+    targets = cfg["target_modules"]
+
+    raw = _read_tensors(w_path)
+    if not raw:
+        raise _fail(w_path, "no tensors in the adapter weights file")
+
+    # Group tensors into (layer, module) -> {A, B}, refusing anything that is not a supported LoRA pair.
+    pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    for key, t in raw.items():
+        m = _KEY_RE.match(key)
+        if m is None or m["module"] not in MODULE_GROUP or MODULE_GROUP[m["module"]] != m["group"]:
+            if "lora_magnitude_vector" in key:
+                raise _fail(w_path, f"refused: DoRA magnitude tensor {key!r} (DoRA is not supported)")
+            if re.search(r"\.lora_[AB](?:\.[\w-]+)?\.bias$", key):
+                raise _fail(w_path, f"refused: LoRA bias tensor {key!r} (lora_bias is not supported)")
+            mm = _LORA_MODULE_RE.search(key)
+            if mm is None:
+                raise _fail(
+                    w_path,
+                    f"refused: tensor {key!r} is not a LoRA A/B weight (modules_to_save or other extras)",
+                )
+            raise _fail(
+                w_path,
+                f"unsupported target module {mm['module']!r} (tensor {key!r}); supported modules: {list(supported)}",
+            )
+        layer, module = int(m["layer"]), m["module"]
+        if module not in spec.module_shapes:
+            raise _fail(
+                w_path,
+                f"unsupported target module {module!r} (tensor {key!r}); supported modules: {list(supported)}",
+            )
+        if layer >= spec.num_layers:
+            raise _fail(
+                w_path,
+                f"tensor {key!r}: layer index {layer} out of range (base has {spec.num_layers} layers)",
+            )
+        slot = pairs.setdefault((layer, module), {})
+        if m["ab"] in slot:
+            raise _fail(
+                w_path,
+                f"duplicate lora_{m['ab']} tensor for layer {layer} {module}: {slot[m['ab']][0]!r} and {key!r}",
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise _fail(
+                w_path,
+                f"tensor {key!r} has dtype {t.dtype}; only float16/bfloat16/float32/float64 are accepted",
+            )
+        slot[m["ab"]] = (key, t)
+
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    max_r = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        missing = [x for x in "AB" if x not in ab]
+        if missing:
+            raise _fail(
+                w_path,
+                f"layer {layer} {module}: lora_{missing[0]} is missing (have {ab[next(iter(ab))][0]!r})",
+            )
+        (ka, a), (_, b) = ab["A"], ab["B"]
+        in_f, out_f = spec.module_shapes[module]
+        peft_key = f"model.layers.{layer}.{MODULE_GROUP[module]}.{module}"
+        if not _matches_targets(targets, peft_key):
+            raise _fail(
+                cfg_path,
+                f"tensor {ka!r} targets {peft_key!r}, which target_modules={targets!r} does not select",
+            )
+        r = _pattern_value(rank_pattern, peft_key, r_cfg)
+        alpha = float(_pattern_value(alpha_pattern, peft_key, alpha_cfg))
+        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, in_f) or tuple(b.shape) != (out_f, r):
+            raise _fail(
+                w_path,
+                f"layer {layer} {module}: shapes A {list(a.shape)}, B {list(b.shape)} do not match the base "
+                f"(expected A [{r}, {in_f}], B [{out_f}, {r}] for rank {r})",
+            )
+        a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
+            raise _fail(w_path, f"layer {layer} {module}: non-finite values (NaN/inf) in the LoRA weights")
+        scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        # Fold the scaling into B once here, so kernels need no per-slot scalar.
+        weights[(layer, module)] = (a32.contiguous(), (b32 * scaling).contiguous())
+        max_r = max(max_r, r)
+
+    return LoRAWeights(
+        path=str(folder),
+        rank=max_r,
+        alpha=alpha_cfg,
+        use_rslora=use_rslora,
+        target_modules=frozenset(mod for _, mod in weights),
+        content_hash=_content_hash(r_cfg, alpha_cfg, use_rslora, weights),
+        weights=weights,
+    )
