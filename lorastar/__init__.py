@@ -1,0 +1,41 @@
+"""lorastar: serve one base LLM with many LoRA adapters, inside a Litestar app."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+]
+
+if TYPE_CHECKING:
+    from lorastar.config import EngineConfig
+    from lorastar.engine.async_engine import AsyncLLM
+    from lorastar.engine.llm import LLM
+    from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from lorastar.engine.sampling import SamplingParams
+
+_LAZY = {
+    "LLM": "lorastar.engine.llm",
+    "AsyncLLM": "lorastar.engine.async_engine",
+    "SamplingParams": "lorastar.engine.sampling",
+    "RequestOutput": "lorastar.engine.outputs",
+    "CompletionOutput": "lorastar.engine.outputs",
+    "Logprob": "lorastar.engine.outputs",
+    "EngineConfig": "lorastar.config",
+}
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import lorastar` stays cheap (no torch until used)
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lorastar' has no attribute {name!r}")

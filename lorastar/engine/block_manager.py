@@ -1,0 +1,228 @@
+"""Paged KV cache bookkeeping (torch-free): fixed-size blocks, a free queue, reference counts,
+per-sequence block tables, copy-on-write, and the automatic prefix cache.
+
+Prefix cache: a *full* block is named by a hash chain over its tokens, the previous block's
+hash, the adapter's content hash and an engine salt (model + KV dtype), so only blocks whose
+KV is bit-for-bit reusable can match. Unreferenced blocks stay in the free queue with their
+hash (LRU: reused from the front) until their space is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from lorastar.engine.request import Sequence
+
+
+@dataclass
+class KVCacheUsage:
+    block_size: int
+    num_blocks: int
+    num_used_blocks: int
+    num_tokens_stored: int
+    num_cached_free_blocks: int
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def waste(self) -> float:
+        cap = self.num_used_blocks * self.block_size
+        return 1.0 - self.num_tokens_stored / cap if cap else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "num_used_blocks": self.num_used_blocks,
+            "num_tokens_stored": self.num_tokens_stored,
+            "num_cached_free_blocks": self.num_cached_free_blocks,
+            "usage": self.usage,
+            "waste": self.waste,
+        }
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: str = ""
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._salt = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        # Blocks with ref 0, in reuse order (front first). Cached ones go to the back when freed.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self._seq_hashes: dict[int, list[bytes]] = {}
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    # ---- prefix cache ---------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        extra = (seq.adapter_key or "").encode()
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            toks = seq.token_ids[i * bs : (i + 1) * bs]
+            h = hashlib.blake2b(digest_size=16)
+            h.update(hashes[-1] if hashes else self._salt)
+            h.update(extra)
+            h.update(struct.pack(f"<{len(toks)}q", *toks))
+            hashes.append(h.digest())
+        return hashes
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the longest prefix of ``seq`` (never its last token: that one must be
+        computed to produce logits)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        found: list[int] = []
+        for h in self._hashes(seq, max_blocks):
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            found.append(bid)
+        return found
+
+    def commit(self, seq: Sequence) -> None:
+        """Register ``seq``'s newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_cached_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(seq.num_cached_blocks, full):
+            bid = seq.block_table[i]
+            h = hashes[i]
+            if self.block_hash[bid] is None and h not in self._cached:
+                self.block_hash[bid] = h
+                self._cached[h] = bid
+        seq.num_cached_blocks = full
+
+    # ---- allocation -----------------------------------------------------------------------
+    def _take_free(self) -> int:
+        bid, _ = self._free.popitem(last=False)
+        h = self.block_hash[bid]
+        if h is not None:  # evict the cached content this block held
+            self.block_hash[bid] = None
+            if self._cached.get(h) == bid:
+                del self._cached[h]
+        self.ref_counts[bid] = 1
+        return bid
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:  # type: ignore[assignment]
+        need = self.blocks_needed(seq, num_new_tokens) - len(cached)
+        need += sum(1 for b in cached if self.ref_counts[b] == 0)
+        need += self._cow_needed(seq)
+        return need <= len(self._free)
+
+    def _cow_needed(self, seq: Sequence) -> int:
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1:
+            return 1
+        return 0
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()  # type: ignore[assignment]
+    ) -> list[tuple[int, int]] | None:
+        """Give ``seq`` blocks for ``num_new_tokens`` more tokens. ``cached`` are prefix-cache hits
+        from ``lookup`` (only at admission). Returns the copy-on-write copies to perform
+        ``[(src, dst)]``, or ``None`` (nothing changed) if the blocks don't fit."""
+        if not self.can_allocate(seq, num_new_tokens, cached):
+            return None
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+            self.ref_counts[b] += 1
+            seq.block_table.append(b)
+        if cached:
+            seq.num_cached_blocks = len(cached)
+            seq.num_computed_tokens = len(cached) * self.block_size
+        copies: list[tuple[int, int]] = []
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.ref_counts[seq.block_table[i]] > 1:
+            # The block we are about to write into is shared (forked sample): copy it first.
+            src = seq.block_table[i]
+            dst = self._take_free()
+            self.ref_counts[src] -= 1
+            seq.block_table[i] = dst
+            copies.append((src, dst))
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` shares all of ``parent``'s blocks (copy-on-write on its first write)."""
+        for b in parent.block_table:
+            self.ref_counts[b] += 1
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_blocks = parent.num_cached_blocks
+        if parent.seq_id in self._seq_hashes:
+            self._seq_hashes[child.seq_id] = list(self._seq_hashes[parent.seq_id])
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; freed blocks that hold cached content stay reusable."""
+        # Tail first: a later allocation then evicts suffix blocks before the shared prefix.
+        for b in reversed(seq.block_table):
+            rc = self.ref_counts[b] - 1
+            if rc < 0:
+                raise RuntimeError(f"block {b} freed twice")
+            self.ref_counts[b] = rc
+            if rc == 0:
+                self._free[b] = None
+                if self.block_hash[b] is None:
+                    self._free.move_to_end(b, last=False)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop the hash chain kept for a finished sequence."""
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    # ---- introspection --------------------------------------------------------------------
+    def usage(self, seqs: list[Sequence]) -> KVCacheUsage:
+        fill: dict[int, int] = {}
+        for s in seqs:
+            for i, b in enumerate(s.block_table):
+                n = min(self.block_size, max(0, s.num_computed_tokens - i * self.block_size))
+                fill[b] = max(fill.get(b, 0), n)
+        used = self.num_blocks - len(self._free)
+        cached_free = sum(1 for b in self._free if self.block_hash[b] is not None)
+        return KVCacheUsage(self.block_size, self.num_blocks, used, sum(fill.values()), cached_free)
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        """Raise if reference counts disagree with the block tables (tests call this)."""
+        expected = [0] * self.num_blocks
+        for s in seqs:
+            for b in s.block_table:
+                expected[b] += 1
+        if expected != self.ref_counts:
+            bad = [i for i in range(self.num_blocks) if expected[i] != self.ref_counts[i]][:8]
+            raise RuntimeError(f"block refcounts disagree with block tables at blocks {bad}")
+        free = set(self._free)
+        for i in range(self.num_blocks):
+            if (self.ref_counts[i] == 0) != (i in free):
+                raise RuntimeError(f"block {i}: refcount {self.ref_counts[i]} but free={i in free}")
+        for h, b in self._cached.items():
+            if self.block_hash[b] != h:
+                raise RuntimeError(f"prefix cache entry points at block {b} holding other content")

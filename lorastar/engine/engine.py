@@ -1,0 +1,437 @@
+"""LLMEngine: one step = schedule, run, update. Synchronous; ``LLM`` and ``AsyncLLM`` wrap it."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lorastar.adapters.layers import LoRADeviceState
+from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
+from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
+from lorastar.config import EngineConfig
+from lorastar.engine.block_manager import BlockManager, KVCacheUsage
+from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
+from lorastar.engine.errors import AdapterNotFoundError, EngineOverloadedError
+from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lorastar.engine.request import Request, Sequence
+from lorastar.engine.runner import KVCacheSpec, ModelRunner
+from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
+from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.scheduler import Scheduler, SchedulerOutput
+from lorastar.models.loader import checkpoint_dtype, load_model, read_hf_config
+
+logger = logging.getLogger("lorastar")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: Any, device: torch.device, cfg: dict[str, Any]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        return dtype
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # the safe (and, measured, fastest) CPU dtype
+    ckpt = checkpoint_dtype(cfg)
+    return ckpt if ckpt != torch.float32 else torch.bfloat16
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.model is None:
+            from lorastar.models.default import default_model_dir
+
+            self.model_dir = Path(default_model_dir())
+            self.model_name = DEFAULT_MODEL_NAME
+        else:
+            self.model_dir = Path(config.model).expanduser()
+            if not self.model_dir.is_dir():
+                raise ValueError(f"model folder {config.model!r} does not exist")
+            self.model_name = self.model_dir.name
+        self.hf_config = read_hf_config(self.model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
+        cfg = self.hf_config
+        max_pos = int(cfg.get("max_position_embeddings", 8192))
+        max_len = config.max_model_len or min(max_pos, 8192)
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and cfg["model_type"] == "mistral":
+            max_len = min(max_len, int(cfg["sliding_window"]))  # no sliding-window attention: stay inside it
+        if max_len > max_pos:
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})")
+
+        from lorastar.quant import get_quant_config
+
+        self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
+        self.model, ckpt_kv_scales = load_model(
+            self.model_dir, cfg, dtype=self.dtype, device=self.device, quant=self.quant_config, max_positions=max_len
+        )
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
+        self.vocab_size = self.model.vocab_size
+
+        # ---- KV cache ----
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
+        spec = KVCacheSpec(0, config.block_size, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, kv_dtype)
+        spec.num_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
+        n = self.model.num_layers
+        k_scales = [ckpt_kv_scales.get((i, "k"), 1.0) for i in range(n)]
+        v_scales = [ckpt_kv_scales.get((i, "v"), 1.0) for i in range(n)]
+
+        # ---- adapters ----
+        self.model_spec = ModelSpec.from_hf_config(cfg)
+        self.lora_state = LoRADeviceState(
+            self.model.linears(), config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
+        self.registry = AdapterRegistry(
+            config.max_loras,
+            config.max_cpu_loras,
+            loader=self._read_adapter,
+            on_slot_assigned=lambda slot, w: self.lora_state.load_slot(slot, w.content_hash, w.weights),
+        )
+        self.runner = ModelRunner(
+            self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state
+        )
+        self.kv_spec = spec
+        self.max_model_len = min(max_len, spec.num_blocks * spec.block_size)
+        salt = f"{self.model_dir.resolve()}|{self.dtype}|{kv_dtype}|{config.quantization}"
+        self.block_manager = BlockManager(
+            spec.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, salt=salt
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
+            max_loras=config.max_loras,
+            ensure_adapter=self._ensure_adapter,
+        )
+        self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_id=list(self.eos_token_ids))
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.lock = threading.RLock()  # AsyncLLM adds/aborts from other threads
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.adapter_tokens: dict[str, int] = {}
+
+    # ---- setup helpers --------------------------------------------------------------------
+    def _auto_num_blocks(self, spec: KVCacheSpec) -> int:
+        mem = self.config.kv_cache_memory
+        if mem is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                mem = int(free * 0.8)
+            else:
+                mem = 1 << 30
+        return max(1, mem // spec.bytes_per_block)
+
+    def _read_adapter(self, path: str) -> LoRAWeights:
+        return load_peft_adapter(path, self.model_spec, max_rank=self.config.max_lora_rank)
+
+    def _ensure_adapter(self, seq: Sequence, pinned: set[str]) -> bool:
+        entry = seq.request.adapter_entry
+        return entry is not None and self.registry.try_reserve(entry, pinned) is not None
+
+    # ---- adapters -------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Read + validate (outside the engine lock: decoding goes on), then register."""
+        weights = self._read_adapter(str(path))
+        with self.lock:
+            self.registry.register(name, str(path), weights)
+        return next(i for i in self.registry.list() if i.name == name)
+
+    def unload_adapter(self, name: str) -> None:
+        with self.lock:
+            if name not in self.registry:
+                raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
+            self.registry.unregister(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.registry.list()
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise ValueError("messages must be a list of {'role', 'content'} objects")
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"model {self.model_name!r} has no chat template")
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            text, ids = prompt, self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
+                )
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens, over the limit: max_model_len is {self.max_model_len} "
+                "(prompt + at least one generated token)"
+            )
+        return text, ids
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and queue one request; on any error nothing is queued or held."""
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams.from_dict(dict(params))
+        elif not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
+        if params.use_beam_search:
+            raise ValueError("use_beam_search is not supported yet")
+        text, ids = self.validate_prompt(prompt)
+        with self.lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self.requests:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            if self.config.max_waiting is not None and len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise EngineOverloadedError(
+                    f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.config.max_waiting})"
+                )
+            entry = self.registry.acquire(adapter) if adapter is not None else None
+            req = Request(rid, text, ids, params, adapter_name=adapter, adapter_entry=entry,
+                          adapter_key=entry.content_hash if entry is not None else None)  # fmt: skip
+            seq = req.sequences[0]
+            self._init_seq(seq)
+            self.requests[rid] = req
+            self.scheduler.add(seq)
+            return req
+
+    def _init_seq(self, seq: Sequence) -> None:
+        req = seq.request
+        seq.detok = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens
+        )
+        for t in seq.output_token_ids:
+            seq.detok.add(t)
+        if req.params.seed is not None and seq.generator is None:
+            seq.generator = make_generator(req.params.seed, self.device)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        with self.lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return None
+            self.scheduler.abort(req)
+            return self._finish_request(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        with self.lock:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return []
+            logits = self.runner.execute(out, self._adapter_slots(out))
+            self.scheduler.update(out)
+            return self._process(out, logits)
+
+    def _adapter_slots(self, out: SchedulerOutput) -> dict[str, int] | None:
+        slots: dict[str, int] = {}
+        for s in out.scheduled:
+            entry = s.seq.request.adapter_entry
+            if entry is not None and entry.slot is not None:
+                slots[entry.content_hash] = entry.slot
+        return slots or None
+
+    def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        now = time.monotonic()
+        rows: list[SamplingRow] = []
+        owners: list[tuple[Sequence, int]] = []  # (sequence, index among the request's samples)
+        logit_rows: list[int] = []
+        r = 0
+        for s in out.scheduled:
+            seq = s.seq
+            req = seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            if not s.samples:
+                continue
+            fan = req.params.n if (req.params.n > 1 and not req.forked) else 1
+            for k in range(fan):
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator,
+                                        tuple(self.eos_token_ids)))  # fmt: skip
+                owners.append((seq, k))
+                logit_rows.append(r)
+            r += 1
+        touched: dict[str, Request] = {}
+        if rows:
+            idx = torch.tensor(logit_rows, device=logits.device)
+            sampled = self.sampler(logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits, rows)
+            # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
+            # token is appended (the parent may finish on its first token and free them).
+            targets: list[Sequence] = []
+            for seq, k in owners:
+                if k == 0:
+                    targets.append(seq)
+                    continue
+                child = Sequence(seq.request, k, seq.token_ids[: seq.num_prompt_tokens], seq.num_prompt_tokens)
+                child.generator = seq.generator
+                self.scheduler.add_forked(seq, child)
+                self._init_seq(child)
+                seq.request.sequences.append(child)
+                seq.request.forked = True
+                targets.append(child)
+            for seq, tok, lp in zip(targets, sampled.token_ids, sampled.logprobs):
+                self._append(seq, tok, lp, now)
+                touched[seq.request.request_id] = seq.request
+        outputs: list[RequestOutput] = []
+        for req in touched.values():
+            outputs.append(self._finish_request(req) if req.is_finished else self._output(req))
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, lp: dict[int, tuple[float, int]] | None, now: float) -> None:
+        req = seq.request
+        p = req.params
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        seq.token_ids.append(tok)
+        self.generation_tokens_total += 1
+        if req.adapter_name:
+            self.adapter_tokens[req.adapter_name] = self.adapter_tokens.get(req.adapter_name, 0) + 1
+        if lp is not None:
+            seq.logprobs.append(
+                {t: Logprob(v, rank, self.tokenizer.decode([t])) for t, (v, rank) in lp.items()}
+            )
+            if tok in lp:
+                seq.cumulative_logprob += lp[tok][0]
+        new_text = seq.detok.add(tok)
+        seq.text += new_text
+        n_out = seq.num_output_tokens
+        if not p.ignore_eos and tok in self.eos_token_ids and n_out > p.min_tokens - 1:
+            seq.text += seq.detok.flush()
+            self.scheduler.finish(seq, "stop", None)
+            return
+        if p.stop_token_ids and tok in p.stop_token_ids and n_out >= p.min_tokens:
+            seq.text += seq.detok.flush()
+            self.scheduler.finish(seq, "stop", tok)
+            return
+        if p.stop and n_out >= p.min_tokens:
+            hit = find_stop(seq.text, len(new_text), p.stop, p.include_stop_str_in_output)
+            if hit is not None:
+                cut, stop_str = hit
+                seq.text = seq.text[:cut]
+                self.scheduler.finish(seq, "stop", stop_str)
+                return
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.text += seq.detok.flush()
+            self.scheduler.finish(seq, "length", None)
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.sequences:
+            text = seq.text
+            if not seq.is_finished and req.params.stop:
+                text = text[: len(text) - hold_back(text, req.params.stop)]  # never stream a partial stop
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=outs,
+            finished=req.is_finished,
+            adapter=req.adapter_name,
+            num_cached_tokens=req.num_cached_tokens,
+            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
+                                   req.last_token_time, req.finished_time),  # fmt: skip
+        )
+
+    def _finish_request(self, req: Request) -> RequestOutput:
+        req.finished_time = time.monotonic()
+        self.requests.pop(req.request_id, None)
+        if req.adapter_entry is not None:
+            self.registry.release(req.adapter_entry)
+            req.adapter_entry = None
+        self.prompt_tokens_total += req.num_prompt_tokens
+        return self._output(req)
+
+    # ---- introspection ------------------------------------------------------------------------
+    def kv_cache_usage(self) -> KVCacheUsage:
+        with self.lock:
+            return self.block_manager.usage(self.scheduler.all_sequences())
+
+    def check_invariants(self) -> None:
+        """Raise if block refcounts or adapter refcounts are inconsistent (tests call this)."""
+        with self.lock:
+            self.block_manager.check_invariants(self.scheduler.all_sequences())
+            self.registry.check_invariants()
+
+
+def _load_tokenizer(model_dir: Path):  # noqa: ANN202
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    import json
+
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        ids.extend(e if isinstance(e, list) else [e] if e is not None else [])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))

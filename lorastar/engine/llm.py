@@ -1,0 +1,136 @@
+"""LLM: the offline, synchronous API (vLLM's shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from lorastar.adapters.registry import AdapterInfo
+from lorastar.config import EngineConfig
+from lorastar.engine.engine import LLMEngine
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """One base model, many adapters, batched generation.
+
+    ``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``LLM(model="path/to/hf_folder")`` any
+    Llama / Mistral / Qwen2 checkpoint. Keyword arguments are ``EngineConfig`` fields.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        config = kwargs.pop("config", None) or EngineConfig.from_kwargs(model=model, **kwargs)
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    # ---- adapters -------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        return self.engine.load_adapter(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.engine.list_adapters()
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        adapter: str | None | Seq[str | None] = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        ``prompts``: a string, a list of strings, or a list of token-id lists (one list of ints
+        is one tokenized prompt). ``sampling_params`` and ``adapter`` may be one value or one per prompt.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        n = len(prompts)
+        params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
+        adapters = _per_prompt(adapter, n, "adapter", str)
+        return self._run(prompts, params, adapters, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        adapter: str | None | Seq[str | None] = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        prompts: list[Prompt] = [
+            self.engine.apply_chat_template(c, add_generation_prompt) for c in convs  # type: ignore[arg-type]
+        ]
+        n = len(prompts)
+        params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
+        adapters = _per_prompt(adapter, n, "adapter", str)
+        return self._run(prompts, params, adapters, use_tqdm)
+
+    def _run(
+        self, prompts: list[Prompt], params: list[Any], adapters: list[Any], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        eng = self.engine
+        # Validate everything first, so a bad prompt queues nothing.
+        for p in prompts:
+            eng.validate_prompt(p)
+        ids: list[str] = []
+        try:
+            for p, sp, ad in zip(prompts, params, adapters):
+                ids.append(eng.add_request(p, sp, adapter=ad).request_id)
+        except BaseException:
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating")
+        try:
+            while len(done) < len(ids):
+                for out in eng.step():
+                    if out.finished and out.request_id in ids:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not eng.has_unfinished() and len(done) < len(ids):
+                    raise RuntimeError("engine went idle with unfinished requests")
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    eng.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in ids]
+
+    def kv_cache_usage(self) -> dict[str, float | int]:
+        return self.engine.kv_cache_usage().as_dict()
+
+
+def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    if value is None or isinstance(value, (kind, dict)):
+        return [value] * n
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}")

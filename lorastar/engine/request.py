@@ -1,0 +1,114 @@
+"""Requests and their sequences (torch-free).
+
+A ``Request`` is what a caller submitted (one prompt, one ``SamplingParams``); it owns one or
+more ``Sequence``s — one while the prompt is prefilled, ``n`` after the first token when
+``n > 1`` (children share the prompt's KV blocks, copy-on-write). The scheduler schedules
+sequences; outputs are reported per request.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lorastar.engine.sampling import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    index: int  # which of the request's n outputs
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[Any] = field(default_factory=list)  # per generated token, when requested
+    text: str = ""
+    detok: Any = None  # IncrementalDetokenizer, set by the output processor
+    generator: Any = None  # torch.Generator for seeded sampling
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def adapter_key(self) -> str | None:
+        return self.request.adapter_key
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, status={self.status.value})"
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter_name: str | None = None
+    adapter_key: str | None = None  # the adapter's content hash: what the KV depends on
+    adapter_entry: Any = None  # registry entry, released when the request ends
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    sequences: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # n > 1: children created after the first token
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    aborted: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            self.sequences.append(
+                Sequence(
+                    request=self,
+                    index=0,
+                    token_ids=list(self.prompt_token_ids),
+                    num_prompt_tokens=len(self.prompt_token_ids),
+                )
+            )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return (self.forked or self.params.n == 1 or self.aborted) and all(
+            s.is_finished for s in self.sequences
+        )

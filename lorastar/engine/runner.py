@@ -1,0 +1,187 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over a flat token batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lorastar.engine.scheduler import SchedulerOutput
+from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata
+from lorastar.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        spec: KVCacheSpec,
+        device: torch.device,
+        *,
+        k_scales: list[float] | None = None,
+        v_scales: list[float] | None = None,
+        lora_state: object | None = None,
+    ) -> None:
+        self.model = model
+        self.spec = spec
+        self.device = device
+        self.block_size = spec.block_size
+        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zero-filled: masked-out padding positions are still read, and NaN * 0 would poison SDPA.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)
+        ]
+        self.k_scales = k_scales or [1.0] * spec.num_layers
+        self.v_scales = v_scales or [1.0] * spec.num_layers
+        self.lora_state = lora_state
+        self.use_triton = device.type == "cuda"
+
+    # ---- step metadata --------------------------------------------------------------------
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(
+        self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """Inputs of one forward: ``input_ids [T]``, ``positions [T]``, the context, and the flat
+        row of each scheduled sequence's last token (where its logits come from)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        q_lens: list[int] = []
+        tables: list[list[int]] = []
+        token_slots: list[int] = []
+        last_rows: list[int] = []
+        for s in out.scheduled:
+            seq, start, n = s.seq, s.start, s.num_new_tokens
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(self._slots(seq.block_table, start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            q_lens.append(n)
+            tables.append(seq.block_table)
+            if s.samples:
+                last_rows.append(qsl[-1] - 1)
+            if adapter_slot is not None:
+                key = seq.adapter_key
+                token_slots.extend([adapter_slot[key] if key is not None else -1] * n)
+
+        dev = self.device
+        max_blocks = max(len(t) for t in tables)
+        bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=bt.to(dev),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=self.block_size,
+            query_lens_list=q_lens,
+            seq_lens_list=seq_lens,
+        )
+        if not self.use_triton:
+            self._prepare_cpu(md, bt, tables)
+        lora = self._prepare_lora(token_slots, q_lens) if adapter_slot is not None else None
+        ctx = ForwardContext(
+            attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
+            use_triton=self.use_triton,
+        )  # fmt: skip
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        return input_ids, positions, ctx, last_rows
+
+    def _prepare_cpu(self, md: AttentionMetadata, bt: torch.Tensor, tables: list[list[int]]) -> None:
+        bs = self.block_size
+        dec = [i for i, q in enumerate(md.query_lens_list) if q == 1]
+        if dec:
+            lens = torch.tensor([md.seq_lens_list[i] for i in dec])
+            L = int(lens.max())
+            p = torch.arange(L)
+            btd = bt[dec].long()  # [Bd, MB]
+            md.decode_rows = md.query_start_loc[dec].long()
+            md.decode_gather = btd[:, p // bs] * bs + (p % bs)  # [Bd, L]
+            md.decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+        starts = md.query_start_loc.tolist()
+        for i, q in enumerate(md.query_lens_list):
+            if q == 1:
+                continue
+            L = md.seq_lens_list[i]
+            ctx_slots = None
+            if L != q:  # earlier chunks or cached prefix: read the context from the cache
+                ctx_slots = torch.tensor(self._slots(tables[i], 0, L), dtype=torch.int64)
+            md.prefill_seqs.append((starts[i], q, ctx_slots))
+
+    def _prepare_lora(self, token_slots: list[int], q_lens: list[int]) -> LoRAMetadata | None:
+        if all(s < 0 for s in token_slots):
+            return None
+        state = self.lora_state
+        dev = self.device
+        seg_starts = [0]
+        seg_slots: list[int] = []
+        row = 0
+        for n in q_lens:
+            slot = token_slots[row]
+            if seg_slots and seg_slots[-1] == slot:
+                seg_starts[-1] = row + n
+            else:
+                seg_slots.append(slot)
+                seg_starts.append(row + n)
+            row += n
+        tslots = torch.tensor(token_slots, dtype=torch.int32)
+        groups = []
+        for slot in sorted({s for s in token_slots if s >= 0}):
+            groups.append((slot, torch.nonzero(tslots == slot).flatten().to(dev)))
+        ranks_host = state.ranks_host  # type: ignore[attr-defined]
+        return LoRAMetadata(
+            token_slots=tslots.to(dev),
+            seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
+            seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),
+            ranks=state.ranks,  # type: ignore[attr-defined]
+            max_rank=max(ranks_host[s] for s, _ in groups),
+            groups=groups,
+            is_decode=all(q == 1 for q in q_lens),
+        )
+
+    # ---- execution --------------------------------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k, v in self.kv_caches:
+            for c in (k, v):
+                c = c.view(torch.uint8) if c.element_size() == 1 else c  # no fp8 indexing on CPU
+                c[dst] = c[src]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None) -> torch.Tensor:
+        """Run one step; returns fp32 logits ``[num_sampling, vocab]``: one row per scheduled
+        sequence that samples this step (its last chunk), in schedule order."""
+        self.copy_blocks(out.copies)
+        input_ids, positions, ctx, last_rows = self.prepare(out, adapter_slot)
+        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()  # [B, vocab]

@@ -1,0 +1,212 @@
+"""Iteration-level scheduler (torch-free).
+
+Each step: running sequences first (decodes and unfinished prefill chunks, oldest first),
+then waiting ones (FIFO), within a token budget, ``max_num_seqs`` and ``max_loras`` distinct
+adapters. When blocks run out, the newest running sequence is preempted by recompute (its
+blocks are freed; it goes back to the front of the queue and recomputes prompt + output,
+mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lorastar.engine.block_manager import BlockManager
+from lorastar.engine.request import Request, Sequence, SeqStatus
+
+# ensure_adapter(seq, pinned_keys) -> bool: make the sequence's adapter resident in a device slot
+# without evicting any pinned one (content hashes); False if impossible this step.
+EnsureAdapter = Callable[[Sequence, set[str]], bool]
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # tokens already in the KV cache before this step
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces a token for the sequence (its last chunk)."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_loras: int,
+        ensure_adapter: EnsureAdapter | None = None,
+        starvation_steps: int = 8,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
+        self.ensure_adapter = ensure_adapter or (lambda seq, pinned: True)
+        self.starvation_steps = starvation_steps
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self._blocked_steps: dict[int, int] = {}  # seq_id -> steps spent waiting for an adapter slot
+
+    # ---- queue management ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End ``seq`` (any state) and free its blocks at once."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._blocked_steps.pop(seq.seq_id, None)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.bm.free(seq)
+        self.bm.forget(seq)
+
+    def abort(self, request: Request) -> None:
+        request.aborted = True
+        for seq in request.sequences:
+            self.finish(seq, "abort")
+
+    # ---- scheduling -----------------------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        # Adapters of running sequences hold their slots; new ones may only take free/LRU slots.
+        pinned: set[str] = {s.adapter_key for s in self.running if s.adapter_key}
+
+        # 1) Running sequences, oldest first: decodes (1 token) and remaining prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            key = seq.adapter_key
+            if key is not None and not self.ensure_adapter(seq, pinned - {key}):
+                i += 1
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            copies = self.bm.allocate(seq, num_new)
+            while copies is None:
+                # Out of blocks: preempt the newest running sequence not yet scheduled.
+                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+                if victim is None or victim is seq:
+                    self._preempt(seq, out)
+                    break
+                self._preempt(victim, out)
+                copies = self.bm.allocate(seq, num_new)
+            if copies is None:
+                continue  # seq itself was preempted; self.running[i] is now the next one
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+            i = self.running.index(seq) + 1  # preemptions may have shifted the list
+
+        # 2) Waiting sequences, FIFO. Blocks that don't fit stop admission (FIFO fairness);
+        #    an adapter that can't get a slot only holds up its own requests, unless one of
+        #    them has starved for `starvation_steps`, then new adapters stop being admitted
+        #    until the running ones drain and free a slot.
+        starving = any(n >= self.starvation_steps for n in self._blocked_steps.values())
+        j = 0
+        while j < len(self.waiting) and budget > 0:
+            seq = self.waiting[j]
+            n_seats = seq.request.params.n if not seq.request.forked else 1
+            if len(self.running) + n_seats > self.max_num_seqs and self.running:
+                break
+            key = seq.adapter_key
+            if key is not None and key not in pinned:
+                fits = len(pinned) < self.max_loras and not (
+                    starving and self._blocked_steps.get(seq.seq_id, 0) < self.starvation_steps
+                )
+                if not fits or not self.ensure_adapter(seq, set(pinned)):
+                    self._blocked_steps[seq.seq_id] = self._blocked_steps.get(seq.seq_id, 0) + 1
+                    j += 1
+                    continue
+            elif starving and self._blocked_steps.get(seq.seq_id, 0) < self.starvation_steps:
+                # Let the starving adapter's requests in first: don't grow other adapters' load.
+                j += 1
+                continue
+            cached = self.bm.lookup(seq)
+            num_computed = len(cached) * self.bm.block_size if cached else seq.num_computed_tokens
+            num_new = min(seq.num_tokens - num_computed, budget)
+            copies = self.bm.allocate(seq, num_new, cached)
+            if copies is None:
+                break
+            del self.waiting[j]
+            self._blocked_steps.pop(seq.seq_id, None)
+            if seq.num_preemptions == 0 and seq.index == 0:
+                self.stats.prefix_queries += seq.num_tokens
+                self.stats.prefix_hits += len(cached) * self.bm.block_size
+                seq.request.num_cached_tokens = len(cached) * self.bm.block_size
+            if key is not None:
+                pinned.add(key)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.copies.extend(copies)
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Account the KV written by this step (before tokens are appended)."""
+        for s in out.scheduled:
+            if s.seq.status is not SeqStatus.RUNNING:
+                continue
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            self.bm.commit(s.seq)
+
+    def add_forked(self, parent: Sequence, child: Sequence) -> None:
+        """A sample of ``parent``'s request that shares its blocks (n > 1, beam search)."""
+        self.bm.fork(parent, child)
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
+    def all_sequences(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)

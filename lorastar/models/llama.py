@@ -1,0 +1,232 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+
+One forward runs a flat batch of tokens (prefill chunks and decodes together). q/k/v and
+gate/up are fused linears whose slices carry LoRA; every linear carries a quant method.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lorastar.models.attention import attention_forward
+from lorastar.models.context import ForwardContext
+from lorastar.models.linear import Linear
+from lorastar.quant.base import QuantConfig
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE = ("default", "llama3", "linear")
+
+
+def check_architecture(hf_config: dict[str, Any]) -> str:
+    archs = hf_config.get("architectures") or [hf_config.get("model_type", "?")]
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return a
+    raise ValueError(
+        f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+    )
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x wrote `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE)}")
+    params["rope_type"] = rope_type
+    return params
+
+
+def rope_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Inverse frequencies, computed exactly as transformers does for each rope type."""
+    p = _rope_parameters(cfg)
+    base = float(p["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if p["rope_type"] == "linear":
+        inv_freq = inv_freq / float(p["factor"])
+    elif p["rope_type"] == "llama3":
+        factor = float(p["factor"])
+        low_freq_factor = float(p["low_freq_factor"])
+        high_freq_factor = float(p["high_freq_factor"])
+        old_len = float(p["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg, head_dim)  # [head_dim / 2]
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _linear_method(quant: QuantConfig | None, prefix: str):  # noqa: ANN202
+    return quant.get_linear_method(prefix) if quant is not None else None
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None, rope: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.layer_idx = layer_idx
+        self.scale = self.head_dim**-0.5
+        bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        self.qkv_proj = Linear(
+            hidden, [q_size, kv_size, kv_size], bias=bias, prefix=f"{prefix}.qkv_proj",
+            slice_names=["q_proj", "k_proj", "v_proj"], params_dtype=dtype,
+            quant_method=_linear_method(quant, f"{prefix}.qkv_proj"),
+        )  # fmt: skip
+        o_bias = bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2"
+        self.o_proj = Linear(
+            q_size, [hidden], bias=o_bias, prefix=f"{prefix}.o_proj", slice_names=["o_proj"],
+            params_dtype=dtype, quant_method=_linear_method(quant, f"{prefix}.o_proj"),
+        )  # fmt: skip
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x, ctx)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        o = attention_forward(q, k, v, ctx, self.layer_idx, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.q_size), ctx)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        prefix = f"model.layers.{layer_idx}.mlp"
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        bias = bool(cfg.get("mlp_bias", False))
+        self.inter = inter
+        self.gate_up_proj = Linear(
+            hidden, [inter, inter], bias=bias, prefix=f"{prefix}.gate_up_proj",
+            slice_names=["gate_proj", "up_proj"], params_dtype=dtype,
+            quant_method=_linear_method(quant, f"{prefix}.gate_up_proj"),
+        )  # fmt: skip
+        self.down_proj = Linear(
+            inter, [hidden], bias=bias, prefix=f"{prefix}.down_proj", slice_names=["down_proj"],
+            params_dtype=dtype, quant_method=_linear_method(quant, f"{prefix}.down_proj"),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, ctx)  # [T, 2 * inter]
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up, ctx)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None, rope: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
+        self.self_attn = Attention(cfg, layer_idx, dtype, quant, rope)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
+        self.mlp = MLP(cfg, layer_idx, dtype, quant)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 decoder. ``forward`` returns hidden states ``[T, hidden]``;
+    ``compute_logits`` projects only the rows that are sampled."""
+
+    def __init__(
+        self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.architecture = check_architecture(cfg)
+        hidden = cfg["hidden_size"]
+        self.vocab_size = cfg["vocab_size"]
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        self.embed_tokens = nn.Embedding(self.vocab_size, hidden, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        rope = RotaryEmbedding(cfg, self.head_dim, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, quant, rope) for i in range(self.num_layers))
+        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Parameter(torch.empty(self.vocab_size, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w)  # [rows, vocab]
+
+    def linears(self) -> dict[str, Linear]:
+        return {m.prefix: m for m in self.modules() if isinstance(m, Linear)}

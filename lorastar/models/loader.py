@@ -1,0 +1,173 @@
+"""Load a Llama-family model from an HF folder (single or sharded safetensors), quant-aware."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from lorastar.models.linear import Linear
+from lorastar.models.llama import LlamaForCausalLM, check_architecture
+from lorastar.quant.base import QuantConfig
+
+# checkpoint projection name -> (fused module, shard index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "o_proj": ("o_proj", None),
+    "down_proj": ("down_proj", None),
+}
+_LINEAR_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(\w+)$")
+_KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model folder {str(model_dir)!r} has no config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    cfg.setdefault("model_type", "llama")
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        raise ValueError(f"{path}: multimodal configs are not supported")
+    check_architecture(cfg)
+    return cfg
+
+
+def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype:
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
+        str(name).replace("torch.", ""), torch.float32
+    )
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({d / f for f in weight_map.values()})
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(d)!r} has no .safetensors weights (only safetensors are read)")
+    for f in files:
+        if not f.is_file():
+            raise ValueError(f"missing checkpoint shard {f}")
+    return files
+
+
+class WeightLoader:
+    """Routes checkpoint tensors into the model's (fused, possibly quantized) parameters."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.linears = model.linears()
+        self.kv_scales: dict[tuple[int, str], float] = {}
+        self._plain = {n: p for n, p in model.named_parameters() if not _is_linear_param(n)}
+        self._loaded_plain: set[str] = set()
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        if _IGNORED.search(name):
+            return
+        m = _LINEAR_RE.match(name)
+        if m:
+            layer_idx, block, proj, suffix = m.groups()
+            if proj not in _FUSED:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            fused, shard = _FUSED[proj]
+            layer = self.linears.get(f"model.layers.{layer_idx}.{block}.{fused}")
+            if layer is None:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            if suffix == "bias":
+                self._load_bias(layer, tensor, shard, name)
+            else:
+                layer.quant_method.load_weight(layer, suffix, tensor, shard, name)
+            return
+        m = _KV_SCALE_RE.match(name)
+        if m:
+            self.kv_scales[(int(m.group(1)), m.group(2))] = float(tensor.float().reshape(-1)[0])
+            return
+        target = "lm_head" if name == "lm_head.weight" else name.removeprefix("model.")
+        if target == "lm_head" and self.model.lm_head is None:
+            return  # tied embeddings: some checkpoints still store a copy
+        param = self._plain.get(target)
+        if param is None:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(param.shape)}")
+        param.data.copy_(tensor.to(param.dtype))
+        self._loaded_plain.add(target)
+
+    def _load_bias(self, layer: Linear, tensor: torch.Tensor, shard: int | None, name: str) -> None:
+        if layer.bias is None:
+            raise ValueError(f"unexpected bias tensor {name!r}: the config declares no bias here")
+        target = layer.bias.data
+        if shard is not None:
+            offs = layer.slice_offsets()
+            target = target[offs[shard] : offs[shard + 1]]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(target.shape)}")
+        target.copy_(tensor.to(target.dtype))
+        layer.bias.loaded_shards = getattr(layer.bias, "loaded_shards", set()) | {shard}  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        missing = sorted(set(self._plain) - self._loaded_plain)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+        for prefix, layer in self.linears.items():
+            fused = len(layer.output_sizes) > 1
+            want = set(range(len(layer.output_sizes))) if fused else {None}
+            for pname, p in layer.named_parameters(recurse=False):
+                if not hasattr(p, "output_dim"):  # not a checkpoint tensor (derived by the method)
+                    continue
+                lost = want - getattr(p, "loaded_shards", set())
+                if lost:
+                    block = prefix.rsplit(".", 1)[0]
+                    names = [f"{block}.{layer.slice_names[s or 0]}.{pname}" for s in sorted(lost, key=str)]
+                    raise ValueError(f"checkpoint is missing tensor(s): {', '.join(names)}")
+            layer.quant_method.process_weights_after_loading(layer)
+
+
+def _is_linear_param(name: str) -> bool:
+    return bool(re.search(r"_proj\.", name))
+
+
+def load_model(
+    model_dir: str | Path,
+    cfg: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    quant: QuantConfig | None,
+    max_positions: int,
+) -> tuple[LlamaForCausalLM, dict[tuple[int, str], float]]:
+    """Build the model on ``device`` and fill it from the folder's safetensors.
+
+    Returns the model and any per-layer KV-cache scales the checkpoint declares.
+    """
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg, dtype, quant, max_positions)
+    loader = WeightLoader(model)
+    for f in safetensors_files(model_dir):
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as sf:
+                for name in sf.keys():
+                    loader.load(name, sf.get_tensor(name).to(device))
+        except (OSError, RuntimeError) as e:  # safetensors raises these for corrupt files
+            if "SafetensorError" in type(e).__name__ or "safetensors" in str(e).lower():
+                raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
+            raise
+    loader.finish()
+    model.eval()
+    return model, loader.kv_scales
