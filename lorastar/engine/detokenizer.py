@@ -1,0 +1,152 @@
+"""Incremental detokenization and stop-string matching.
+
+``IncrementalDetokenizer`` uses vLLM's prefix_offset / read_offset technique: decode a
+short window of ids ending at the new token and a window ending just before it, and
+emit the difference. Decoding a window (not each token alone) keeps tokenizer-specific
+leading-space handling right (SentencePiece's "▁", byte-level BPE's "Ġ"), and holding
+back text that ends in U+FFFD keeps a multi-byte character split across tokens from
+being emitted half-done.
+
+Works with any tokenizer exposing ``decode(ids, skip_special_tokens=...)``: a
+transformers tokenizer or a raw ``tokenizers.Tokenizer``. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+# How many prompt tokens give the first output token its left context (vLLM's value).
+INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class _Decodes(Protocol):
+    def decode(self, ids: Any, *args: Any, **kwargs: Any) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into stable text deltas."""
+
+    def __init__(
+        self,
+        tokenizer: _Decodes,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        tail = list(prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
+        # _ids = prompt tail + output ids; the windows below index into it.
+        self._ids: list[int] = tail
+        self._num_prompt = len(tail)
+        self._prefix_offset = 0  # start of the decode window (context, already emitted)
+        self._read_offset = len(tail)  # everything before this has been emitted
+        self._text_parts: list[str] = []
+        self._text_cache: str | None = ""
+        # transformers tokenizers would otherwise apply their clean-up rules per window.
+        self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
+        if _accepts_cleanup_kwarg(tokenizer):
+            self._decode_kwargs["clean_up_tokenization_spaces"] = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output token ids added so far."""
+        return self._ids[self._num_prompt :]
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far (the concatenation of the deltas)."""
+        if self._text_cache is None:
+            self._text_cache = "".join(self._text_parts)
+        return self._text_cache
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly stable text (may be "")."""
+        self._ids.append(token_id)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """At the end of generation: emit whatever is still held back (even a lone U+FFFD)."""
+        return self._step(final=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, **self._decode_kwargs)
+
+    def _step(self, final: bool) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        # Nothing new, or a character still incomplete: wait for more tokens.
+        if len(new_text) <= len(prefix_text):
+            return ""
+        if new_text.endswith(_REPLACEMENT_CHAR) and not final:
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._text_parts.append(delta)
+        self._text_cache = None
+        return delta
+
+
+def _accepts_cleanup_kwarg(tokenizer: object) -> bool:
+    # transformers tokenizers take clean_up_tokenization_spaces; tokenizers.Tokenizer does not.
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except Exception:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(tokenizer, PreTrainedTokenizerBase)
+
+
+# ---------------------------------------------------------------------- stop strings
+
+
+def find_stop(text: str, new_chars: int, stops: Sequence[str], include_stop: bool) -> tuple[int, str] | None:
+    """Find a stop string that ends within the last ``new_chars`` characters of ``text``.
+
+    Only the region where a stop could newly end is searched (the last ``new_chars +
+    len(stop) - 1`` characters), so a stop split across tokens is found once its last
+    character arrives. Returns ``(cut, stop)``: the text should be truncated to
+    ``text[:cut]`` (cut is after the stop when ``include_stop``), or None. When several
+    stops match, the one that starts earliest wins (then the longest).
+    """
+    if new_chars <= 0 or not stops:
+        return None
+    n = len(text)
+    best: tuple[int, int, str] | None = None  # (start, -len, stop)
+    for stop in stops:
+        if not stop:
+            continue
+        start = max(0, n - new_chars - len(stop) + 1)
+        idx = text.find(stop, start)
+        if idx == -1:
+            continue
+        key = (idx, -len(stop), stop)
+        if best is None or key < best:
+            best = key
+    if best is None:
+        return None
+    idx, _, stop = best
+    return (idx + len(stop) if include_stop else idx), stop
+
+
+def hold_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` could be the start of a stop string.
+
+    A streaming caller withholds that many characters so a partial stop string is never
+    sent (and later has to be taken back).
+    """
+    best = 0
+    for stop in stops:
+        # Longest proper prefix of stop that is a suffix of text (a full stop is find_stop's job).
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,316 @@
+"""Batched token sampling with per-request parameters and seeded generators.
+
+One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
+min_tokens mask -> penalties -> greedy rows: argmax; other rows: temperature, top-k,
+top-p, min-p, then an inverse-CDF draw. A seeded row draws exactly one uniform from its
+own generator per step, and every op is row-wise, so its token does not depend on what
+else is in the batch.
+
+Logprobs are taken from ``log_softmax`` of the raw logits (before penalties and
+temperature), as vLLM v1 does by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lorastar.engine.sampling import SamplingParams
+
+# A row's logprobs: {token_id: (logprob, rank)}, rank 1-based (vLLM's Logprob.rank).
+RowLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sequence for this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Owned by the request (seeded from params.seed); None -> the sampler's default generator.
+    generator: torch.Generator | None = None
+    # Extra EOS ids for min_tokens masking (merged with the sampler's own eos ids).
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[RowLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A request's private generator (the engine creates one per seeded sequence)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+class Sampler:
+    def __init__(
+        self,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.generator = make_generator(seed, self.device)
+        if eos_token_id is None:
+            self.eos_token_ids: tuple[int, ...] = ()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = (eos_token_id,)
+        else:
+            self.eos_token_ids = tuple(eos_token_id)
+
+    # ------------------------------------------------------------------ main entry
+
+    @torch.inference_mode()
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        num_rows, vocab = logits.shape  # [R, V]
+        if num_rows != len(rows):
+            raise ValueError(f"logits has {num_rows} rows but {len(rows)} sampling rows were given")
+        if num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        dev = logits.device
+        # fp32 working copy: we modify it in place and low-precision softmax loses the tail.
+        x = logits.to(torch.float32, copy=True)  # [R, V]
+
+        want_lp = [r.params.logprobs is not None for r in rows]
+        raw_logprobs = torch.log_softmax(x, dim=-1) if any(want_lp) else None  # [R, V]
+
+        self._apply_min_tokens(x, rows, vocab)
+        self._apply_penalties(x, rows, vocab)
+
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
+        greedy = [r.params.is_greedy for r in rows]
+        greedy_idx = [i for i, g in enumerate(greedy) if g]
+        random_idx = [i for i, g in enumerate(greedy) if not g]
+        if greedy_idx:
+            gi = torch.tensor(greedy_idx, device=dev)
+            token_ids[gi] = x[gi].argmax(dim=-1)
+        if random_idx:
+            ri = torch.tensor(random_idx, device=dev)
+            sub_rows = [rows[i] for i in random_idx]
+            probs = self._probs(x[ri], [r.params for r in sub_rows])  # [Rr, V]
+            token_ids[ri] = self._draw(probs, sub_rows)
+
+        token_list: list[int] = token_ids.tolist()
+        lps: list[RowLogprobs | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            lps = self._gather_logprobs(raw_logprobs, token_ids, rows, want_lp)
+        return SamplerOutput(token_ids=token_list, logprobs=lps)
+
+    # ------------------------------------------------------------------ masks and penalties
+
+    def _apply_min_tokens(self, x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+        # Until min_tokens are generated, EOS (unless ignored) and stop_token_ids cannot be sampled.
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            if len(r.output_token_ids) >= p.min_tokens:
+                continue
+            banned = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                banned.update(self.eos_token_ids)
+                banned.update(r.eos_token_ids)
+            for t in banned:
+                if 0 <= t < vocab:
+                    r_idx.append(i)
+                    t_idx.append(t)
+        if r_idx:
+            x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = float("-inf")
+
+    def _apply_penalties(self, x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+        """vLLM semantics: repetition over prompt+output (divide positive logits, multiply
+        negative ones), then frequency (x count) and presence (x [count > 0]) over output only."""
+        num_rows = len(rows)
+        rep = [r.params.repetition_penalty for r in rows]
+        freq = [r.params.frequency_penalty for r in rows]
+        pres = [r.params.presence_penalty for r in rows]
+        need_rep = [v != 1.0 for v in rep]
+        need_out = [a or f != 0.0 or p != 0.0 for a, f, p in zip(need_rep, freq, pres)]
+        if not any(need_out):
+            return
+        dev = x.device
+
+        # Output-token counts [R, V] via one scatter-add over the flattened (row, token) pairs.
+        o_rows: list[int] = []
+        o_toks: list[int] = []
+        for i, r in enumerate(rows):
+            if need_out[i]:
+                toks = [t for t in r.output_token_ids if 0 <= t < vocab]
+                o_toks.extend(toks)
+                o_rows.extend([i] * len(toks))
+        counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)  # [R, V]
+        if o_toks:
+            flat = torch.tensor(o_rows, device=dev) * vocab + torch.tensor(o_toks, device=dev)  # [N]
+            counts.view(-1).index_add_(0, flat, torch.ones(flat.numel(), device=dev))
+        seen_out = counts > 0  # [R, V]
+
+        if any(need_rep):
+            seen = seen_out.clone()  # [R, V]: in prompt or output
+            p_rows: list[int] = []
+            p_toks: list[int] = []
+            for i, r in enumerate(rows):
+                if need_rep[i]:
+                    toks = [t for t in r.prompt_token_ids if 0 <= t < vocab]
+                    p_toks.extend(toks)
+                    p_rows.extend([i] * len(toks))
+            if p_toks:
+                seen[torch.tensor(p_rows, device=dev), torch.tensor(p_toks, device=dev)] = True
+            rp = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+            penalized = torch.where(x > 0, x / rp, x * rp)
+            x.copy_(torch.where(seen, penalized, x))
+
+        fp = torch.tensor(freq, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+        pp = torch.tensor(pres, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+        x.sub_(fp * counts).sub_(pp * seen_out.to(torch.float32))
+
+    # ------------------------------------------------------------------ random sampling
+
+    @staticmethod
+    def _probs(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+        """Temperature, top-k, top-p, min-p; returns unnormalized probs [R, V] (masked = 0)."""
+        dev = x.device
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        x = x / temp.unsqueeze(1)  # [R, V]
+        x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
+        probs = torch.softmax(x, dim=-1)  # [R, V]
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            m_t = torch.tensor(min_p, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+            thresh = probs.amax(dim=-1, keepdim=True) * m_t  # [R, 1]
+            # No renormalization: the draw below scales by the row total, and skipping it keeps
+            # a row's values bitwise identical whether or not other rows use min-p.
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        return probs
+
+    def _draw(self, probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """Inverse-CDF sampling, one uniform per row: token = first i with cdf[i] > u * total.
+
+        Exact like an exponential race, but one random number per row instead of V (a full
+        exponential draw dominates the CPU step at V=49k). Returns token ids [R].
+        """
+        num_rows, vocab = probs.shape
+        dev = probs.device
+        u = torch.empty(num_rows, 1, dtype=torch.float64, device=dev)  # [R, 1]
+        default_idx = [i for i, r in enumerate(rows) if r.generator is None]
+        if default_idx:
+            draw = torch.rand(
+                len(default_idx),
+                1,
+                dtype=torch.float64,
+                generator=self.generator,
+                device=self.generator.device,
+            )
+            u[torch.tensor(default_idx, device=dev)] = draw.to(dev)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                # Exactly one draw from the row's own generator per step, whatever the batch is.
+                g = r.generator
+                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(dev)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [R, V]; fp64 so the tail keeps its mass
+        target = u * cdf[:, -1:]  # [R, 1]
+        tok = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [R]
+        # u * total can round up to total: fall back to the last token with mass.
+        overflow = tok >= vocab
+        if bool(overflow.any()):
+            last = (probs > 0).to(torch.int64) * torch.arange(vocab, device=dev)  # [R, V]
+            tok = torch.where(overflow, last.argmax(dim=-1), tok)
+        return tok
+
+    # ------------------------------------------------------------------ logprobs
+
+    @staticmethod
+    def _gather_logprobs(
+        raw: Tensor, token_ids: Tensor, rows: Sequence[SamplingRow], want: Sequence[bool]
+    ) -> list[RowLogprobs | None]:
+        dev = raw.device
+        idx = [i for i, w in enumerate(want) if w]
+        sel = torch.tensor(idx, device=dev)
+        lp = raw[sel]  # [Rl, V]
+        tok = token_ids[sel]  # [Rl]
+        tok_lp = lp.gather(1, tok.unsqueeze(1))  # [Rl, 1]
+        # Rank as vLLM counts it: how many tokens have logprob >= the sampled one's.
+        ranks = (lp >= tok_lp).sum(dim=-1)  # [Rl]
+        max_k = max(rows[i].params.logprobs or 0 for i in idx)
+        top_v, top_i = lp.topk(max_k, dim=-1) if max_k > 0 else (None, None)  # [Rl, K] each
+
+        tok_l = tok.tolist()
+        tok_lp_l = tok_lp.squeeze(1).tolist()
+        ranks_l = ranks.tolist()
+        top_v_l = top_v.tolist() if top_v is not None else None
+        top_i_l = top_i.tolist() if top_i is not None else None
+        out: list[RowLogprobs | None] = [None] * len(rows)
+        for j, i in enumerate(idx):
+            k = rows[i].params.logprobs or 0
+            d: RowLogprobs = {tok_l[j]: (tok_lp_l[j], ranks_l[j])}
+            if k > 0:
+                assert top_v_l is not None and top_i_l is not None
+                for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
+                    d.setdefault(t, (v, rank))
+            out[i] = d
+        return out
+
+
+# ---------------------------------------------------------------------- truncation
+
+# top-p looks for its cut among this many best tokens first (a full sort of a 49k vocab
+# costs ~10 ms per row on CPU; topk(256) ~0.5 ms); rows whose cut lies further fall back.
+_TOP_P_WINDOW = 256
+
+
+def _top_k_top_p(x: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Tensor:
+    """Mask x [R, V] to each row's top-k, then to the top-p nucleus of the renormalized top-k.
+
+    top-p keeps a token while the mass strictly before it is < top_p, so the token that
+    crosses top_p is kept and the best token always is (vLLM's rule).
+    """
+    num_rows, vocab = x.shape
+    dev = x.device
+    ks = [k if 0 < k < vocab else 0 for k in top_k]  # 0: no top-k
+    ps = [p if p < 1.0 else 0.0 for p in top_p]  # 0: no top-p (1.0 is off: cumsum can hit 1 early)
+    active = [i for i in range(num_rows) if ks[i] or ps[i]]
+    if not active:
+        return x
+    need_full = [i for i in active if ps[i] and not ks[i]]
+    window = min(vocab, max([ks[i] for i in active] + ([_TOP_P_WINDOW] if need_full else [0])))
+
+    a_idx = torch.tensor(active, device=dev)
+    xa = x[a_idx]  # [A, V]
+    vals, idx = torch.topk(xa, window, dim=-1, sorted=True)  # [A, W] each, descending
+    k_t = torch.tensor([ks[i] or window for i in active], device=dev).unsqueeze(1)  # [A, 1]
+    pos = torch.arange(window, device=dev).unsqueeze(0)  # [1, W]
+    drop = pos >= k_t  # [A, W]
+    vals = vals.masked_fill(drop, float("-inf"))
+    # Normalizer: the kept top-k for top-k rows, the whole row for top-p-only rows.
+    has_k = torch.tensor([bool(ks[i]) for i in active], device=dev).unsqueeze(1)  # [A, 1]
+    lse = torch.where(has_k, vals.logsumexp(dim=-1, keepdim=True), xa.logsumexp(dim=-1, keepdim=True))
+    sp = torch.exp(vals - lse)  # [A, W]
+    cum = sp.cumsum(dim=-1)  # [A, W]
+    p_t = torch.tensor([ps[i] or 2.0 for i in active], dtype=torch.float32, device=dev).unsqueeze(1)
+    drop = drop | ((cum - sp) >= p_t)
+    drop[:, 0] = False
+    keep = torch.full_like(xa, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
+
+    out = x.clone()
+    out[a_idx] = keep
+    # Top-p-only rows whose nucleus extends past the window: redo them with a full sort.
+    if need_full and window < vocab:
+        short = (cum[:, -1:] < p_t).squeeze(1).tolist()  # window mass below top_p
+        redo = [i for j, i in enumerate(active) if short[j] and not ks[i]]
+        if redo:
+            r_idx = torch.tensor(redo, device=dev)
+            xr = x[r_idx]  # [F, V]
+            sv, order = torch.sort(xr, dim=-1, descending=True, stable=True)  # [F, V] each
+            sp = torch.softmax(sv, dim=-1)
+            pr = torch.tensor([ps[i] for i in redo], dtype=torch.float32, device=dev).unsqueeze(1)
+            drop = (sp.cumsum(dim=-1) - sp) >= pr  # [F, V]
+            drop[:, 0] = False
+            out[r_idx] = xr.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    return out

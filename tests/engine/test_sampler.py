@@ -1,0 +1,275 @@
+"""Sampler: greedy, truncation masks, penalties, min_tokens, seeded batch invariance, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lorastar.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from lorastar.engine.sampling import SamplingParams
+
+
+def _row(
+    params: SamplingParams,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    generator: torch.Generator | None = None,
+    eos: tuple[int, ...] = (),
+) -> SamplingRow:
+    return SamplingRow(
+        params=params,
+        prompt_token_ids=prompt or [],
+        output_token_ids=output or [],
+        generator=generator,
+        eos_token_ids=eos,
+    )
+
+
+def _sample_support(logits_row: list[float], params: SamplingParams, n: int = 4000) -> torch.Tensor:
+    """Sample n times (one batch of n identical rows); returns the empirical distribution [V]."""
+    x = torch.tensor([logits_row], dtype=torch.float32).repeat(n, 1)  # [n, V]
+    out = Sampler(seed=123)(x, [_row(params) for _ in range(n)])
+    return torch.bincount(torch.tensor(out.token_ids), minlength=len(logits_row)).float() / n
+
+
+def _logits_of(probs: list[float]) -> list[float]:
+    return [math.log(p) for p in probs]
+
+
+# ---------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(7, 50).to(dtype)  # [R, V]
+    out = Sampler()(x, [_row(SamplingParams(temperature=0.0)) for _ in range(7)])
+    assert out.token_ids == x.float().argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 7
+
+
+def test_greedy_ignores_truncation_and_seed() -> None:
+    x = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
+    p = SamplingParams(temperature=0.0, top_k=2, top_p=0.1, min_p=0.5, seed=5)
+    for _ in range(5):
+        assert Sampler()(x, [_row(p, generator=make_generator(5))]).token_ids == [1]
+
+
+# ---------------------------------------------------------------------- truncation masks
+
+
+PROBS = [0.4, 0.3, 0.15, 0.1, 0.05]
+
+
+def test_unrestricted_sampling_matches_distribution() -> None:
+    freq = _sample_support(_logits_of(PROBS), SamplingParams(), n=20000)
+    assert torch.allclose(freq, torch.tensor(PROBS), atol=0.015)
+
+
+def test_top_k_support() -> None:
+    freq = _sample_support(_logits_of(PROBS), SamplingParams(top_k=2))
+    assert set(freq.nonzero().flatten().tolist()) == {0, 1}
+    assert torch.allclose(freq[:2], torch.tensor([4 / 7, 3 / 7]), atol=0.03)
+
+
+def test_top_p_support() -> None:
+    # Mass before each token: 0, .4, .7, .85, .95 -> top_p=.75 keeps tokens 0,1,2.
+    freq = _sample_support(_logits_of(PROBS), SamplingParams(top_p=0.75))
+    assert set(freq.nonzero().flatten().tolist()) == {0, 1, 2}
+    assert torch.allclose(freq[:3], torch.tensor([0.4, 0.3, 0.15]) / 0.85, atol=0.03)
+
+
+def test_top_p_keeps_at_least_one() -> None:
+    freq = _sample_support(_logits_of(PROBS), SamplingParams(top_p=0.01), n=500)
+    assert freq[0].item() == 1.0
+
+
+def test_min_p_support() -> None:
+    # Threshold .2 * .4 = .08: tokens 0,1,2,3 stay, token 4 (.05) goes.
+    freq = _sample_support(_logits_of(PROBS), SamplingParams(min_p=0.2))
+    assert set(freq.nonzero().flatten().tolist()) == {0, 1, 2, 3}
+
+
+def test_top_k_then_top_p() -> None:
+    # top_k=3 renormalizes to .4/.85, .3/.85, .15/.85 = .47, .35, .18; top_p=.8 then keeps 0,1.
+    freq = _sample_support(_logits_of(PROBS), SamplingParams(top_k=3, top_p=0.8))
+    assert set(freq.nonzero().flatten().tolist()) == {0, 1}
+
+
+def test_temperature_reshapes_distribution() -> None:
+    logits = _logits_of(PROBS)
+    t = 2.0
+    expected = torch.softmax(torch.tensor(logits) / t, dim=-1)
+    freq = _sample_support(logits, SamplingParams(temperature=t), n=20000)
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+def test_mixed_batch_rows_use_their_own_params() -> None:
+    n = 2000
+    logits = torch.tensor([_logits_of(PROBS)]).repeat(3 * n, 1)  # [3n, V]
+    rows = (
+        [_row(SamplingParams(top_k=1))] * n
+        + [_row(SamplingParams(top_p=0.75))] * n
+        + [_row(SamplingParams(temperature=0.0))] * n
+    )
+    toks = torch.tensor(Sampler(seed=1)(logits, rows).token_ids)
+    assert set(toks[:n].tolist()) == {0}
+    assert set(toks[n : 2 * n].tolist()) == {0, 1, 2}
+    assert set(toks[2 * n :].tolist()) == {0}
+
+
+# ---------------------------------------------------------------------- penalties
+
+
+def test_penalties_hand_computed() -> None:
+    x = torch.tensor([[2.0, -1.0, 0.5, -0.5, 1.0, 0.0]])  # [1, 6]
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    row = _row(p, prompt=[0, 1], output=[2, 2, 3])
+    Sampler()._apply_penalties(x, [row], 6)
+    # repetition over prompt+output {0,1,2,3}: 2->1, -1->-2, .5->.25, -.5->-1
+    # frequency (output counts 2:2, 3:1) and presence (2, 3): 2: .25-1-.25, 3: -1-.5-.25
+    assert torch.allclose(x, torch.tensor([[1.0, -2.0, -1.0, -1.75, 1.0, 0.0]]))
+
+
+def test_frequency_presence_ignore_prompt() -> None:
+    x = torch.tensor([[1.0, 1.0, 1.0]])
+    row = _row(SamplingParams(frequency_penalty=1.0, presence_penalty=1.0), prompt=[0, 0, 1], output=[2])
+    Sampler()._apply_penalties(x, [row], 3)
+    assert x.tolist() == [[1.0, 1.0, -1.0]]
+
+
+def test_penalties_batched_per_row() -> None:
+    x = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    rows = [
+        _row(SamplingParams(repetition_penalty=1.5), prompt=[2], output=[]),
+        _row(SamplingParams(), prompt=[2], output=[2, 2]),  # no penalties: untouched
+        _row(SamplingParams(frequency_penalty=-1.0), prompt=[], output=[0, 0, 1]),
+    ]
+    Sampler()._apply_penalties(x, rows, 3)
+    assert torch.allclose(x, torch.tensor([[1.0, 2.0, 2.0], [1.0, 2.0, 3.0], [3.0, 3.0, 3.0]]))
+
+
+def test_penalty_changes_greedy_choice() -> None:
+    x = torch.tensor([[5.0, 4.0, 0.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    assert Sampler()(x, [_row(p, output=[0])]).token_ids == [1]  # 5/1.5 < 4
+    assert Sampler()(x, [_row(p, output=[1])]).token_ids == [0]
+
+
+# ---------------------------------------------------------------------- min_tokens
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    x = torch.tensor([[0.0, 1.0, 9.0, 8.0]])  # eos=2 best, stop id 3 next
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3])
+    s = Sampler(eos_token_id=2)
+    assert s(x, [_row(p, output=[0])]).token_ids == [1]
+    assert s(x, [_row(p, output=[0, 0])]).token_ids == [2]
+    # Per-row eos ids work too, and ignore_eos leaves EOS alone (it is not a stop then).
+    assert Sampler()(x, [_row(p, output=[], eos=(2,))]).token_ids == [1]
+    p2 = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert Sampler(eos_token_id=[2])(x, [_row(p2)]).token_ids == [2]
+
+
+# ---------------------------------------------------------------------- seeded determinism
+
+
+def _seeded_run(
+    steps: list[torch.Tensor],
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    others: list[SamplingParams],
+    sampler_seed: int,
+) -> list[int]:
+    """Run `steps` decode steps of one seeded row placed at `position` among `others`."""
+    gen = make_generator(seed)
+    sampler = Sampler(seed=sampler_seed)
+    torch.manual_seed(sampler_seed + 99)
+    out: list[int] = []
+    other_out: list[list[int]] = [[] for _ in others]
+    for logits in steps:  # logits: [V]
+        rows = [_row(p, prompt=[1, 2, 3], output=o) for p, o in zip(others, other_out)]
+        rows.insert(position, _row(params, prompt=[1, 2, 3], output=list(out), generator=gen))
+        batch = torch.randn(len(rows), logits.numel()) * 3  # [R, V] noise for the other rows
+        batch[position] = logits
+        toks = sampler(batch, rows).token_ids
+        out.append(toks[position])
+        for o, t in zip(other_out, toks[:position] + toks[position + 1 :]):
+            o.append(t)
+    return out
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=7),
+        SamplingParams(seed=7, top_k=20, top_p=0.9, temperature=0.8),
+        SamplingParams(seed=7, min_p=0.05, repetition_penalty=1.2, frequency_penalty=0.3),
+    ],
+)
+def test_seeded_row_is_batch_invariant(params: SamplingParams) -> None:
+    torch.manual_seed(0)
+    steps = [torch.randn(300) * 2 for _ in range(12)]  # [V] each
+    alone = _seeded_run(steps, params, 7, 0, [], sampler_seed=0)
+    assert len(set(alone)) > 1  # actually random
+    others_sets = [
+        [SamplingParams()],
+        [SamplingParams(temperature=0.0), SamplingParams(top_k=5, min_p=0.1)],
+        [
+            SamplingParams(seed=3),
+            SamplingParams(presence_penalty=1.0),
+            SamplingParams(top_p=0.5),
+            SamplingParams(repetition_penalty=1.5, temperature=0.0),
+            SamplingParams(logprobs=3),
+        ],
+    ]
+    for others in others_sets:
+        for position in {0, len(others) // 2, len(others)}:
+            got = _seeded_run(steps, params, 7, position, others, sampler_seed=position + 10)
+            assert got == alone, (others, position)
+    # A different seed gives a different stream.
+    assert _seeded_run(steps, params, 8, 0, [], sampler_seed=0) != alone
+
+
+def test_unseeded_rows_follow_sampler_seed() -> None:
+    x = torch.randn(4, 100)
+    rows = [_row(SamplingParams()) for _ in range(4)]
+    assert Sampler(seed=5)(x, rows).token_ids == Sampler(seed=5)(x, rows).token_ids
+
+
+# ---------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_shape_rank_values() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)  # [R, V]
+    rows = [
+        _row(SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3), output=[1, 2]),
+        _row(SamplingParams(logprobs=0)),
+        _row(SamplingParams()),
+        _row(SamplingParams(logprobs=3, temperature=0.0)),
+    ]
+    out: SamplerOutput = Sampler(seed=0)(x.clone(), rows)
+    raw = torch.log_softmax(x, dim=-1)  # logprobs come from the raw logits
+    assert out.logprobs[2] is None
+    for i, k in [(0, 5), (1, 0), (3, 3)]:
+        lp = out.logprobs[i]
+        assert lp is not None
+        tok = out.token_ids[i]
+        top = raw[i].topk(k).indices.tolist() if k else []
+        assert set(lp) == set(top) | {tok}
+        for rank, t in enumerate(top, start=1):
+            assert lp[t][1] == rank
+        for t, (v, rank) in lp.items():
+            assert v == pytest.approx(raw[i, t].item(), abs=1e-6)
+            assert rank == int((raw[i] >= raw[i, t]).sum())
+    assert out.logprobs[3] is not None and out.logprobs[3][out.token_ids[3]][1] == 1  # greedy: rank 1
+
+
+def test_empty_batch_and_row_mismatch() -> None:
+    assert Sampler()(torch.empty(0, 10), []) == SamplerOutput(token_ids=[], logprobs=[])
+    with pytest.raises(ValueError):
+        Sampler()(torch.zeros(2, 10), [_row(SamplingParams())])
