@@ -1,0 +1,164 @@
+"""Command line: the ``lora`` group (added to ``litestar`` by the plugin) and the ``lorastar`` script.
+
+``litestar lora list|load NAME PATH|unload NAME`` and ``lorastar lora ...`` talk to a running server
+over HTTP (``--url``, ``--token`` / ``LORASTAR_ADMIN_TOKEN``). ``lorastar serve`` runs a standalone
+server for people who have no app yet.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+import httpx
+
+from lorastar.plugin.config import ADMIN_TOKEN_ENV
+
+DEFAULT_URL = "http://127.0.0.1:8000/v1"
+URL_ENV = "LORASTAR_URL"
+API_KEY_ENV = "LORASTAR_API_KEY"
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip() or resp.reason_phrase
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", body["error"]))
+    return str(body)
+
+
+def _request(ctx: click.Context, method: str, route: str, *, token: str | None, json: Any = None) -> httpx.Response:
+    url = ctx.obj["url"].rstrip("/") + route
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = httpx.request(method, url, json=json, headers=headers, timeout=ctx.obj["timeout"])
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code >= 400:
+        raise click.ClickException(f"{_error_message(resp)} (HTTP {resp.status_code})")
+    return resp
+
+
+def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
+    """A fresh ``lora`` group (a new object per call: the litestar CLI and ours each get their own)."""
+
+    @click.group("lora", help="Manage the LoRA adapters of a running lorastar server.")
+    @click.option("--url", envvar=URL_ENV, default=default_url, show_default=True,
+                  help=f"Base URL of the OpenAI routes (env {URL_ENV}).")
+    @click.option("--token", envvar=ADMIN_TOKEN_ENV, default=None,
+                  help=f"Admin bearer token (env {ADMIN_TOKEN_ENV}).")
+    @click.option("--api-key", envvar=API_KEY_ENV, default=None,
+                  help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).")
+    @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the server.")
+    @click.pass_context
+    def lora(ctx: click.Context, url: str, token: str | None, api_key: str | None, timeout: float) -> None:
+        ctx.ensure_object(dict)
+        ctx.obj.update(url=url, token=token, api_key=api_key or token, timeout=timeout)
+
+    @lora.command("list", help="List the base model and the loaded adapters.")
+    @click.pass_context
+    def list_cmd(ctx: click.Context) -> None:
+        data = _request(ctx, "GET", "/models", token=ctx.obj["api_key"]).json().get("data", [])
+        base = [m for m in data if not m.get("parent")]
+        adapters = [m for m in data if m.get("parent")]
+        for m in base:
+            click.echo(f"base model: {m['id']} (max_model_len {m.get('max_model_len')})")
+        if not adapters:
+            click.echo("no adapters loaded")
+            return
+        width = max(len("NAME"), *(len(m["id"]) for m in adapters))
+        click.echo(f"{'NAME'.ljust(width)}  PATH")
+        for m in adapters:
+            click.echo(f"{m['id'].ljust(width)}  {m.get('root') or ''}")
+
+    @lora.command("load", help="Load the PEFT adapter folder PATH (on the server) as NAME.")
+    @click.argument("name")
+    @click.argument("path")
+    @click.option("--replace", is_flag=True, help="Replace an adapter already loaded under NAME.")
+    @click.pass_context
+    def load_cmd(ctx: click.Context, name: str, path: str, replace: bool) -> None:
+        resp = _request(ctx, "POST", "/load_lora_adapter", token=ctx.obj["token"],
+                        json={"lora_name": name, "lora_path": path, "load_inplace": replace})
+        click.echo(resp.text.strip())
+
+    @lora.command("unload", help="Unload the adapter NAME.")
+    @click.argument("name")
+    @click.pass_context
+    def unload_cmd(ctx: click.Context, name: str) -> None:
+        resp = _request(ctx, "POST", "/unload_lora_adapter", token=ctx.obj["token"], json={"lora_name": name})
+        click.echo(resp.text.strip())
+
+    return lora
+
+
+def _parse_adapters(values: tuple[str, ...]) -> dict[str, str]:
+    adapters: dict[str, str] = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"expected NAME=PATH, got {v!r}", param_hint="--adapter")
+        adapters[name] = path
+    return adapters
+
+
+@click.group("lorastar", help="lorastar: serve one LLM with many LoRA adapters over the OpenAI API.")
+def main() -> None:
+    pass
+
+
+main.add_command(make_lora_group())
+
+
+@main.command("serve", help="Serve MODEL (an HF folder; default: the embedded SmolLM2) with the OpenAI API.")
+@click.argument("model", required=False)
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH", help="Adapter to load at startup.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--served-model-name", default=None, help="Name of the base in the 'model' field.")
+@click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from.")
+@click.option("--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV}).")
+@click.option("--api-key", "api_keys", multiple=True, help="Accepted API key (repeatable).")
+@click.option("--no-runtime-loading", is_flag=True, help="Do not mount the adapter admin routes.")
+@click.option("--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root.")
+@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--max-model-len", default=None, type=int)
+@click.option("--max-num-seqs", default=64, show_default=True, type=int)
+@click.option("--num-kv-blocks", default=None, type=int)
+@click.option("--max-loras", default=8, show_default=True, type=int)
+@click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
+@click.option("--log-level", default="info", show_default=True)
+def serve(
+    model: str | None, adapters: tuple[str, ...], host: str, port: int, served_model_name: str | None,
+    adapter_root: str | None, admin_token: str | None, api_keys: tuple[str, ...], no_runtime_loading: bool,
+    enable_adapter_resolver: bool, device: str, dtype: str, max_model_len: int | None, max_num_seqs: int,
+    num_kv_blocks: int | None, max_loras: int, max_waiting: int | None, log_level: str,
+) -> None:
+    import uvicorn
+
+    from lorastar.config import EngineConfig
+    from lorastar.plugin.config import LoraStarConfig
+    from lorastar.plugin.plugin import create_app
+
+    try:
+        engine = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                              num_kv_blocks=num_kv_blocks, max_loras=max_loras,
+                              max_cpu_loras=max(64, max_loras))
+        config = LoraStarConfig(
+            model=model, served_model_name=served_model_name, adapters=_parse_adapters(adapters),
+            adapter_root=adapter_root, allow_runtime_adapter_loading=not no_runtime_loading,
+            admin_token=admin_token, api_keys=list(api_keys) or None, engine=engine, max_waiting=max_waiting,
+            enable_adapter_resolver=enable_adapter_resolver,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    app = create_app(config)
+    click.echo(f"lorastar: serving on http://{host}:{port}{config.path}", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+if __name__ == "__main__":  # python -m lorastar.plugin.cli
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""LoraStarConfig: everything the Litestar plugin needs (one dataclass, a docstring under each field)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lorastar.config import EngineConfig
+
+ADMIN_TOKEN_ENV = "LORASTAR_ADMIN_TOKEN"
+
+
+@dataclass
+class LoraStarConfig:
+    """How the plugin serves one base model and its LoRA adapters over the OpenAI API.
+
+    Invalid values raise ``ValueError`` naming the field.
+    """
+
+    model: str | None = None
+    """HF folder of the base model. ``None`` keeps ``engine.model`` (itself ``None``: the embedded
+    SmolLM2-135M-Instruct)."""
+
+    served_model_name: str | None = None
+    """Name clients put in the ``model`` field for the base. ``None``: the engine's ``model_name``
+    (the model folder's name)."""
+
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Adapters loaded at startup, ``{name: PEFT folder}``. Trusted (written by the operator), so not
+    confined to ``adapter_root``. A bad one makes startup fail."""
+
+    adapter_root: str | Path | None = None
+    """The only folder runtime loading (``/v1/load_lora_adapter`` and the resolver) may read from.
+    ``None``: runtime loading is refused (403)."""
+
+    allow_runtime_adapter_loading: bool = True
+    """Mount ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. ``False``: the routes do not exist."""
+
+    admin_token: str | None = None
+    """Bearer token of the admin routes. ``None``: read ``LORASTAR_ADMIN_TOKEN`` from the environment;
+    when that is unset too, every admin request is refused (401), never silently open."""
+
+    api_keys: Sequence[str] | None = None
+    """Bearer keys accepted on the inference routes (``/models``, ``/completions``,
+    ``/chat/completions``). ``None`` or empty: those routes are open."""
+
+    path: str = "/v1"
+    """Prefix of the OpenAI routes."""
+
+    health_path: str | None = "/health"
+    """Liveness route (200, or 503 once the engine died). ``None``: not mounted."""
+
+    metrics_path: str | None = "/metrics"
+    """Prometheus route (vLLM's metric names). ``None``: not mounted."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Engine settings (device, dtype, KV cache, max_loras, ...)."""
+
+    max_waiting: int | None = None
+    """Bound on the engine's waiting queue; past it requests get 503 + ``Retry-After``.
+    ``None`` keeps ``engine.max_waiting``."""
+
+    retry_after_seconds: int = 1
+    """Value of the ``Retry-After`` header on 503 answers."""
+
+    enable_adapter_resolver: bool = False
+    """A request whose ``model`` names no loaded adapter but a folder directly under ``adapter_root``
+    loads that folder under that name first (vLLM's LoRA resolver)."""
+
+    shutdown_drain_timeout: float = 5.0
+    """Seconds in-flight requests get to finish at shutdown before they are aborted."""
+
+    engine_dependency_key: str = "lorastar_engine"
+    """Name of the app-level dependency that hands the ``AsyncLLM`` to the user's own handlers
+    (not added when the app already has a dependency of that name)."""
+
+    include_in_schema: bool = True
+    """List the plugin's routes in the app's OpenAPI schema."""
+
+    async_engine: Any = None
+    """An already built ``AsyncLLM`` to serve instead of building one (tests, sharing one engine).
+    The plugin starts it but never shuts it down: its owner does."""
+
+    def __post_init__(self) -> None:
+        if self.engine is None:
+            self.engine = EngineConfig()
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        if not isinstance(self.adapters, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, (str, os.PathLike)) for k, v in self.adapters.items()
+        ):
+            raise ValueError("adapters must be a dict of non-empty names to folder paths")
+        if not isinstance(self.path, str) or not self.path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {self.path!r}")
+        self.path = "/" + self.path.strip("/") if self.path.strip("/") else "/"
+        if self.max_waiting is not None and (
+            not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool) or self.max_waiting < 1
+        ):
+            raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
+        if isinstance(self.api_keys, str):  # a lone string would be iterated per character
+            self.api_keys = [self.api_keys]
+        if self.retry_after_seconds < 0:
+            raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")
+
+    def engine_config(self) -> EngineConfig:
+        """The engine settings with this config's overrides (``model``, ``max_waiting``) applied."""
+        overrides: dict[str, Any] = {}
+        if self.model is not None:
+            overrides["model"] = str(self.model)
+        if self.max_waiting is not None:
+            overrides["max_waiting"] = self.max_waiting
+        return dataclasses.replace(self.engine, **overrides) if overrides else self.engine
+
+    def resolved_admin_token(self) -> str | None:
+        return self.admin_token if self.admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV) or None
+
+    def resolved_adapter_root(self) -> Path | None:
+        return Path(self.adapter_root).expanduser().resolve() if self.adapter_root is not None else None

@@ -1,0 +1,137 @@
+"""LoraStarPlugin: mounts lorastar's OpenAI routes, engine lifespan, metrics and CLI into a Litestar app."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from litestar import Litestar, Router
+from litestar.di import Provide
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.plugins import CLIPlugin, InitPlugin
+
+from lorastar.engine.errors import LoraStarError
+from lorastar.plugin.config import LoraStarConfig
+from lorastar.plugin.errors import APIError, make_exception_handler, unauthorized
+from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
+from lorastar.plugin.routes.openai import build_openai_handlers
+from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
+from lorastar.plugin.service import LoraStarService
+
+if TYPE_CHECKING:
+    from click import Group
+    from litestar.config.app import AppConfig
+    from litestar.connection import ASGIConnection
+    from litestar.handlers.base import BaseRouteHandler
+
+# Statuses our routes answer themselves: router-level entries beat the app's own handlers (status
+# codes are looked up before exception classes), so the plugin's routes always speak OpenAI errors.
+_OWN_STATUSES = (400, 401, 403, 404, 405, 409, 413, 415, 422, 429, 500, 503)
+
+
+class LoraStarPlugin(InitPlugin, CLIPlugin):
+    """Serve one base model + LoRA adapters over the OpenAI API inside an existing Litestar app.
+
+    ``app.plugins.get(LoraStarPlugin).engine`` is the running ``AsyncLLM`` (also injected into the
+    app's handlers as the ``lorastar_engine`` dependency).
+    """
+
+    __slots__ = ("config", "service")
+
+    def __init__(self, config: LoraStarConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise ValueError("pass either a LoraStarConfig or keyword options, not both")
+        self.config = config if config is not None else LoraStarConfig(**kwargs)
+        self.service = LoraStarService(self.config)
+
+    @property
+    def engine(self) -> Any:
+        """The ``AsyncLLM`` (``None`` until the app's lifespan started it)."""
+        return self.service.engine
+
+    # ------------------------------------------------------------------ app
+
+    def on_app_init(self, app_config: AppConfig) -> AppConfig:
+        cfg, service = self.config, self.service
+        handler = make_exception_handler(cfg.retry_after_seconds)
+        own_handlers: dict[Any, Any] = {
+            Exception: handler, APIError: handler, LoraStarError: handler, ValueError: handler,
+            HTTPException: handler, ValidationException: handler,
+            **{status: handler for status in _OWN_STATUSES},
+        }
+        api_guards = [_api_key_guard(list(cfg.api_keys))] if cfg.api_keys else []
+        route_handlers: list[Any] = build_openai_handlers(service, guards=api_guards)
+        if cfg.allow_runtime_adapter_loading:
+            route_handlers += build_admin_handlers(service)
+        app_config.route_handlers.append(
+            Router(path=cfg.path, route_handlers=route_handlers, exception_handlers=own_handlers,
+                   include_in_schema=cfg.include_in_schema, tags=["lorastar"])
+        )
+        system: list[Any] = []
+        if cfg.health_path:
+            system.append(build_health_handler(service, cfg.health_path, cfg.include_in_schema))
+        if cfg.metrics_path:
+            system.append(build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema))
+        if system:
+            app_config.route_handlers.append(
+                Router(path="/", route_handlers=system, exception_handlers=own_handlers, tags=["lorastar"])
+            )
+
+        def provide_engine() -> Any:
+            return service.engine
+
+        # Only where the app has none of its own: never override the user's choices.
+        app_config.dependencies.setdefault(cfg.engine_dependency_key, Provide(provide_engine, sync_to_thread=False))
+        app_config.exception_handlers.setdefault(LoraStarError, handler)
+        app_config.exception_handlers.setdefault(APIError, handler)
+        app_config.lifespan.append(self._lifespan)
+        return app_config
+
+    @asynccontextmanager
+    async def _lifespan(self, _app: Litestar) -> AsyncIterator[None]:
+        await self.service.start()
+        try:
+            yield
+        finally:
+            await self.service.stop()
+
+    # ------------------------------------------------------------------ CLI
+
+    def on_cli_init(self, cli: Group) -> None:
+        from lorastar.plugin.cli import make_lora_group
+
+        cli.add_command(make_lora_group(default_url=f"http://127.0.0.1:8000{self.config.path.rstrip('/')}"))
+
+
+def _api_key_guard(keys: list[str]) -> Any:
+    # A plain closure, not a bound method: Litestar deep-copies routers, and a bound method would
+    # drag the whole plugin (engine, metric locks) into the copy.
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        if not token_matches(bearer_token(connection), keys):
+            raise unauthorized("Invalid or missing API key.")
+
+    return guard
+
+
+def create_app(config: LoraStarConfig | None = None, **litestar_kwargs: Any) -> Litestar:
+    """The plugin's routes as a standalone Litestar (ASGI) app, e.g. for ``starlette_app.mount("/llm", ...)``.
+
+    Starlette's ``Mount`` does not forward lifespan events to a mounted app: run this app's lifespan
+    from the parent's, ``Starlette(..., lifespan=lambda _: lorastar.plugin.lifespan(llm_app))``.
+    Without that the engine starts lazily on the first request (and is never shut down cleanly).
+    """
+    cfg = config if config is not None else LoraStarConfig()
+    handler = make_exception_handler(cfg.retry_after_seconds)
+    plugins = [LoraStarPlugin(cfg), *litestar_kwargs.pop("plugins", [])]
+    exception_handlers = {HTTPException: handler, **litestar_kwargs.pop("exception_handlers", {})}
+    return Litestar(plugins=plugins, exception_handlers=exception_handlers, **litestar_kwargs)
+
+
+@asynccontextmanager
+async def lifespan(*apps: Litestar) -> AsyncIterator[None]:
+    """Run the lifespan of one or more apps from :func:`create_app` (for frameworks that mount them)."""
+    async with AsyncExitStack() as stack:
+        for app in apps:
+            await stack.enter_async_context(app.lifespan())
+        yield

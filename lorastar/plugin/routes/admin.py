@@ -1,0 +1,95 @@
+"""Runtime adapter admin: vLLM's ``/load_lora_adapter`` and ``/unload_lora_adapter``.
+
+Bodies and replies as in vLLM (200 with a plain-text success line). Guarded by the admin bearer
+token; paths are confined to ``adapter_root``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from litestar import Response, post
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.status_codes import HTTP_200_OK
+
+from lorastar.engine.errors import AdapterError, AdapterNotFoundError
+from lorastar.plugin.errors import APIError, not_found, unauthorized
+from lorastar.plugin.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+from lorastar.plugin.service import LoraStarService, confine
+
+
+def bearer_token(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    value = connection.headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def token_matches(token: str | None, allowed: list[str]) -> bool:
+    # compare_digest against every key (no early exit on the first match: constant-ish time).
+    ok = False
+    for key in allowed:
+        if token is not None and hmac.compare_digest(token.encode(), key.encode()):
+            ok = True
+    return ok
+
+
+def admin_guard(service: LoraStarService) -> Any:
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        expected = service.admin_token
+        if expected is None:
+            raise unauthorized("Adapter admin is disabled: no admin token is configured.")
+        if not token_matches(bearer_token(connection), [expected]):
+            raise unauthorized("Invalid or missing admin token.")
+
+    return guard
+
+
+def _text(message: str) -> Response[str]:
+    return Response(message, status_code=HTTP_200_OK, media_type="text/plain")
+
+
+def build_admin_handlers(service: LoraStarService) -> list[Any]:
+    guards = [admin_guard(service)]
+
+    @post("/load_lora_adapter", status_code=HTTP_200_OK, guards=guards, summary="Load a LoRA adapter")
+    async def load_lora_adapter(data: LoadLoRAAdapterRequest) -> Response[str]:
+        engine = await service.ready()
+        name, path = data.lora_name, data.lora_path
+        if not name or not path:
+            raise APIError("Both 'lora_name' and 'lora_path' must be provided.",
+                           param="lora_name" if not name else "lora_path")
+        if name == service.served_model_name:
+            raise APIError(f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name")
+        resolved = confine(service.adapter_root, path)
+        if name in service.adapter_names():
+            if not data.load_inplace:
+                raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            await engine.unload_adapter(name)
+        if not resolved.is_dir():
+            raise APIError(f"lora_path does not name an adapter folder: {path}", param="lora_path")
+        try:
+            await engine.load_adapter(name, str(resolved))
+        except AdapterError as exc:
+            raise APIError(f"Failed to load the lora adapter '{name}': {exc}", param="lora_path") from exc
+        service.adapter_created[name] = int(time.time())
+        return _text(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @post("/unload_lora_adapter", status_code=HTTP_200_OK, guards=guards, summary="Unload a LoRA adapter")
+    async def unload_lora_adapter(data: UnloadLoRAAdapterRequest) -> Response[str]:
+        engine = await service.ready()
+        name = data.lora_name
+        if not name:
+            raise APIError("'lora_name' must be provided.", param="lora_name")
+        try:
+            await engine.unload_adapter(name)
+        except AdapterNotFoundError as exc:
+            raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name") from exc
+        service.adapter_created.pop(name, None)
+        return _text(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    return [load_lora_adapter, unload_lora_adapter]

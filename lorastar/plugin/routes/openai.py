@@ -1,0 +1,496 @@
+"""``/models``, ``/completions`` and ``/chat/completions`` (vLLM's OpenAI server shapes)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.response import Stream
+from litestar.status_codes import HTTP_200_OK
+
+from lorastar.engine.errors import AdapterNotFoundError
+from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from lorastar.engine.sampling import SamplingParams
+from lorastar.plugin.errors import APIError
+from lorastar.plugin.schemas import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamResponse,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatStreamChoice,
+    ChatTopLogprob,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ModelCard,
+    ModelList,
+    ModelPermission,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
+from lorastar.plugin.sse import sse_response
+
+_SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
+    "use_beam_search", "length_penalty",
+)
+_CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _sampling_params(req: Any, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    kw: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "stop": req.stop, "seed": req.seed,
+                          "logprobs": logprobs}
+    for name in _SAMPLING_FIELDS:
+        kw[name] = getattr(req, name)
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported.", param="logit_bias")
+    try:
+        return SamplingParams.from_dict(kw)
+    except ValueError as exc:
+        raise _bad_request(exc) from exc
+
+
+def _bad_request(exc: ValueError) -> APIError:
+    from lorastar.plugin.errors import param_from_message
+
+    msg = str(exc)
+    return APIError(msg, param=param_from_message(msg))
+
+
+def _lp(value: float) -> float:
+    return max(float(value), _MIN_LOGPROB)
+
+
+def _decoded(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def _ranked(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]]."""
+    def is_tok(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def check_ids(ids: list[Any]) -> list[int]:
+        if not ids:
+            raise APIError("prompt must not be empty.", param="prompt")
+        for t in ids:
+            if not is_tok(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise APIError(f"prompt contains an invalid token id: {t!r}.", param="prompt")
+        return list(ids)
+
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif all(is_tok(p) for p in prompt):
+            prompts = [check_ids(prompt)]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [check_ids(p) for p in prompt]
+        else:
+            raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                           "lists of token ids.", param="prompt")
+    else:
+        raise APIError("prompt must not be empty.", param="prompt")
+    for p in prompts:
+        if isinstance(p, str) and not p:
+            raise APIError("prompt must not be empty.", param="prompt")
+    return prompts
+
+
+def _message_text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise APIError(f"messages[{index}].content: only text parts are supported.", param="messages")
+        return "\n".join(parts)
+    raise APIError(f"messages[{index}].content must be a string or a list of text parts.", param="messages")
+
+
+def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not messages:
+        raise APIError("messages must not be empty.", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in _CHAT_ROLES:
+            raise APIError(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.",
+                           param="messages")
+        msg = dict(m)
+        msg["content"] = _message_text(m.get("content"), i) or ""
+        out.append(msg)
+    return out
+
+
+def _check_length(max_model_len: int, prompt_len: int, max_tokens: int | None, *, chat: bool) -> int:
+    """vLLM's context-length checks; returns the max_tokens to use (None: all that fits)."""
+    param = "messages" if chat else "prompt"
+    if prompt_len >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input {param}.", param=param,
+        )
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_len}).", param="max_tokens",
+        )
+    return max_tokens
+
+
+async def _prime(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Pull the first item now, so errors raised on submission (bad prompt, unknown adapter,
+    overload) become a proper HTTP status instead of an in-band error inside a 200 stream."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def chained() -> AsyncIterator[Any]:
+        async with aclosing(stream) as s:  # type: ignore[type-var]
+            if first is not None:
+                yield first
+            async for item in s:
+                yield item
+
+    return chained()
+
+
+def _map_adapter_error(exc: AdapterNotFoundError, model: str | None) -> APIError:
+    return APIError(f"The model `{model}` does not exist.", 404, param="model")
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _completion_logprobs(
+    tokenizer: Any, out: CompletionOutput, start: int, text_offset0: int, num_top: int,
+    prompt_ids: list[int] | None = None,
+) -> CompletionLogProbs:
+    """vLLM's legacy completions ``logprobs`` for tokens ``start:`` (plus prompt tokens when echoing)."""
+    lp = CompletionLogProbs()
+    offset = text_offset0
+    if prompt_ids:
+        for tid in prompt_ids:
+            tok = tokenizer.decode([tid])
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+    steps = out.logprobs or []
+    for i, tid in enumerate(out.token_ids[start:], start=start):
+        step = steps[i] if i < len(steps) else {}
+        chosen = step.get(tid)
+        tok = _decoded(tokenizer, tid, chosen)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(_lp(chosen.logprob) if chosen is not None else None)
+        top: dict[str, float] = {}
+        for t, p in _ranked(step)[: max(num_top, 0)]:
+            top[_decoded(tokenizer, t, p)] = _lp(p.logprob)
+        if chosen is not None:
+            top.setdefault(tok, _lp(chosen.logprob))
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp
+
+
+def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:
+    content: list[ChatLogprobToken] = []
+    steps = out.logprobs or []
+    for i, tid in enumerate(out.token_ids[start:], start=start):
+        step = steps[i] if i < len(steps) else {}
+        chosen = step.get(tid)
+        tok = _decoded(tokenizer, tid, chosen)
+        top = [
+            ChatTopLogprob(token=(s := _decoded(tokenizer, t, p)), logprob=_lp(p.logprob),
+                           bytes=list(s.encode("utf-8", errors="replace")))
+            for t, p in _ranked(step)[:num_top]
+        ]
+        content.append(ChatLogprobToken(
+            token=tok, logprob=_lp(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+            bytes=list(tok.encode("utf-8", errors="replace")), top_logprobs=top,
+        ))
+    return ChatChoiceLogprobs(content=content)
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = None) -> list[Any]:
+    """Route handlers bound to ``service`` (closures: one set per plugin instance)."""
+    guards = guards or []
+
+    @get("/models", guards=guards, summary="List the base model and its adapters")
+    async def list_models() -> ModelList:
+        engine = await service.ready()
+        base = service.served_model_name
+        now = int(time.time())
+        root = str(service.config.model or service.config.engine.model or base)
+        cards = [ModelCard(id=base, created=service.created, root=root, parent=None,
+                           max_model_len=int(engine.max_model_len),
+                           permission=[ModelPermission(id=_random_id("modelperm"), created=now)])]
+        for a in engine.list_adapters():
+            cards.append(ModelCard(id=a.name, created=service.adapter_created.get(a.name, service.created),
+                                   root=str(a.path), parent=base,
+                                   permission=[ModelPermission(id=_random_id("modelperm"), created=now)]))
+        return ModelList(data=cards)
+
+    # ------------------------------------------------------------------ completions
+
+    @post("/completions", status_code=HTTP_200_OK, guards=guards, summary="OpenAI completions")
+    async def create_completion(data: CompletionRequest, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+        engine = await service.ready()
+        adapter = await service.resolve_model(data.model)
+        if data.suffix:
+            raise APIError("suffix is not supported.", param="suffix")
+        if data.best_of is not None and data.best_of != data.n:
+            raise APIError("best_of is not supported (it must equal n).", param="best_of")
+        tokenizer = engine.tokenizer
+        prompts = _parse_prompts(data.prompt, _vocab_size(tokenizer))
+        max_model_len = int(engine.max_model_len)
+        max_tokens = data.max_tokens if data.max_tokens is not None else 16
+        for p in prompts:  # token-id prompts can be checked here; text prompts are checked by the engine
+            if isinstance(p, list):
+                _check_length(max_model_len, len(p), max_tokens, chat=False)
+        params = _sampling_params(data, max_tokens=max_tokens, logprobs=data.logprobs)
+        request_id = _random_id("cmpl")
+        created = int(time.time())
+        model_name = data.model or service.served_model_name
+        streams = [service.generate(p, params, adapter, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        n = params.n
+        num_top = data.logprobs or 0
+        echo = bool(data.echo)
+
+        def prompt_text(out: RequestOutput, i: int) -> str:
+            p = prompts[i]
+            return p if isinstance(p, str) else (out.prompt or tokenizer.decode(out.prompt_token_ids))
+
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            merged = await _prime_or_404(merge_streams(streams), data.model)
+
+            async def events() -> AsyncIterator[Any]:
+                sent_text: dict[int, int] = {}
+                sent_tok: dict[int, int] = {}
+                finals: dict[int, RequestOutput] = {}
+                async with aclosing(merged) as m:  # type: ignore[type-var]
+                    async for i, out in m:
+                        for o in out.outputs:
+                            idx = i * n + o.index
+                            first = idx not in sent_text
+                            t0, k0 = sent_text.get(idx, 0), sent_tok.get(idx, 0)
+                            delta = o.text[t0:] if len(o.text) >= t0 else ""
+                            new_tokens = len(o.token_ids) - k0
+                            if not delta and new_tokens <= 0 and o.finish_reason is None and not (first and echo):
+                                continue
+                            text = delta
+                            lp = None
+                            if echo and first:
+                                text = prompt_text(out, i) + delta
+                            if data.logprobs is not None:
+                                lp = _completion_logprobs(tokenizer, o, k0, t0, num_top,
+                                                          out.prompt_token_ids if (echo and first) else None)
+                            sent_text[idx], sent_tok[idx] = len(o.text), len(o.token_ids)
+                            yield CompletionStreamResponse(
+                                id=request_id, created=created, model=model_name,
+                                choices=[CompletionStreamChoice(index=idx, text=text, logprobs=lp,
+                                                                finish_reason=o.finish_reason,
+                                                                stop_reason=o.stop_reason)],
+                            )
+                        if out.finished:
+                            finals[i] = out
+                if include_usage:
+                    yield CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                   usage=_usage_of(finals))
+
+            return sse_response(events(), retry_after=service.config.retry_after_seconds)
+
+        finals = await run_until_disconnect(_collect(merge_streams(streams), data.model), request.receive)
+        choices: list[CompletionResponseChoice] = []
+        for i in range(len(prompts)):
+            out = finals[i]
+            for o in out.outputs:
+                text = o.text
+                lp = None
+                if data.logprobs is not None:
+                    lp = _completion_logprobs(tokenizer, o, 0, len(prompt_text(out, i)) if echo else 0, num_top,
+                                              out.prompt_token_ids if echo else None)
+                if echo:
+                    text = prompt_text(out, i) + text
+                choices.append(CompletionResponseChoice(index=i * n + o.index, text=text, logprobs=lp,
+                                                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        return Response(CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                           usage=_usage_of(finals)), status_code=HTTP_200_OK)
+
+    # ------------------------------------------------------------------ chat
+
+    @post("/chat/completions", status_code=HTTP_200_OK, guards=guards, summary="OpenAI chat completions")
+    async def create_chat_completion(
+        data: ChatCompletionRequest, request: Request[Any, Any, Any]
+    ) -> Response[Any] | Stream:
+        engine = await service.ready()
+        adapter = await service.resolve_model(data.model)
+        if data.tools:
+            raise APIError("tools are not supported.", param="tools")
+        if data.response_format and data.response_format.get("type", "text") != "text":
+            raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
+        if data.top_logprobs is not None and not data.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        messages = _normalize_messages(data.messages)
+        try:
+            prompt_ids = list(engine.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt))
+        except APIError:
+            raise
+        except Exception as exc:  # jinja TemplateError ("roles must alternate", ...) is the client's input
+            raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages") from exc
+        requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+        if requested is not None and requested < 1:
+            raise APIError(f"max_tokens must be an integer >= 1, got {requested}.", param="max_tokens")
+        max_tokens = _check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
+        num_top = data.top_logprobs or 0
+        params = _sampling_params(data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None)
+        request_id = _random_id("chatcmpl")
+        created = int(time.time())
+        model_name = data.model or service.served_model_name
+        tokenizer = engine.tokenizer
+        stream = service.generate(prompt_ids, params, adapter, request_id)
+        n = params.n
+        want_lp = bool(data.logprobs)
+        echo_text = ""
+        if data.echo and messages and messages[-1].get("role") == "assistant":
+            echo_text = messages[-1]["content"] or ""
+
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            primed = await _prime_or_404(stream, data.model)
+
+            async def events() -> AsyncIterator[Any]:
+                def chunk(choice: ChatStreamChoice) -> ChatCompletionStreamResponse:
+                    return ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                        choices=[choice])
+
+                # vLLM's first frame per choice: the role, empty content.
+                for i in range(n):
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                    if echo_text:
+                        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
+                sent_text = [0] * n
+                sent_tok = [0] * n
+                final: RequestOutput | None = None
+                async with aclosing(primed) as s:  # type: ignore[type-var]
+                    async for out in s:
+                        for o in out.outputs:
+                            i = o.index
+                            t0, k0 = sent_text[i], sent_tok[i]
+                            delta = o.text[t0:] if len(o.text) >= t0 else ""
+                            if not delta and len(o.token_ids) <= k0 and o.finish_reason is None:
+                                continue
+                            lp = _chat_logprobs(tokenizer, o, k0, num_top) if want_lp else None
+                            sent_text[i], sent_tok[i] = len(o.text), len(o.token_ids)
+                            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=delta), logprobs=lp,
+                                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                        if out.finished:
+                            final = out
+                if include_usage:
+                    yield ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
+                                                       usage=_usage_of({0: final} if final else {}))
+
+            return sse_response(events(), retry_after=service.config.retry_after_seconds)
+
+        finals = await run_until_disconnect(_collect(merge_streams([stream]), data.model), request.receive)
+        out = finals[0]
+        choices = [
+            ChatCompletionResponseChoice(
+                index=o.index,
+                message=ChatMessage(role="assistant", content=echo_text + o.text),
+                logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
+                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+            )
+            for o in out.outputs
+        ]
+        return Response(ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
+                                               usage=_usage_of(finals)), status_code=HTTP_200_OK)
+
+    return [list_models, create_completion, create_chat_completion]
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer)
+    except Exception:
+        return None
+
+
+def _usage_of(finals: dict[int, RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals.values())
+    completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    cached = sum(int(o.num_cached_tokens or 0) for o in finals.values())
+    return _usage(prompt, completion, cached)
+
+
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], model: str | None) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with aclosing(merged) as m:  # type: ignore[type-var]
+            async for i, out in m:
+                finals[i] = out  # cumulative: the last one is complete
+    except AdapterNotFoundError as exc:  # unloaded between resolution and submission
+        raise _map_adapter_error(exc, model) from exc
+    return finals
+
+
+async def _prime_or_404(stream: AsyncIterator[Any], model: str | None) -> AsyncIterator[Any]:
+    try:
+        return await _prime(stream)
+    except AdapterNotFoundError as exc:
+        raise _map_adapter_error(exc, model) from exc

@@ -1,0 +1,229 @@
+"""Wire types of the OpenAI routes (msgspec Structs, field names and shapes as in vLLM's server).
+
+Requests ignore unknown fields (as vLLM does). ``prompt`` is ``str | list`` because msgspec
+unions may hold only one array type; its list forms are checked in the route.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Sampling fields shared by both routes (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    echo: bool | None = False
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(msgspec.Struct):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogProbs(msgspec.Struct):
+    text_offset: list[int] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = msgspec.field(default_factory=list)
+
+
+class CompletionResponseChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ChatTopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[ChatTopLogprob] = msgspec.field(default_factory=list)
+
+
+class ChatChoiceLogprobs(msgspec.Struct):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[Any] = msgspec.field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: None = None
+
+
+class DeltaMessage(msgspec.Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatStreamChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class ModelPermission(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "lorastar"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = msgspec.field(default_factory=list)
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]

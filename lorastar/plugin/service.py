@@ -1,0 +1,284 @@
+"""The plugin's runtime: owns the ``AsyncLLM``, resolves ``model`` names, tracks metrics.
+
+One ``LoraStarService`` per plugin instance; the route handlers are closures over it, so several
+apps (or several plugins in one app) never share state by accident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from lorastar.engine.errors import AdapterNotFoundError, EngineDeadError
+from lorastar.engine.outputs import RequestOutput
+from lorastar.plugin.config import LoraStarConfig
+from lorastar.plugin.errors import APIError, forbidden, not_found
+from lorastar.plugin.metrics import PluginMetrics
+
+logger = logging.getLogger("lorastar.plugin")
+
+
+def confine(root: Path | None, path: str, *, param: str = "lora_path") -> Path:
+    """``path`` resolved (relative paths are taken under ``root``); 403 unless it stays inside ``root``.
+
+    ``resolve()`` follows symlinks and folds ``..``, so both escapes end outside the root.
+    """
+    if root is None:
+        raise forbidden("Runtime adapter loading needs adapter_root to be configured.", param)
+    if not path or "\x00" in path:
+        raise APIError(f"{param} must be a non-empty path.", param=param)
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = root / p
+    resolved = p.resolve()
+    if not resolved.is_relative_to(root):
+        raise forbidden(f"{param} must be inside the adapter root.", param)
+    return resolved
+
+
+def build_engine(config: Any) -> Any:
+    """Build the ``AsyncLLM`` (blocking: loads the weights)."""
+    from lorastar import AsyncLLM  # deferred: importing the engine pulls in torch
+
+    return AsyncLLM(config)
+
+
+class LoraStarService:
+    """Engine lifecycle + model-name resolution for one plugin instance."""
+
+    def __init__(self, config: LoraStarConfig) -> None:
+        self.config = config
+        self.engine: Any = config.async_engine
+        self._owns_engine = config.async_engine is None
+        self._started = False
+        self._start_lock: asyncio.Lock | None = None
+        self._resolver_locks: dict[str, asyncio.Lock] = {}
+        self.created = int(time.time())
+        self.adapter_created: dict[str, int] = {}
+        self.admin_token = config.resolved_admin_token()
+        self.adapter_root = config.resolved_adapter_root()
+        self.metrics = PluginMetrics(self._stats, lambda: self.served_model_name, self._max_loras)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def served_model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        if self.engine is not None:
+            return str(getattr(self.engine, "model_name", "model"))
+        model = self.config.model or self.config.engine.model
+        return Path(model).name if model else "SmolLM2-135M-Instruct"
+
+    async def start(self) -> None:
+        """Build the engine (in a thread: loading is blocking), start its loop, load ``config.adapters``."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._started:
+                return
+            if self.engine is None:
+                self.engine = await asyncio.to_thread(build_engine, self.config.engine_config())
+            await self.engine.start()
+            loaded = {a.name for a in self.engine.list_adapters()}
+            for name, path in self.config.adapters.items():
+                if name not in loaded:
+                    await self.engine.load_adapter(name, str(Path(path).expanduser()))
+                self.adapter_created.setdefault(name, int(time.time()))
+            if self.admin_token is None and self.config.allow_runtime_adapter_loading:
+                logger.warning("lorastar: no admin_token (or LORASTAR_ADMIN_TOKEN): admin routes refuse every request")
+            self._started = True
+
+    async def stop(self) -> None:
+        """Let in-flight requests finish (up to ``shutdown_drain_timeout``), then stop an engine we own."""
+        if not self._started:
+            return
+        self._started = False
+        if self._owns_engine and self.engine is not None:
+            await self.engine.shutdown(drain_timeout=self.config.shutdown_drain_timeout)
+
+    async def ready(self) -> Any:
+        """The running engine. Starts it on first use when no lifespan ran (e.g. under a Starlette Mount)."""
+        if not self._started:
+            logger.warning("lorastar: engine started lazily; run the app's lifespan (see lorastar.plugin.lifespan)")
+            await self.start()
+        if getattr(self.engine, "errored", False):
+            raise EngineDeadError("The engine has died; the server cannot serve requests.")
+        return self.engine
+
+    def healthy(self) -> bool:
+        return self._started and self.engine is not None and not getattr(self.engine, "errored", False)
+
+    def _stats(self) -> Any:
+        if not self._started or self.engine is None:
+            return None
+        try:
+            return self.engine.stats()
+        except Exception:  # a scrape must never fail because the engine is shutting down
+            logger.debug("lorastar: stats() failed", exc_info=True)
+            return None
+
+    def _max_loras(self) -> int:
+        return int(self.config.engine.max_loras)
+
+    # ------------------------------------------------------------------ model names
+
+    def adapter_names(self) -> list[str]:
+        return [a.name for a in self.engine.list_adapters()] if self.engine is not None else []
+
+    async def resolve_model(self, model: str | None) -> str | None:
+        """The adapter a request's ``model`` selects (``None``: the base). 404 when unknown."""
+        if not model or model == self.served_model_name:
+            return None
+        if model in self.adapter_names():
+            return model
+        if self.config.enable_adapter_resolver and self.adapter_root is not None:
+            if await self._resolve_from_root(model):
+                return model
+        raise not_found(f"The model `{model}` does not exist.", "model")
+
+    async def _resolve_from_root(self, name: str) -> bool:
+        # Only a plain folder name directly under the root: no separators, no dot-names.
+        if not name or name.startswith(".") or "/" in name or "\\" in name or "\x00" in name:
+            return False
+        root = self.adapter_root
+        assert root is not None
+        candidate = (root / name).resolve()
+        if not candidate.is_relative_to(root) or not (candidate / "adapter_config.json").is_file():
+            return False
+        lock = self._resolver_locks.setdefault(name, asyncio.Lock())
+        async with lock:  # concurrent first requests load once
+            if name in self.adapter_names():
+                return True
+            await self.engine.load_adapter(name, str(candidate))
+            self.adapter_created[name] = int(time.time())
+            logger.info("lorastar: resolver loaded adapter %r from %s", name, candidate)
+        return True
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(
+        self, prompt: str | list[int], params: Any, adapter: str | None, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """``engine.generate`` plus metrics and a guaranteed abort when the consumer goes away."""
+        engine = self.engine
+        label = adapter or self.served_model_name
+        self.metrics.request_started(label)
+        t0 = time.monotonic()
+        last_t: float | None = None
+        prev_tokens = 0
+        finished = False
+        try:
+            async with aclosing(engine.generate(prompt, params, adapter=adapter, request_id=request_id)) as gen:
+                async for out in gen:
+                    now = time.monotonic()
+                    ntok = sum(len(o.token_ids) for o in out.outputs)
+                    new = ntok - prev_tokens
+                    if new > 0:
+                        if last_t is None:
+                            self.metrics.first_token(now - t0)
+                            if new > 1:
+                                self.metrics.inter_token(0.0, new - 1)
+                        else:
+                            self.metrics.inter_token(now - last_t, new)
+                        last_t, prev_tokens = now, ntok
+                    if out.finished:
+                        finished = True
+                        self.metrics.request_finished(
+                            label, now - t0, len(out.prompt_token_ids), ntok,
+                            [o.finish_reason or "unknown" for o in out.outputs],
+                        )
+                    yield out
+        finally:
+            if not finished and engine is not None:
+                # The engine aborts on generator close too; this makes it certain (and is a no-op
+                # for a finished id). Shielded: under anyio's cancellation every await would raise.
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await engine.abort(request_id)
+                    except Exception:
+                        logger.debug("lorastar: abort(%s) failed", request_id, exc_info=True)
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as ``(stream index, output)``; one stream is iterated inline.
+
+    Closing (or cancelling) the merged iterator cancels every producer, which aborts its request.
+    """
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as gen:  # type: ignore[type-var]
+            async for out in gen:
+                yield 0, out
+        return
+
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(gen) as g:  # type: ignore[type-var]
+                async for out in g:
+                    queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def wait_for_disconnect(receive: Any) -> None:
+    """Return when the client has gone (``http.disconnect``); the request body was already read."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(coro: Any, receive: Any) -> Any:
+    """Await ``coro`` unless the client disconnects first; then cancel it (aborting its requests)."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+        watcher.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(work, watcher, return_exceptions=True)
+    if work.cancelled():
+        raise APIError("Client disconnected.", 499, type="ClientDisconnected")
+    return work.result()
+
+
+def adapter_not_found_to_404(exc: AdapterNotFoundError, model: str | None) -> APIError:
+    return not_found(f"The model `{model}` does not exist.", "model")

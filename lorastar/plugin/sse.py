@@ -1,0 +1,47 @@
+"""Server-sent events exactly as vLLM frames them: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``.
+
+(Litestar's ``ServerSentEvent`` would frame with ``\\r\\n``; OpenAI clients expect ``\\n\\n``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar.response import Stream
+
+from lorastar.plugin.errors import to_api_error
+
+DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+_encoder = msgspec.json.Encoder()
+
+
+def frame(obj: Any) -> bytes:
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+async def sse_frames(events: AsyncIterator[Any], *, retry_after: int = 1) -> AsyncIterator[bytes]:
+    """Frame ``events`` (Structs/dicts); an error after the stream started becomes one in-band
+    ``data: {"error": ...}`` frame, then ``[DONE]``. A disconnect cancels ``events`` (aborting)."""
+    try:
+        async for event in events:
+            yield frame(event)
+    except Exception as exc:  # CancelledError (disconnect) is a BaseException and passes through
+        yield frame(to_api_error(exc, retry_after=retry_after).body())
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    yield DONE
+
+
+def sse_response(events: AsyncIterator[Any], *, retry_after: int = 1) -> Stream:
+    return Stream(
+        sse_frames(events, retry_after=retry_after),
+        media_type="text/event-stream",
+        status_code=200,
+        headers=SSE_HEADERS,
+    )

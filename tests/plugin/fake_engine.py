@@ -1,0 +1,168 @@
+"""A tiny in-process stand-in for ``AsyncLLM`` (pure HTTP behaviour tests; no torch).
+
+Tokens are characters (id = ord); the "model" echoes the prompt reversed, one char per step, an
+adapter upper-cases it. It keeps the counters the plugin reads (running, aborts, blocks held).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lorastar.engine.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
+from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lorastar.engine.sampling import SamplingParams
+
+
+class CharTokenizer:
+    eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 0x110000
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+@dataclass
+class FakeAdapter:
+    name: str
+    path: str
+    rank: int = 8
+    content_hash: str = "x"
+
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    adapters: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class FakeAsyncLLM:
+    def __init__(self, step_delay: float = 0.002, max_model_len: int = 256, max_waiting: int | None = None) -> None:
+        self.tokenizer = CharTokenizer()
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.max_waiting = max_waiting
+        self.errored = False
+        self.adapters: dict[str, FakeAdapter] = {}
+        self.running: dict[str, str | None] = {}
+        self.aborted: list[str] = []
+        self.started = False
+        self.total_prompt = 0
+        self.total_gen = 0
+        self.fail_after: int | None = None  # raise RuntimeError after this many steps (in-band errors)
+        self.fail_on_submit: BaseException | None = None
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self, drain_timeout: float = 5.0) -> None:
+        self.started = False
+
+    def list_adapters(self) -> list[FakeAdapter]:
+        return list(self.adapters.values())
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        import os
+
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise AdapterError(f"lora_path {path} has no adapter_config.json")
+        self.adapters[name] = FakeAdapter(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
+        del self.adapters[name]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        return self.tokenizer.encode(text)
+
+    def stats(self) -> FakeStats:
+        per: dict[str, dict[str, int]] = {}
+        for a in self.running.values():
+            if a:
+                per.setdefault(a, {"running": 0, "waiting": 0})["running"] += 1
+        return FakeStats(num_running=len(self.running), kv_cache_usage=len(self.running) / 100,
+                         prompt_tokens_total=self.total_prompt, generation_tokens_total=self.total_gen, adapters=per)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.aborted.append(request_id)
+            self.running.pop(request_id, None)
+
+    async def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
+        adapter: str | None = None, request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        sp = sampling_params or SamplingParams()
+        if self.errored:
+            raise EngineDeadError("engine is dead")
+        if self.fail_on_submit is not None:
+            raise self.fail_on_submit
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterNotFoundError(f"adapter {adapter!r} is not loaded")
+        if self.max_waiting is not None and len(self.running) >= self.max_waiting:
+            raise EngineOverloadedError("waiting queue is full")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is longer than max_model_len ({len(ids)} >= {self.max_model_len})")
+        rid = request_id or "r"
+        self.running[rid] = adapter
+        self.total_prompt += len(ids)
+        src = "".join(chr(i) for i in reversed(ids)) or "x"
+        if adapter:
+            src = src.upper()
+        metrics = RequestMetrics(arrival_time=time.time())
+        outs = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None)
+                for i in range(sp.n)]
+        try:
+            for step in range(sp.max_tokens):
+                await asyncio.sleep(self.step_delay)
+                if self.fail_after is not None and step >= self.fail_after:
+                    raise RuntimeError("boom: secret internal detail")
+                if rid not in self.running:
+                    for o in outs:
+                        o.finish_reason = "abort"
+                    yield RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, outs, True, adapter)
+                    return
+                for o in outs:
+                    ch = src[(step + o.index) % len(src)]
+                    o.token_ids.append(ord(ch))
+                    o.text += ch
+                    if o.logprobs is not None:
+                        o.logprobs.append({ord(ch): Logprob(math.log(0.5), 1, ch), ord("z"): Logprob(math.log(0.25), 2, "z")})
+                    stop = next((s for s in sp.stop or [] if s in o.text), None)
+                    if stop is not None:
+                        o.text = o.text[: o.text.index(stop)]
+                        o.finish_reason, o.stop_reason = "stop", stop
+                    elif step + 1 == sp.max_tokens:
+                        o.finish_reason = "length"
+                self.total_gen += sp.n
+                done = all(o.finish_reason for o in outs)
+                yield RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
+                                    [CompletionOutput(o.index, o.text, list(o.token_ids), None,
+                                                      list(o.logprobs) if o.logprobs is not None else None,
+                                                      o.finish_reason, o.stop_reason) for o in outs],
+                                    done, adapter, num_cached_tokens=0, metrics=metrics)
+                if done:
+                    return
+        finally:
+            if self.running.pop(rid, "gone") != "gone":
+                self.aborted.append(rid)

@@ -1,0 +1,345 @@
+"""Pure HTTP behaviour of the plugin (framing, errors, auth, lifecycle) on a fake engine: fast, no torch.
+
+The engine-backed checks (real outputs, blocks freed, load test) are in the other test files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import ServerThread, wait_until
+from fake_engine import FakeAsyncLLM
+from litestar import Litestar, Request, Response, get
+from litestar.exceptions import HTTPException
+
+from lorastar.engine.errors import EngineOverloadedError
+from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app
+
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "any") -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_KEYS, body
+    assert body["error"]["code"] == status
+    assert "Traceback" not in resp.text
+    if param != "any":
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+@pytest.fixture(scope="module")
+def fake_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fake-adapters")
+    for name in ("a1", "a2", "lazy"):
+        (root / name).mkdir()
+        (root / name / "adapter_config.json").write_text("{}")
+    outside = tmp_path_factory.mktemp("outside")
+    (outside / "adapter_config.json").write_text("{}")
+    os.symlink(outside, root / "sneaky")  # inside the root by name, outside once resolved
+    return root
+
+
+@pytest.fixture(scope="module")
+def fake(fake_root: Path) -> Iterator[tuple[ServerThread, FakeAsyncLLM]]:
+    engine = FakeAsyncLLM()
+
+    @get("/mine")
+    async def mine(lorastar_engine: Any) -> dict[str, str]:
+        return {"engine": type(lorastar_engine).__name__}
+
+    def app_http_handler(_: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+        return Response({"app": "own handler", "status": exc.status_code}, status_code=exc.status_code)
+
+    app = Litestar(
+        route_handlers=[mine],
+        exception_handlers={HTTPException: app_http_handler, 400: app_http_handler},
+        plugins=[LoraStarPlugin(LoraStarConfig(async_engine=engine, adapter_root=fake_root, admin_token="tok",
+                                               adapters={"a1": str(fake_root / "a1")},
+                                               enable_adapter_resolver=True))],
+    )
+    with ServerThread(app) as srv:
+        yield srv, engine
+
+
+@pytest.fixture(autouse=True)
+def _reset_fake(request: pytest.FixtureRequest) -> None:
+    if "fake" in request.fixturenames:
+        engine = request.getfixturevalue("fake")[1]
+        engine.fail_after = None
+        engine.fail_on_submit = None
+        engine.errored = False
+
+
+@pytest.fixture()
+def http(fake: tuple[ServerThread, FakeAsyncLLM]) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fake[0].url, timeout=30) as c:
+        yield c
+
+
+def test_user_routes_dependency_and_handlers_untouched(http: httpx.Client) -> None:
+    assert http.get("/mine").json() == {"engine": "FakeAsyncLLM"}
+    # The app's own exception handler still answers outside the plugin's routes...
+    assert http.get("/nowhere").json() == {"app": "own handler", "status": 404}
+    # ...while the plugin's routes answer in the OpenAI shape, even for a 400 the app maps itself.
+    assert_error(http.post("/v1/completions", json={"prompt": 5}), 400)
+    schema = http.get("/schema/openapi.json").json()
+    assert "/mine" in schema["paths"] and "/v1/completions" in schema["paths"]
+
+
+def test_post_routes_answer_200_and_sse_framing_is_exact(http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
+    with http.stream("POST", "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True},
+    }) as s:
+        assert s.status_code == 200
+        assert s.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(s.iter_raw()).decode()
+    frames = raw.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    assert all(re.fullmatch(r"data: \{.*\}", f) for f in frames[:-2]), frames
+    chunks = [json.loads(f[6:]) for f in frames[:-2]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert "usage" not in chunks[1]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "logprobs": 99}, "logprobs"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [[1], [-3]]}, "prompt"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ({"prompt": "x" * 300}, "prompt"),  # longer than max_model_len (fake: 256)
+        ({"prompt": list(range(1, 300))}, "prompt"),
+    ],
+)
+def test_completion_validation_errors_name_the_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1000}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_chat_validation_errors_name_the_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_malformed_json_and_unknown_model(http: httpx.Client) -> None:
+    assert_error(http.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}), 400)
+    err = assert_error(http.post("/v1/completions", json={"prompt": "x", "model": "ghost"}), 404, "model")
+    assert err["type"] == "NotFoundError"
+    err = assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                              "model": "ghost", "stream": True}), 404, "model")
+
+
+def test_overloaded_is_503_with_retry_after(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+    fake[1].fail_on_submit = EngineOverloadedError("waiting queue is full (max_waiting=1)")
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": "x", "stream": stream})
+        assert_error(r, 503)
+        assert r.headers["retry-after"] == "1"
+
+
+def test_dead_engine_health_503_and_requests_503(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+    assert http.get("/health").status_code == 200
+    fake[1].errored = True
+    assert_error(http.get("/health"), 503)
+    assert_error(http.post("/v1/completions", json={"prompt": "x"}), 503)
+    fake[1].errored = False
+    assert http.get("/health").status_code == 200
+
+
+def test_unexpected_engine_error_is_500_without_traceback(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
+    fake[1].fail_on_submit = RuntimeError("secret internal detail")
+    err = assert_error(http.post("/v1/completions", json={"prompt": "x"}), 500)
+    assert "secret" not in err["message"]
+
+
+def test_error_after_stream_start_goes_in_band(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+    fake[1].fail_after = 2
+    r = http.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 6, "stream": True})
+    assert r.status_code == 200
+    frames = r.text.split("\n\n")
+    assert frames[-2] == "data: [DONE]"
+    last = json.loads(frames[-3][6:])
+    assert set(last) == {"error"} and last["error"]["code"] == 500 and "secret" not in r.text
+
+
+def test_client_disconnect_mid_stream_aborts(fake: tuple[ServerThread, FakeAsyncLLM]) -> None:
+    engine = fake[1]
+    before = len(engine.aborted)
+    with httpx.Client(base_url=fake[0].url, timeout=30) as c, c.stream(
+        "POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 200, "stream": True}
+    ) as s:
+        it = s.iter_lines()
+        assert next(it).startswith("data: ")
+    assert wait_until(lambda: len(engine.aborted) > before and not engine.running, 10)
+
+
+def test_client_disconnect_non_stream_aborts(fake: tuple[ServerThread, FakeAsyncLLM]) -> None:
+    engine = fake[1]
+    before = len(engine.aborted)
+    with httpx.Client(base_url=fake[0].url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2000})
+    assert wait_until(lambda: len(engine.aborted) > before and not engine.running, 10)
+
+
+def test_openai_client_against_fake(fake: tuple[ServerThread, FakeAsyncLLM]) -> None:
+    client = openai.OpenAI(base_url=fake[0].url + "/v1", api_key="unused")
+    ids = [m.id for m in client.models.list().data]
+    assert ids[0] == "fake-model" and "a1" in ids
+    r = client.completions.create(model="a1", prompt=["ab", "cd"], max_tokens=2, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == "BA" and r.usage.completion_tokens == 8
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="ghost", prompt="x")
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="fake-model", prompt="x", temperature=-2)
+    assert ei.value.body["param"] == "temperature"  # type: ignore[index]
+
+
+def test_resolver_loads_unknown_name_from_root_once(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+    r = http.post("/v1/completions", json={"prompt": "xy", "model": "lazy", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "YX"
+    assert "lazy" in fake[1].adapters
+    # Not a folder name directly under the root: never resolved.
+    for name in ("../outside", "sneaky", ".hidden", "a1/../a2"):
+        assert_error(http.post("/v1/completions", json={"prompt": "x", "model": name}), 404, "model")
+
+
+def test_admin_auth_and_path_confinement(fake: tuple[ServerThread, FakeAsyncLLM], fake_root: Path,
+                                         http: httpx.Client) -> None:
+    body = {"lora_name": "a2", "lora_path": str(fake_root / "a2")}
+    assert_error(http.post("/v1/load_lora_adapter", json=body), 401)
+    assert_error(http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Basic tok"}), 401)
+    auth = {"Authorization": "Bearer tok"}
+    for path in ("../outside", str(fake_root / ".." / "x"), "/etc", "sneaky", str(fake_root / "sneaky")):
+        assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, headers=auth),
+                     403, "lora_path")
+    assert "bad" not in fake[1].adapters
+    r = http.post("/v1/load_lora_adapter", json=body, headers=auth)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' added successfully."
+    assert_error(http.post("/v1/load_lora_adapter", json=body, headers=auth), 400, "lora_name")
+    assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "missing"}, headers=auth),
+                 400, "lora_path")
+    assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "a3"}, headers=auth), 400, "lora_path")
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth)
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' removed successfully."
+    assert_error(http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth), 404, "lora_name")
+
+
+def test_api_keys_guard_inference_routes_only() -> None:
+    engine = FakeAsyncLLM()
+    app = create_app(LoraStarConfig(async_engine=engine, api_keys=["k1", "k2"], admin_token="adm"))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url) as c:
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+            assert_error(c.request(method, path, json={}), 401)
+            assert_error(c.request(method, path, json={}, headers={"Authorization": "Bearer nope"}), 401)
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        # The admin routes take the admin token, not an API key.
+        assert_error(c.post("/v1/unload_lora_adapter", json={"lora_name": "x"},
+                            headers={"Authorization": "Bearer k1"}), 401)
+        assert_error(c.post("/v1/unload_lora_adapter", json={"lora_name": "x"},
+                            headers={"Authorization": "Bearer adm"}), 404)
+        # create_app's own unknown routes speak OpenAI errors too.
+        assert_error(c.get("/v1/nothing"), 404)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k1")
+        assert client.models.list().data[0].id == "fake-model"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="bad").models.list()
+
+
+def test_admin_routes_absent_when_runtime_loading_off_and_refused_without_token(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("LORASTAR_ADMIN_TOKEN", raising=False)
+    off = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), allow_runtime_adapter_loading=False,
+                                    admin_token="t"))
+    no_token = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), adapter_root=tmp_path))
+    with ServerThread(off) as a, ServerThread(no_token) as b:
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            r = httpx.post(a.url + route, json={"lora_name": "x", "lora_path": "y"},
+                           headers={"Authorization": "Bearer t"})
+            assert r.status_code in (404, 405)
+            assert_error(httpx.post(b.url + route, json={"lora_name": "x"}), 401)
+        paths = httpx.get(a.url + "/schema/openapi.json").json()["paths"]
+        assert "/v1/load_lora_adapter" not in paths and "/v1/completions" in paths
+
+
+def test_metrics_names_labels_and_per_plugin_registry(fake: tuple[ServerThread, FakeAsyncLLM],
+                                                       http: httpx.Client) -> None:
+    http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "model": "a1"})
+    text = http.get("/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:lora_requests_info", "lorastar:adapter_requests_total", "lorastar:adapter_generation_tokens_total"):
+        assert re.search(rf"^{re.escape(name)}\{{.*model_name=\"fake-model\"", text, re.M) or (
+            name == "vllm:lora_requests_info" and re.search(r"^vllm:lora_requests_info\{.*max_lora=", text, re.M)
+        ), name
+    assert re.search(r'^lorastar:adapter_requests_total\{adapter="a1",model_name="fake-model"\} [1-9]', text, re.M)
+    # A second app in the same process has its own registry (no duplicate-name error, fresh counters).
+    other = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), served_model_name="other"))
+    with ServerThread(other) as srv:
+        t2 = httpx.get(srv.url + "/metrics").text
+    assert 'model_name="other"' in t2 and "lorastar:adapter_requests_total{" not in t2
+
+
+def test_lifespan_starts_and_stops_owned_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    created: list[FakeAsyncLLM] = []
+
+    class Owned(FakeAsyncLLM):
+        def __init__(self, config: Any = None) -> None:
+            super().__init__()
+            self.config = config
+            created.append(self)
+
+    import lorastar.plugin.service
+
+    monkeypatch.setattr(lorastar.plugin.service, "build_engine", Owned)
+    app = create_app(LoraStarConfig(model="/some/model", max_waiting=7))
+    with ServerThread(app) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        engine = created[0]
+        assert engine.started and engine.config.model == "/some/model" and engine.config.max_waiting == 7
+    assert not engine.started  # shut down with the app
