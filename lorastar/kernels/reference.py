@@ -33,9 +33,10 @@ def ref_reshape_and_cache(
         if slot < 0:  # padding token: nothing to store
             continue
         blk, off = divmod(slot, block_size)
-        if _is_fp8(k_cache.dtype):
-            k_cache[blk, off] = (key[t].float() / k_scale).to(k_cache.dtype)
-            v_cache[blk, off] = (value[t].float() / v_scale).to(v_cache.dtype)
+        if _is_fp8(k_cache.dtype):  # saturate at the format's max (no inf/NaN from overflow)
+            fmax = torch.finfo(k_cache.dtype).max
+            k_cache[blk, off] = (key[t].float() / k_scale).clamp(-fmax, fmax).to(k_cache.dtype)
+            v_cache[blk, off] = (value[t].float() / v_scale).clamp(-fmax, fmax).to(v_cache.dtype)
         else:
             k_cache[blk, off] = key[t].to(k_cache.dtype)
             v_cache[blk, off] = value[t].to(v_cache.dtype)
