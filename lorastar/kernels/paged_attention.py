@@ -322,7 +322,7 @@ def _decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
     if programs >= sms or max_seq_len <= 4 * block_n:
         return 1
     want = triton.cdiv(2 * sms, programs)
-    return max(1, min(want, triton.cdiv(max_seq_len, 4 * block_n), 64))
+    return max(1, min(want, triton.cdiv(max_seq_len, 2 * block_n), 64))
 
 
 def paged_attention(
@@ -389,9 +389,8 @@ def paged_attention(
 
     if max_query_len == 1:
         block_g = max(16, triton.next_power_of_2(group))
-        block_n = (64 if head_dim <= 64 else 32) if on_gpu else 32
-        if on_gpu and not ieee:
-            block_n = 64
+        # fp32 (ieee dots) at head dim 128 keeps the tile small to stay in registers.
+        block_n = (32 if ieee and block_d > 64 else 64) if on_gpu else 32
         splits = num_splits or _decode_splits(batch, num_kv_heads, max_seq_len, block_n, q.device)
         # Whole BLOCK_N tiles per split, so only the last split of a sequence has a ragged tile.
         partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n

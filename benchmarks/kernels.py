@@ -1,0 +1,244 @@
+"""Kernel benchmarks on a CUDA GPU: decode/prefill paged attention and punica BGMV/SGMV LoRA.
+
+Reports achieved bandwidth (the fewest bytes each op must move: every input read once, every
+output written once) against the device's measured copy bandwidth (bytes read + written by a
+large device-to-device copy). Times are medians of ``triton.testing.do_bench`` (it flushes L2
+between repetitions, so small working sets are not served from cache).
+
+    python benchmarks/kernels.py [--out benchmarks/results] [--quick]
+
+Prints a table and writes ``kernels.md``, ``kernels.json`` and ``kernels.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton.testing  # noqa: E402
+
+from lorastar.kernels.lora import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink  # noqa: E402
+from lorastar.kernels.paged_attention import paged_attention  # noqa: E402
+
+DTYPE = torch.bfloat16
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds."""
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy GB/s, counting bytes read plus written."""
+    n = 1 << 30  # 1 GiB
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * n / ms / 1e6
+
+
+def _paged_setup(
+    batch: int, ctx: int, q_len: int, hq: int, hkv: int, d: int, bs: int, cache_dtype: torch.dtype
+) -> dict:
+    blocks_per_seq = (ctx + bs - 1) // bs
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=DTYPE).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=DTYPE).to(cache_dtype)
+    # Shuffled blocks: a real cache after churn is not contiguous per sequence.
+    perm = torch.randperm(num_blocks, device="cuda").to(torch.int32)
+    block_tables = perm.view(batch, blocks_per_seq)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * q_len
+    q = torch.randn(batch * q_len, hq, d, device="cuda", dtype=DTYPE)
+    return {
+        "args": (q, k_cache, v_cache, block_tables, seq_lens, qsl),
+        "kw": {"scale": d**-0.5, "max_query_len": q_len, "max_seq_len": ctx},
+    }
+
+
+def bench_decode_attention(copy_bw: float, quick: bool) -> list[dict]:
+    rows = []
+    hq, hkv, d, bs = 32, 8, 128, 16  # Llama-3-8B shapes
+    batches = [1, 8, 32, 64] if not quick else [1, 64]
+    ctxs = [512, 2048, 8192] if not quick else [2048]
+    for cache_dtype in (DTYPE, torch.float8_e4m3fn):
+        for batch in batches:
+            for ctx in ctxs:
+                if batch * ctx > 64 * 8192:
+                    continue
+                s = _paged_setup(batch, ctx, 1, hq, hkv, d, bs, cache_dtype)
+                kw = s["kw"]
+                if cache_dtype != DTYPE:
+                    kw = {**kw, "k_scale": 1.0, "v_scale": 1.0}
+                ms = bench(lambda s=s, kw=kw: paged_attention(*s["args"], **kw))
+                kv_bytes = 2 * batch * ctx * hkv * d * torch.empty((), dtype=cache_dtype).element_size()
+                qo_bytes = 2 * batch * hq * d * 2
+                gbs = (kv_bytes + qo_bytes) / ms / 1e6
+                rows.append(
+                    {
+                        "op": "decode_attn",
+                        "kv": str(cache_dtype).replace("torch.", ""),
+                        "batch": batch,
+                        "ctx": ctx,
+                        "us": ms * 1e3,
+                        "GB/s": gbs,
+                        "%copy": 100 * gbs / copy_bw,
+                    }
+                )
+                del s
+    return rows
+
+
+def bench_prefill_attention(quick: bool) -> list[dict]:
+    rows = []
+    hq, hkv, d, bs = 32, 8, 128, 16
+    for batch, q_len in [(1, 2048), (4, 1024)] if not quick else [(4, 1024)]:
+        s = _paged_setup(batch, q_len, q_len, hq, hkv, d, bs, DTYPE)
+        ms = bench(lambda s=s: paged_attention(*s["args"], **s["kw"]))
+        flops = batch * hq * d * 2 * 2 * (q_len * (q_len + 1) / 2)  # causal QK^T and PV
+        rows.append({"op": "prefill_attn", "batch": batch, "q_len": q_len, "us": ms * 1e3, "TFLOP/s": flops / ms / 1e9})
+    return rows
+
+
+def _lora_case(tokens: int, rank: int, num_adapters: int, hidden: int, n: int) -> dict:
+    slots = 8
+    a = torch.randn(slots, rank, hidden, device="cuda", dtype=DTYPE) * 0.02
+    b = torch.randn(slots, n, rank, device="cuda", dtype=DTYPE) * 0.02
+    ranks = torch.full((slots,), rank, dtype=torch.int32, device="cuda")
+    token_slots = (torch.arange(tokens, device="cuda") % num_adapters).to(torch.int32)
+    token_slots, _ = torch.sort(token_slots)  # segments for SGMV
+    counts = torch.bincount(token_slots, minlength=num_adapters)[:num_adapters]
+    seg_starts = torch.zeros(num_adapters + 1, dtype=torch.int32, device="cuda")
+    seg_starts[1:] = torch.cumsum(counts, 0)
+    return {
+        "x": torch.randn(tokens, hidden, device="cuda", dtype=DTYPE),
+        "y": torch.randn(tokens, n, device="cuda", dtype=DTYPE),
+        "buf": torch.zeros(tokens, rank, device="cuda", dtype=torch.float32),
+        "a": a,
+        "b": b,
+        "ranks": ranks,
+        "token_slots": token_slots,
+        "seg_starts": seg_starts,
+        "seg_slots": torch.arange(num_adapters, dtype=torch.int32, device="cuda"),
+        "max_seg": int(counts.max()),
+    }
+
+
+def bench_lora(copy_bw: float, quick: bool) -> list[dict]:
+    rows = []
+    hidden = n = 4096
+    cases = [(t, r, min(t, 4)) for r in (16, 64) for t in ([1, 8, 16, 32, 64] if not quick else [1, 64])]
+    cases += [(t, r, 4) for r in (16, 64) for t in ([256, 2048] if not quick else [2048])]  # prefill: SGMV
+    for tokens, rank, num_adapters in cases:
+        c = _lora_case(tokens, rank, num_adapters, hidden, n)
+        forms = ("bgmv", "sgmv") if tokens <= 64 else ("sgmv",)
+        for form in forms:
+            if form == "bgmv":
+                shrink = lambda c=c: bgmv_shrink(c["x"], c["a"], c["buf"], c["token_slots"], c["ranks"])  # noqa: E731
+                expand = lambda c=c: bgmv_expand(c["buf"], c["b"], c["y"], c["token_slots"], c["ranks"], 0)  # noqa: E731
+            else:
+                shrink = lambda c=c: sgmv_shrink(  # noqa: E731
+                    c["x"], c["a"], c["buf"], c["seg_starts"], c["seg_slots"], c["ranks"], max_seg_len=c["max_seg"]
+                )
+                expand = lambda c=c: sgmv_expand(  # noqa: E731
+                    c["buf"], c["b"], c["y"], c["seg_starts"], c["seg_slots"], c["ranks"], 0, max_seg_len=c["max_seg"]
+                )
+            # Shrink's fp32 out needs zeroing (split-K atomics); count that memset in its time.
+            ms_s = bench(lambda shrink=shrink, c=c: (c["buf"].zero_(), shrink()))
+            ms_e = bench(expand)
+            shrink_bytes = num_adapters * rank * hidden * 2 + tokens * hidden * 2 + tokens * rank * 4
+            expand_bytes = num_adapters * n * rank * 2 + tokens * rank * 4 + 2 * tokens * n * 2
+            for op, ms, nbytes in (("shrink", ms_s, shrink_bytes), ("expand", ms_e, expand_bytes)):
+                gbs = nbytes / ms / 1e6
+                rows.append(
+                    {
+                        "op": f"{form}_{op}",
+                        "tokens": tokens,
+                        "rank": rank,
+                        "adapters": num_adapters,
+                        "us": ms * 1e3,
+                        "GB/s": gbs,
+                        "%copy": 100 * gbs / copy_bw,
+                    }
+                )
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        cells = [f"{r[k]:.1f}" if isinstance(r.get(k), float) else str(r.get(k, "")) for k in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _plot(decode: list[dict], lora: list[dict], copy_bw: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax = axes[0]
+    for kv in sorted({r["kv"] for r in decode}):
+        for ctx in sorted({r["ctx"] for r in decode}):
+            pts = [r for r in decode if r["kv"] == kv and r["ctx"] == ctx]
+            if pts:
+                ax.plot([p["batch"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{kv} ctx {ctx}")
+    ax.axhline(copy_bw, color="gray", ls="--", label="copy bandwidth")
+    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="GB/s", title="decode paged attention (32q/8kv x 128)")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    for op in sorted({r["op"] for r in lora}):
+        for rank in sorted({r["rank"] for r in lora}):
+            pts = [r for r in lora if r["op"] == op and r["rank"] == rank]
+            if pts:
+                ax.plot([p["tokens"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{op} r{rank}")
+    ax.axhline(copy_bw, color="gray", ls="--", label="copy bandwidth")
+    ax.set(xscale="log", xlabel="tokens", ylabel="GB/s", title="LoRA shrink/expand (hidden 4096, bf16)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    out = Path(args.out)
+    os.makedirs(out, exist_ok=True)
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth()
+    decode = bench_decode_attention(copy_bw, args.quick)
+    prefill = bench_prefill_attention(args.quick)
+    lora = bench_lora(copy_bw, args.quick)
+    header = f"{name}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s"
+    text = "\n\n".join([header, _table(decode), _table(prefill), _table(lora)])
+    print(text)
+    (out / "kernels.md").write_text(text + "\n")
+    (out / "kernels.json").write_text(
+        json.dumps({"device": name, "copy_GBps": copy_bw, "decode": decode, "prefill": prefill, "lora": lora}, indent=1)
+    )
+    _plot(decode, lora, copy_bw, out / "kernels.png")
+
+
+if __name__ == "__main__":
+    main()
