@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -139,30 +141,21 @@ class Sampler:
         dev = x.device
 
         # Output-token counts [R, V] via one scatter-add over the flattened (row, token) pairs.
-        o_rows: list[int] = []
-        o_toks: list[int] = []
-        for i, r in enumerate(rows):
-            if need_out[i]:
-                toks = [t for t in r.output_token_ids if 0 <= t < vocab]
-                o_toks.extend(toks)
-                o_rows.extend([i] * len(toks))
         counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)  # [R, V]
-        if o_toks:
-            flat = torch.tensor(o_rows, device=dev) * vocab + torch.tensor(o_toks, device=dev)  # [N]
+        flat = _flat_indices(
+            [r.output_token_ids if need_out[i] else () for i, r in enumerate(rows)], vocab, dev
+        )
+        if flat.numel():
             counts.view(-1).index_add_(0, flat, torch.ones(flat.numel(), device=dev))
         seen_out = counts > 0  # [R, V]
 
         if any(need_rep):
             seen = seen_out.clone()  # [R, V]: in prompt or output
-            p_rows: list[int] = []
-            p_toks: list[int] = []
-            for i, r in enumerate(rows):
-                if need_rep[i]:
-                    toks = [t for t in r.prompt_token_ids if 0 <= t < vocab]
-                    p_toks.extend(toks)
-                    p_rows.extend([i] * len(toks))
-            if p_toks:
-                seen[torch.tensor(p_rows, device=dev), torch.tensor(p_toks, device=dev)] = True
+            flat = _flat_indices(
+                [r.prompt_token_ids if need_rep[i] else () for i, r in enumerate(rows)], vocab, dev
+            )
+            if flat.numel():
+                seen.view(-1).index_fill_(0, flat, True)
             rp = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
             penalized = torch.where(x > 0, x / rp, x * rp)
             x.copy_(torch.where(seen, penalized, x))
@@ -209,19 +202,19 @@ class Sampler:
                 device=self.generator.device,
             )
             u[torch.tensor(default_idx, device=dev)] = draw.to(dev)
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                # Exactly one draw from the row's own generator per step, whatever the batch is.
-                g = r.generator
-                u[i] = torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(dev)
+        seeded = [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None]
+        if seeded:
+            # Exactly one draw from each row's own generator per step, whatever the batch is.
+            draws = [
+                torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(dev) for _, g in seeded
+            ]
+            u[torch.tensor([i for i, _ in seeded], device=dev)] = torch.cat(draws).unsqueeze(1)
         cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [R, V]; fp64 so the tail keeps its mass
-        target = u * cdf[:, -1:]  # [R, 1]
+        total = cdf[:, -1:]  # [R, 1]
+        # u * total can round up to total: cap just below it, so the first cdf entry above the
+        # target always belongs to a token with mass (no host sync needed for the edge case).
+        target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1]
         tok = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [R]
-        # u * total can round up to total: fall back to the last token with mass.
-        overflow = tok >= vocab
-        if bool(overflow.any()):
-            last = (probs > 0).to(torch.int64) * torch.arange(vocab, device=dev)  # [R, V]
-            tok = torch.where(overflow, last.argmax(dim=-1), tok)
         return tok
 
     # ------------------------------------------------------------------ logprobs
@@ -256,6 +249,18 @@ class Sampler:
                     d.setdefault(t, (v, rank))
             out[i] = d
         return out
+
+
+def _flat_indices(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
+    """Flat ``row * vocab + token`` indices [N] for ragged per-row token lists (out-of-range ids
+    dropped). Built with numpy: torch.tensor() on a long Python list costs ~10x more."""
+    lens = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
+    total = int(lens.sum())
+    toks = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)  # [N]
+    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lens)  # [N]
+    ok = (toks >= 0) & (toks < vocab)
+    flat = rows[ok] * vocab + toks[ok]
+    return torch.from_numpy(flat).to(device)
 
 
 # ---------------------------------------------------------------------- truncation
