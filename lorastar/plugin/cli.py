@@ -30,11 +30,20 @@ def _error_message(resp: httpx.Response) -> str:
     return str(body)
 
 
-def _request(ctx: click.Context, method: str, route: str, *, token: str | None, json: Any = None) -> httpx.Response:
-    url = ctx.obj["url"].rstrip("/") + route
+_META_KEY = "lorastar.lora"
+
+
+def _settings() -> dict[str, Any]:
+    # ctx.meta, not ctx.obj: under the litestar CLI ctx.obj is Litestar's own LitestarEnv.
+    return click.get_current_context().meta[_META_KEY]  # type: ignore[no-any-return]
+
+
+def _request(method: str, route: str, *, token: str | None, json: Any = None) -> httpx.Response:
+    settings = _settings()
+    url = settings["url"].rstrip("/") + route
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.request(method, url, json=json, headers=headers, timeout=ctx.obj["timeout"])
+        resp = httpx.request(method, url, json=json, headers=headers, timeout=settings["timeout"])
     except httpx.HTTPError as exc:
         raise click.ClickException(f"cannot reach {url}: {exc}") from exc
     if resp.status_code >= 400:
@@ -53,15 +62,14 @@ def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
     @click.option("--api-key", envvar=API_KEY_ENV, default=None,
                   help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).")
     @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the server.")
-    @click.pass_context
-    def lora(ctx: click.Context, url: str, token: str | None, api_key: str | None, timeout: float) -> None:
-        ctx.ensure_object(dict)
-        ctx.obj.update(url=url, token=token, api_key=api_key or token, timeout=timeout)
+    def lora(url: str, token: str | None, api_key: str | None, timeout: float) -> None:
+        # No click.pass_context / `ctx` parameters: the litestar CLI wraps callbacks and injects `ctx` itself.
+        click.get_current_context().meta[_META_KEY] = dict(url=url, token=token, api_key=api_key or token,
+                                                           timeout=timeout)
 
     @lora.command("list", help="List the base model and the loaded adapters.")
-    @click.pass_context
-    def list_cmd(ctx: click.Context) -> None:
-        data = _request(ctx, "GET", "/models", token=ctx.obj["api_key"]).json().get("data", [])
+    def list_cmd() -> None:
+        data = _request("GET", "/models", token=_settings()["api_key"]).json().get("data", [])
         base = [m for m in data if not m.get("parent")]
         adapters = [m for m in data if m.get("parent")]
         for m in base:
@@ -78,17 +86,15 @@ def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
     @click.argument("name")
     @click.argument("path")
     @click.option("--replace", is_flag=True, help="Replace an adapter already loaded under NAME.")
-    @click.pass_context
-    def load_cmd(ctx: click.Context, name: str, path: str, replace: bool) -> None:
-        resp = _request(ctx, "POST", "/load_lora_adapter", token=ctx.obj["token"],
+    def load_cmd(name: str, path: str, replace: bool) -> None:
+        resp = _request("POST", "/load_lora_adapter", token=_settings()["token"],
                         json={"lora_name": name, "lora_path": path, "load_inplace": replace})
         click.echo(resp.text.strip())
 
     @lora.command("unload", help="Unload the adapter NAME.")
     @click.argument("name")
-    @click.pass_context
-    def unload_cmd(ctx: click.Context, name: str) -> None:
-        resp = _request(ctx, "POST", "/unload_lora_adapter", token=ctx.obj["token"], json={"lora_name": name})
+    def unload_cmd(name: str) -> None:
+        resp = _request("POST", "/unload_lora_adapter", token=_settings()["token"], json={"lora_name": name})
         click.echo(resp.text.strip())
 
     return lora

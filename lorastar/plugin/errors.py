@@ -43,6 +43,8 @@ _TYPES = {
 }
 
 _FIELD_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\b")
+# Engine-side names of request fields -> the wire field a client sent.
+_PARAM_ALIASES = {"prompt_token_ids": "prompt", "sampling_params": None, "request_id": None}
 
 
 class ErrorInfo(msgspec.Struct):
@@ -88,6 +90,8 @@ def param_from_message(message: str, known: set[str] | frozenset[str] | None = N
     if not m:
         return None
     name = m.group(1)
+    if name in _PARAM_ALIASES:
+        return _PARAM_ALIASES[name]
     if known is not None and name not in known:
         return None
     return name

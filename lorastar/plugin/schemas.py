@@ -49,7 +49,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: 16 (vLLM's default), less when the context has less room
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None

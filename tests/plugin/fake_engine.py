@@ -24,6 +24,9 @@ class CharTokenizer:
     def __len__(self) -> int:
         return 0x110000
 
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
     def encode(self, text: str, **_: Any) -> list[int]:
         return [ord(c) for c in text]
 

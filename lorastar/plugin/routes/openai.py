@@ -298,10 +298,14 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         tokenizer = engine.tokenizer
         prompts = _parse_prompts(data.prompt, _vocab_size(tokenizer))
         max_model_len = int(engine.max_model_len)
-        max_tokens = data.max_tokens if data.max_tokens is not None else 16
-        for p in prompts:  # token-id prompts can be checked here; text prompts are checked by the engine
-            if isinstance(p, list):
-                _check_length(max_model_len, len(p), max_tokens, chat=False)
+        max_tokens = data.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be an integer >= 1, got {max_tokens}.", param="max_tokens")
+        lengths = [len(p) if isinstance(p, list) else len(_tokenize(engine, p)) for p in prompts]
+        if max_tokens is None:  # the default 16, shortened when a prompt leaves less room
+            max_tokens = max(1, min([16, *(max_model_len - n for n in lengths)]))
+        for n_prompt in lengths:
+            _check_length(max_model_len, n_prompt, max_tokens, chat=False)
         params = _sampling_params(data, max_tokens=max_tokens, logprobs=data.logprobs)
         request_id = _random_id("cmpl")
         created = int(time.time())
@@ -462,6 +466,14 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                                                usage=_usage_of(finals)), status_code=HTTP_200_OK)
 
     return [list_models, create_completion, create_chat_completion]
+
+
+def _tokenize(engine: Any, prompt: str) -> list[int]:
+    """The prompt's token ids, as the engine counts them (for vLLM's length checks)."""
+    tokenize = getattr(engine, "tokenize", None)
+    if callable(tokenize):
+        return list(tokenize(prompt))
+    return list(engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
 
 def _vocab_size(tokenizer: Any) -> int | None:
