@@ -31,9 +31,49 @@ from lorastar.kernels.paged_attention import paged_attention  # noqa: E402
 DTYPE = torch.bfloat16
 
 
-def bench(fn: Callable[[], object]) -> float:
-    """Median milliseconds."""
+def bench_eager(fn: Callable[[], object]) -> float:
+    """Median milliseconds of one eager call (launch overhead included when it exceeds the flush)."""
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+_FLUSH: torch.Tensor | None = None
+
+
+def bench(fn: Callable[[], object], n: int = 20) -> float:
+    """Median milliseconds of the GPU work alone: ``n`` calls replayed from one CUDA graph (as the
+    engine runs decode steps), each after an L2 flush; the flushes' own time is subtracted."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    flush = _FLUSH
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) outside the capture
+        fn()
+        flush.zero_()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graphs = []
+    for with_fn in (True, False):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(n):
+                flush.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(g)
+    meds = []
+    for g in graphs:
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / n)
+        meds.append(sorted(times)[len(times) // 2])
+    return max(meds[0] - meds[1], 1e-4)
 
 
 def copy_bandwidth() -> float:
@@ -41,7 +81,7 @@ def copy_bandwidth() -> float:
     n = 1 << 30  # 1 GiB
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
+    ms = bench_eager(lambda: dst.copy_(src))
     return 2 * n / ms / 1e6
 
 
@@ -78,7 +118,9 @@ def bench_decode_attention(copy_bw: float, quick: bool) -> list[dict]:
                 kw = s["kw"]
                 if cache_dtype != DTYPE:
                     kw = {**kw, "k_scale": 1.0, "v_scale": 1.0}
-                ms = bench(lambda s=s, kw=kw: paged_attention(*s["args"], **kw))
+                fn = lambda s=s, kw=kw: paged_attention(*s["args"], **kw)  # noqa: E731
+                ms = bench(fn)
+                eager_ms = bench_eager(fn)
                 kv_bytes = 2 * batch * ctx * hkv * d * torch.empty((), dtype=cache_dtype).element_size()
                 qo_bytes = 2 * batch * hq * d * 2
                 gbs = (kv_bytes + qo_bytes) / ms / 1e6
@@ -91,6 +133,7 @@ def bench_decode_attention(copy_bw: float, quick: bool) -> list[dict]:
                         "us": ms * 1e3,
                         "GB/s": gbs,
                         "%copy": 100 * gbs / copy_bw,
+                        "eager_us": eager_ms * 1e3,
                     }
                 )
                 del s
@@ -104,7 +147,15 @@ def bench_prefill_attention(quick: bool) -> list[dict]:
         s = _paged_setup(batch, q_len, q_len, hq, hkv, d, bs, DTYPE)
         ms = bench(lambda s=s: paged_attention(*s["args"], **s["kw"]))
         flops = batch * hq * d * 2 * 2 * (q_len * (q_len + 1) / 2)  # causal QK^T and PV
-        rows.append({"op": "prefill_attn", "batch": batch, "q_len": q_len, "us": ms * 1e3, "TFLOP/s": flops / ms / 1e9})
+        rows.append(
+            {
+                "op": "prefill_attn",
+                "batch": batch,
+                "q_len": q_len,
+                "us": ms * 1e3,
+                "TFLOP/s": flops / ms / 1e9,
+            }
+        )
     return rows
 
 
@@ -136,6 +187,7 @@ def bench_lora(copy_bw: float, quick: bool) -> list[dict]:
     rows = []
     hidden = n = 4096
     cases = [(t, r, min(t, 4)) for r in (16, 64) for t in ([1, 8, 16, 32, 64] if not quick else [1, 64])]
+    cases += [(64, 64, 8), (64, 16, 8)]  # decode, every slot busy
     cases += [(t, r, 4) for r in (16, 64) for t in ([256, 2048] if not quick else [2048])]  # prefill: SGMV
     for tokens, rank, num_adapters in cases:
         c = _lora_case(tokens, rank, num_adapters, hidden, n)
@@ -146,14 +198,28 @@ def bench_lora(copy_bw: float, quick: bool) -> list[dict]:
                 expand = lambda c=c: bgmv_expand(c["buf"], c["b"], c["y"], c["token_slots"], c["ranks"], 0)  # noqa: E731
             else:
                 shrink = lambda c=c: sgmv_shrink(  # noqa: E731
-                    c["x"], c["a"], c["buf"], c["seg_starts"], c["seg_slots"], c["ranks"], max_seg_len=c["max_seg"]
+                    c["x"],
+                    c["a"],
+                    c["buf"],
+                    c["seg_starts"],
+                    c["seg_slots"],
+                    c["ranks"],
+                    max_seg_len=c["max_seg"],
                 )
                 expand = lambda c=c: sgmv_expand(  # noqa: E731
-                    c["buf"], c["b"], c["y"], c["seg_starts"], c["seg_slots"], c["ranks"], 0, max_seg_len=c["max_seg"]
+                    c["buf"],
+                    c["b"],
+                    c["y"],
+                    c["seg_starts"],
+                    c["seg_slots"],
+                    c["ranks"],
+                    0,
+                    max_seg_len=c["max_seg"],
                 )
             # Shrink's fp32 out needs zeroing (split-K atomics); count that memset in its time.
             ms_s = bench(lambda shrink=shrink, c=c: (c["buf"].zero_(), shrink()))
             ms_e = bench(expand)
+            eager_s = bench_eager(lambda shrink=shrink, c=c: (c["buf"].zero_(), shrink()))
             shrink_bytes = num_adapters * rank * hidden * 2 + tokens * hidden * 2 + tokens * rank * 4
             expand_bytes = num_adapters * n * rank * 2 + tokens * rank * 4 + 2 * tokens * n * 2
             for op, ms, nbytes in (("shrink", ms_s, shrink_bytes), ("expand", ms_e, expand_bytes)):
@@ -167,8 +233,34 @@ def bench_lora(copy_bw: float, quick: bool) -> list[dict]:
                         "us": ms * 1e3,
                         "GB/s": gbs,
                         "%copy": 100 * gbs / copy_bw,
+                        "eager_us": (eager_s if op == "shrink" else float("nan")) * 1e3,
                     }
                 )
+    return rows
+
+
+def sweep_bgmv_blocks(copy_bw: float) -> list[dict]:
+    """Tile-size sweep of the BGMV kernels at 64 decode tokens over 8 rank-64 adapters."""
+    rows = []
+    c = _lora_case(64, 64, 8, 4096, 4096)
+    for bk in (32, 64, 128, 256):
+        ms = bench(
+            lambda c=c, bk=bk: (
+                c["buf"].zero_(),
+                bgmv_shrink(c["x"], c["a"], c["buf"], c["token_slots"], c["ranks"], block_k=bk),
+            )
+        )
+        rows.append({"op": "bgmv_shrink", "block": bk, "us": ms * 1e3})
+    for bn in (32, 64, 128, 256):
+        ms = bench(
+            lambda c=c, bn=bn: bgmv_expand(
+                c["buf"], c["b"], c["y"], c["token_slots"], c["ranks"], 0, block_n=bn
+            )
+        )
+        nbytes = 8 * 4096 * 64 * 2 + 64 * 64 * 4 + 2 * 64 * 4096 * 2
+        rows.append(
+            {"op": "bgmv_expand", "block": bn, "us": ms * 1e3, "%copy": 100 * nbytes / ms / 1e6 / copy_bw}
+        )
     return rows
 
 
@@ -198,16 +290,25 @@ def _plot(decode: list[dict], lora: list[dict], copy_bw: float, path: Path) -> N
         for ctx in sorted({r["ctx"] for r in decode}):
             pts = [r for r in decode if r["kv"] == kv and r["ctx"] == ctx]
             if pts:
-                ax.plot([p["batch"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{kv} ctx {ctx}")
+                ax.plot(
+                    [p["batch"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{kv} ctx {ctx}"
+                )
     ax.axhline(copy_bw, color="gray", ls="--", label="copy bandwidth")
-    ax.set(xscale="log", xlabel="batch (sequences)", ylabel="GB/s", title="decode paged attention (32q/8kv x 128)")
+    ax.set(
+        xscale="log",
+        xlabel="batch (sequences)",
+        ylabel="GB/s",
+        title="decode paged attention (32q/8kv x 128)",
+    )
     ax.legend(fontsize=7)
     ax = axes[1]
     for op in sorted({r["op"] for r in lora}):
         for rank in sorted({r["rank"] for r in lora}):
             pts = [r for r in lora if r["op"] == op and r["rank"] == rank]
             if pts:
-                ax.plot([p["tokens"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{op} r{rank}")
+                ax.plot(
+                    [p["tokens"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{op} r{rank}"
+                )
     ax.axhline(copy_bw, color="gray", ls="--", label="copy bandwidth")
     ax.set(xscale="log", xlabel="tokens", ylabel="GB/s", title="LoRA shrink/expand (hidden 4096, bf16)")
     ax.legend(fontsize=6, ncol=2)
@@ -230,12 +331,25 @@ def main() -> None:
     decode = bench_decode_attention(copy_bw, args.quick)
     prefill = bench_prefill_attention(args.quick)
     lora = bench_lora(copy_bw, args.quick)
-    header = f"{name}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s"
-    text = "\n\n".join([header, _table(decode), _table(prefill), _table(lora)])
+    sweep = sweep_bgmv_blocks(copy_bw)
+    header = (
+        f"{name}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s"
+    )
+    text = "\n\n".join([header, _table(decode), _table(prefill), _table(lora), _table(sweep)])
     print(text)
     (out / "kernels.md").write_text(text + "\n")
     (out / "kernels.json").write_text(
-        json.dumps({"device": name, "copy_GBps": copy_bw, "decode": decode, "prefill": prefill, "lora": lora}, indent=1)
+        json.dumps(
+            {
+                "device": name,
+                "copy_GBps": copy_bw,
+                "decode": decode,
+                "prefill": prefill,
+                "lora": lora,
+                "sweep": sweep,
+            },
+            indent=1,
+        )
     )
     _plot(decode, lora, copy_bw, out / "kernels.png")
 

@@ -15,6 +15,7 @@ vectorized torch path that groups rows by slot (``lora_shrink_torch`` / ``lora_e
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +41,15 @@ def _use_triton(t: torch.Tensor, force: bool) -> bool:
     return _HAS_TRITON and (t.is_cuda or force or FORCE_TRITON)
 
 
+@functools.lru_cache(maxsize=8)
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
+    # Cached: called per LoRA op per layer per step.
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
     return 1  # interpreter: fewer programs is faster
 
 
@@ -357,6 +364,7 @@ def bgmv_shrink(
     *,
     force_triton: bool = False,
     split_k: int | None = None,
+    block_k: int | None = None,
 ) -> None:
     """Per-token LoRA shrink (punica BGMV).
 
@@ -378,7 +386,7 @@ def bgmv_shrink(
         lora_shrink_torch(x, lora_a, out, groups_from_slots(token_slots), ranks, scale)
         return
     t, h = x.shape
-    block_k = 128 if x.is_cuda else 64
+    block_k = block_k or (128 if x.is_cuda else 64)
     allow = _check_out_atomic(out)
     split = split_k if (split_k is not None and allow) else _split_k(t, h, block_k, x.device, allow)
     kps = _k_per_split(h, split, block_k)
@@ -403,6 +411,7 @@ def bgmv_expand(
     offset: int,
     *,
     force_triton: bool = False,
+    block_n: int | None = None,
 ) -> None:
     """Per-token LoRA expand (punica BGMV), accumulating into a column slice of ``y``.
 
@@ -423,7 +432,7 @@ def bgmv_expand(
         return
     t = buf.shape[0]
     n = lora_b.shape[1]
-    block_n = 128 if buf.is_cuda else 64
+    block_n = block_n or (128 if buf.is_cuda else 64)
     _bgmv_expand_kernel[(t, triton.cdiv(n, block_n))](
         buf, lora_b, y, token_slots, ranks,
         n, offset,
@@ -560,12 +569,16 @@ def add_lora(
             lora_shrink_torch(x, a, buf, groups, rank_of, 1.0)
             lora_expand_torch(buf, b, y, groups, rank_of, off)
         return
+    # Decode rows sorted by adapter form few long segments: SGMV's tensor-core tiles then beat
+    # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
+    num_segments = meta.seg_slots.shape[0]
+    use_bgmv = meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0])
     for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
         if a is None or b is None:
             continue
         # fp32 intermediate: split-K shrink accumulates with atomics, and rounding stays out of it.
         buf = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
-        if meta.is_decode:
+        if use_bgmv:
             bgmv_shrink(x, a, buf, meta.token_slots, meta.ranks, 1.0, force_triton=force_triton)
             bgmv_expand(buf, b, y, meta.token_slots, meta.ranks, off, force_triton=force_triton)
         else:

@@ -18,6 +18,7 @@ FP8 caches (e4m3 / e5m2) are upcast after the load and multiplied by ``k_scale``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -307,9 +308,15 @@ if _HAS_TRITON:
         )
 
 
+@functools.lru_cache(maxsize=8)
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
+    # Cached: this runs on every decode step of every layer (host overhead matters off-graph).
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
     return 1
 
 
@@ -389,8 +396,12 @@ def paged_attention(
 
     if max_query_len == 1:
         block_g = max(16, triton.next_power_of_2(group))
-        # fp32 (ieee dots) at head dim 128 keeps the tile small to stay in registers.
-        block_n = (32 if ieee and block_d > 64 else 64) if on_gpu else 32
+        # fp32 (ieee dots) at head dim 128 keeps the tile small to stay in registers; FP8 tiles
+        # are half the bytes, so twice the tokens keep as many bytes in flight.
+        if on_gpu:
+            block_n = 32 if (ieee and block_d > 64) else (128 if fp8 and block_d <= 128 else 64)
+        else:
+            block_n = 32
         splits = num_splits or _decode_splits(batch, num_kv_heads, max_seq_len, block_n, q.device)
         # Whole BLOCK_N tiles per split, so only the last split of a sequence has a ragged tile.
         partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
