@@ -78,8 +78,16 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         dev = logits.device
-        # fp32 working copy: we modify it in place and low-precision softmax loses the tail.
-        x = logits.to(torch.float32, copy=True)  # [R, V]
+        # Work in fp32 (low-precision softmax loses the tail); copy only if masks/penalties
+        # will write into it, so the caller's logits are never modified.
+        writes = any(
+            len(r.output_token_ids) < r.params.min_tokens
+            or r.params.repetition_penalty != 1.0
+            or r.params.frequency_penalty != 0.0
+            or r.params.presence_penalty != 0.0
+            for r in rows
+        )
+        x = logits.to(torch.float32, copy=writes)  # [R, V]
 
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = torch.log_softmax(x, dim=-1) if any(want_lp) else None  # [R, V]
@@ -91,10 +99,13 @@ class Sampler:
         greedy = [r.params.is_greedy for r in rows]
         greedy_idx = [i for i, g in enumerate(greedy) if g]
         random_idx = [i for i, g in enumerate(greedy) if not g]
-        if greedy_idx:
+        if not random_idx:
+            token_ids = x.argmax(dim=-1)
+        elif not greedy_idx:
+            token_ids = self._draw(self._probs(x, [r.params for r in rows]), rows)
+        else:
             gi = torch.tensor(greedy_idx, device=dev)
             token_ids[gi] = x[gi].argmax(dim=-1)
-        if random_idx:
             ri = torch.tensor(random_idx, device=dev)
             sub_rows = [rows[i] for i in random_idx]
             probs = self._probs(x[ri], [r.params for r in sub_rows])  # [Rr, V]

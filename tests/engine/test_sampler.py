@@ -309,3 +309,17 @@ def test_top_k_top_p_matches_reference(vocab: int) -> None:
         kept = set(torch.isfinite(out[i]).nonzero().flatten().tolist())
         assert kept == _reference_keep(x[i], k, p), (vocab, k, p)
         assert torch.equal(out[i][torch.isfinite(out[i])], x[i][torch.isfinite(out[i])])  # values untouched
+
+
+def test_caller_logits_untouched() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(3, 40)
+    before = x.clone()
+    rows = [
+        _row(SamplingParams(repetition_penalty=1.5, min_tokens=2), prompt=[1, 2], output=[3], eos=(0,)),
+        _row(SamplingParams(top_k=3, top_p=0.5, min_p=0.2, temperature=0.5)),
+        _row(SamplingParams(temperature=0.0, presence_penalty=1.0), output=[5]),
+    ]
+    Sampler()(x, rows)
+    Sampler()(x[1:2], rows[1:2])
+    assert torch.equal(x, before)
