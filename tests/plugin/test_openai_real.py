@@ -1,0 +1,234 @@
+"""The real server (uvicorn + the real engine on a tiny random Llama) driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import ServerThread, engine_config, requires_engine, wait_until
+
+pytestmark = requires_engine
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def client(real_server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path, adapter_root: Path) -> Iterator[Any]:
+    """The offline ``LLM`` on the same weights and adapters: the server must agree with it."""
+    from lorastar import LLM
+
+    cfg = engine_config(tiny_model_dir)
+    llm = LLM(config=cfg)
+    llm.load_adapter("alpha", str(adapter_root / "alpha"))
+    llm.load_adapter("beta", str(adapter_root / "beta"))
+    yield llm
+
+
+def greedy(max_tokens: int = 12, **kw: Any) -> Any:
+    from lorastar import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def engine_idle(server: ServerThread) -> bool:
+    engine = server.plugin.engine  # type: ignore[attr-defined]
+    s = engine.stats()
+    return (s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0
+            and all(a.in_flight == 0 for a in engine.list_adapters()))
+
+
+def test_models_list(client: openai.OpenAI, adapter_root: Path) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models][:3] == ["tiny", "alpha", "beta"]
+    base, alpha = models[0], models[1]
+    assert base.object == "model" and getattr(base, "parent", None) is None
+    assert getattr(base, "max_model_len", None) == 256
+    assert getattr(alpha, "parent", None) == "tiny" and getattr(alpha, "root", None) == str(adapter_root / "alpha")
+
+
+@pytest.mark.parametrize("model", ["tiny", "alpha", "beta"])
+def test_greedy_completion_and_chat_equal_llm_generate(client: openai.OpenAI, reference: Any, model: str) -> None:
+    adapter = None if model == "tiny" else model
+    want = reference.generate(PROMPT, greedy(), adapter=adapter)[0]
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+    assert got.model == model
+
+    # Token-id prompts take the same path.
+    ids = list(want.prompt_token_ids)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+    assert by_ids.choices[0].text == want.outputs[0].text
+
+    want_chat = reference.chat(MESSAGES, greedy(10), adapter=adapter)[0]
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=10, temperature=0)
+    assert chat.choices[0].message.content == want_chat.outputs[0].text
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(want_chat.prompt_token_ids)
+    # max_completion_tokens is the newer name of the same limit.
+    chat2 = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+    assert chat2.choices[0].message.content == want_chat.outputs[0].text
+
+
+def test_adapters_change_the_output(client: openai.OpenAI) -> None:
+    texts = {m: client.completions.create(model=m, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+             for m in ("tiny", "alpha", "beta")}
+    assert len(set(texts.values())) == 3, texts
+
+
+def test_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+    chat_full = client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=10, temperature=0)
+    stream = list(client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == chat_full.choices[0].message.content
+    assert stream[-1].usage.total_tokens == chat_full.usage.total_tokens
+
+
+def test_n_greater_than_one_and_prompt_lists(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, n=3, temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens <= 18 and r.usage.prompt_tokens > 0
+    r = client.completions.create(model="alpha", prompt=[PROMPT, "Hello"], max_tokens=4, n=2, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text  # greedy: the n samples agree
+    chat = client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=5, n=2, temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+    streamed = list(client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=5, n=2,
+                                                   temperature=1.0, seed=3, stream=True))
+    for i in (0, 1):
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)
+        assert text == chat.choices[i].message.content  # same seed, same samples, streamed or not
+
+
+def test_stop_strings(client: openai.OpenAI, reference: Any) -> None:
+    text = reference.generate(PROMPT, greedy(20))[0].outputs[0].text
+    stop = text[6:9]
+    assert stop.strip(), text
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop])
+    choice = r.choices[0]
+    assert choice.text == text[: text.index(stop)]
+    assert choice.finish_reason == "stop" and getattr(choice, "stop_reason", None) == stop
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=stop, stream=True))
+    assert streamed == choice.text
+
+
+def test_seed_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int, model: str = "tiny") -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sample(123) == sample(123)
+    assert sample(5, "alpha") == sample(5, "alpha")
+    assert len({sample(s) for s in (1, 2, 3, 4)}) > 1
+
+
+def test_logprobs(client: openai.OpenAI, reference: Any) -> None:
+    want = reference.generate(PROMPT, greedy(5, logprobs=3))[0].outputs[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(want.token_ids)
+    for step, chosen, top, ref in zip(range(5), lp.token_logprobs, lp.top_logprobs, want.logprobs):
+        assert chosen == pytest.approx(ref[want.token_ids[step]].logprob, abs=1e-4)
+        assert 1 <= len(top) <= 4 and chosen == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the best
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0
+
+    chat = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 2 and tok.logprob <= 0
+        assert tok.top_logprobs[0].logprob >= tok.top_logprobs[1].logprob
+    plain = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_echo_and_cached_tokens(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(PROMPT)
+    long_prompt = "one two three four five six seven eight nine ten " * 6  # several KV blocks
+    client.completions.create(model="beta", prompt=long_prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model="beta", prompt=long_prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_real_engine_error_paths(real_server: ServerThread, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="ghost", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 400)  # over max_model_len
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1000)
+    assert e.value.body["param"] == "max_tokens"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 400}])
+    assert e.value.body["param"] == "messages"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[10**9])
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
+    assert httpx.get(real_server.url + "/app-own").json() == {"mine": "yes"}
+    assert wait_until(lambda: engine_idle(real_server))
+
+
+def test_client_disconnect_mid_stream_frees_blocks(real_server: ServerThread) -> None:
+    engine = real_server.plugin.engine  # type: ignore[attr-defined]
+    with httpx.Client(timeout=30) as c, c.stream("POST", real_server.url + "/v1/completions", json={
+        "model": "alpha", "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "stream": True,
+        "ignore_eos": True,
+    }) as s:
+        lines = s.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["index"] == 0
+        assert engine.stats().num_running + engine.stats().num_waiting >= 1
+    assert wait_until(lambda: engine_idle(real_server), timeout=10)
+
+
+def test_overloaded_engine_answers_503(tiny_model_dir: Path) -> None:
+    from litestar import Litestar
+
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
+
+    plugin = LoraStarPlugin(LoraStarConfig(engine=engine_config(tiny_model_dir, max_num_seqs=1), max_waiting=1,
+                                           retry_after_seconds=2))
+    import concurrent.futures
+
+    with ServerThread(Litestar(plugins=[plugin])) as srv:
+        srv.plugin = plugin  # type: ignore[attr-defined]
+
+        def one(_: int) -> httpx.Response:
+            return httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 30,
+                                                                 "ignore_eos": True}, timeout=60)
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(one, range(8)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+        busy = next(r for r in responses if r.status_code == 503)
+        assert busy.headers["retry-after"] == "2" and busy.json()["error"]["code"] == 503
+        assert wait_until(lambda: engine_idle(srv))
