@@ -65,6 +65,8 @@ def ref_paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
+    if not _is_fp8(k_cache.dtype):  # scales describe FP8 storage only
+        k_scale = v_scale = 1.0
     result = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for b in range(seq_lens.shape[0]):
         start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
