@@ -264,6 +264,37 @@ def sweep_bgmv_blocks(copy_bw: float) -> list[dict]:
     return rows
 
 
+def sweep_sgmv_expand(copy_bw: float) -> list[dict]:
+    """Tile sweep of SGMV expand at prefill size (2048 tokens, 4 rank-64 adapters), checked vs torch."""
+    rows = []
+    c = _lora_case(2048, 64, 4, 4096, 4096)
+    c["buf"].normal_()
+    y0 = c["y"].clone()
+    ref = y0.float()
+    for g in range(4):
+        rs = slice(int(c["seg_starts"][g]), int(c["seg_starts"][g + 1]))
+        ref[rs] += c["buf"][rs] @ c["b"][g].float().t()
+    nbytes = 4 * 4096 * 64 * 2 + 2048 * 64 * 4 + 2 * 2048 * 4096 * 2
+    for bm in (16, 32, 64):
+        for br in (16, 32, 64):
+
+            def fn(c: dict = c, bm: int = bm, br: int = br) -> None:
+                sgmv_expand(
+                    c["buf"], c["b"], c["y"], c["seg_starts"], c["seg_slots"], c["ranks"], 0,
+                    max_seg_len=c["max_seg"], block_m=bm, block_r=br,
+                )  # fmt: skip
+
+            c["y"].copy_(y0)
+            fn()
+            err = ((c["y"].float() - ref).norm() / ref.norm()).item()
+            ms = bench(fn)
+            rows.append(
+                {"op": "sgmv_expand", "block_m": bm, "block_r": br, "us": ms * 1e3,
+                 "%copy": 100 * nbytes / ms / 1e6 / copy_bw, "rel_err": err}
+            )  # fmt: skip
+    return rows
+
+
 def _table(rows: list[dict]) -> str:
     keys: list[str] = []
     for r in rows:
@@ -331,7 +362,7 @@ def main() -> None:
     decode = bench_decode_attention(copy_bw, args.quick)
     prefill = bench_prefill_attention(args.quick)
     lora = bench_lora(copy_bw, args.quick)
-    sweep = sweep_bgmv_blocks(copy_bw)
+    sweep = sweep_bgmv_blocks(copy_bw) + sweep_sgmv_expand(copy_bw)
     header = (
         f"{name}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s"
     )

@@ -432,7 +432,8 @@ def bgmv_expand(
         return
     t = buf.shape[0]
     n = lora_b.shape[1]
-    block_n = block_n or (128 if buf.is_cuda else 64)
+    # 32 columns per program measured best on H100 (64 tokens x rank 64: 22.6 us vs 39 us at 128).
+    block_n = block_n or (32 if buf.is_cuda else 64)
     _bgmv_expand_kernel[(t, triton.cdiv(n, block_n))](
         buf, lora_b, y, token_slots, ranks,
         n, offset,
@@ -502,6 +503,8 @@ def sgmv_expand(
     *,
     max_seg_len: int | None = None,
     force_triton: bool = False,
+    block_m: int | None = None,
+    block_r: int | None = None,
 ) -> None:
     """Segmented LoRA expand (punica SGMV) into a column slice of ``y``.
 
@@ -520,7 +523,9 @@ def sgmv_expand(
         return
     t = buf.shape[0]
     n = lora_b.shape[1]
-    block_m, block_n = 16, (64 if buf.is_cuda else 32)
+    block_m = block_m or 16
+    block_r = block_r or _BLOCK_R
+    block_n = 64 if buf.is_cuda else 32
     m_tiles = triton.cdiv(max_seg_len if max_seg_len is not None else t, block_m)
     _sgmv_expand_kernel[(seg_slots.shape[0], m_tiles, triton.cdiv(n, block_n))](
         buf, lora_b, y, seg_starts, seg_slots, ranks,
@@ -528,7 +533,7 @@ def sgmv_expand(
         buf.stride(0), buf.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_BLOCK_R, IEEE=lora_b.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=lora_b.dtype == torch.float32,
     )  # fmt: skip
 
 

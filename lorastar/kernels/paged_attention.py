@@ -13,7 +13,8 @@ Two Triton kernels, both with online softmax in fp32 and K/V read through the bl
 * prefill / chunked prefill / mixed: one program per (sequence, tile of query rows, query head),
   causal mask on absolute positions, so chunks with prior context in the cache work too.
 
-FP8 caches (e4m3 / e5m2) are upcast after the load and multiplied by ``k_scale`` / ``v_scale``.
+FP8 caches (e4m3 / e5m2) convert exactly to the query dtype after the load; ``k_scale`` folds
+into the softmax scale and ``v_scale`` multiplies the output (scales are ignored for 16/32-bit caches).
 """
 
 from __future__ import annotations
@@ -97,25 +98,25 @@ if _HAS_TRITON:
     @triton.jit
     def _load_kv_tile(
         cache_ptr, blk, off_in_blk, kvh, offs_d, mask_n, mask_d,
-        stride_cb, stride_cs, stride_ch, stride_cd, kv_scale,
-        FP8: tl.constexpr, OUT_DTYPE: tl.constexpr,
+        stride_cb, stride_cs, stride_ch, stride_cd,
+        OUT_DTYPE: tl.constexpr,
     ):  # fmt: skip
-        # [BLOCK_N, BLOCK_D] tile of one kv head gathered from scattered cache blocks.
+        # [BLOCK_N, BLOCK_D] tile of one kv head gathered from scattered cache blocks. FP8 values
+        # convert exactly to fp16/bf16/fp32; their scales are applied to the scores and the output
+        # (once per row) instead of to every element.
         base = blk.to(tl.int64) * stride_cb + off_in_blk * stride_cs + kvh * stride_ch  # [BN]
         tile = tl.load(
             cache_ptr + base[:, None] + offs_d[None, :] * stride_cd,
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
-        if FP8:
-            tile = tile.to(tl.float32) * kv_scale
         return tile.to(OUT_DTYPE)
 
     @triton.jit
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
         tmp_acc_ptr, tmp_m_ptr, tmp_l_ptr,
-        qk_scale, k_scale, v_scale, partition,
+        qk_scale, v_scale, partition,
         stride_qt, stride_qh, stride_qd,
         stride_cb, stride_cs, stride_ch, stride_cd,
         stride_bt,
@@ -123,7 +124,7 @@ if _HAS_TRITON:
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        FP8: tl.constexpr, IEEE: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -161,11 +162,11 @@ if _HAS_TRITON:
             off_in_blk = pos % BLOCK_SIZE
             k = _load_kv_tile(
                 k_cache_ptr, blk, off_in_blk, kvh, offs_d, mask_n, mask_d,
-                stride_cb, stride_cs, stride_ch, stride_cd, k_scale, FP8, q.dtype,
+                stride_cb, stride_cs, stride_ch, stride_cd, q.dtype,
             )  # fmt: skip
             v = _load_kv_tile(
                 v_cache_ptr, blk, off_in_blk, kvh, offs_d, mask_n, mask_d,
-                stride_cb, stride_cs, stride_ch, stride_cd, v_scale, FP8, q.dtype,
+                stride_cb, stride_cs, stride_ch, stride_cd, q.dtype,
             )  # fmt: skip
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -182,6 +183,7 @@ if _HAS_TRITON:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
+        acc = acc * v_scale
         if NUM_SPLITS == 1:
             out = acc / l_i[:, None]
             tl.store(
@@ -233,14 +235,14 @@ if _HAS_TRITON:
     @triton.jit
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-        qk_scale, k_scale, v_scale,
+        qk_scale, v_scale,
         stride_qt, stride_qh, stride_qd,
         stride_cb, stride_cs, stride_ch, stride_cd,
         stride_bt,
         stride_ot, stride_oh, stride_od,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        FP8: tl.constexpr, IEEE: tl.constexpr,
+        IEEE: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -279,11 +281,11 @@ if _HAS_TRITON:
             off_in_blk = pos % BLOCK_SIZE
             k = _load_kv_tile(
                 k_cache_ptr, blk, off_in_blk, kvh, offs_d, mask_n, mask_d,
-                stride_cb, stride_cs, stride_ch, stride_cd, k_scale, FP8, q.dtype,
+                stride_cb, stride_cs, stride_ch, stride_cd, q.dtype,
             )  # fmt: skip
             v = _load_kv_tile(
                 v_cache_ptr, blk, off_in_blk, kvh, offs_d, mask_n, mask_d,
-                stride_cb, stride_cs, stride_ch, stride_cd, v_scale, FP8, q.dtype,
+                stride_cb, stride_cs, stride_ch, stride_cd, q.dtype,
             )  # fmt: skip
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -300,7 +302,7 @@ if _HAS_TRITON:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
+        out = acc * v_scale / l_i[:, None]
         tl.store(
             out_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
@@ -382,8 +384,11 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     fp8 = _is_fp8(k_cache.dtype)
+    if not fp8:  # scales describe FP8 storage only
+        k_scale = v_scale = 1.0
     ieee = q.dtype == torch.float32  # fp32 models get exact fp32 dots, not tf32
-    qk_scale = float(scale) * _LOG2E  # softmax in base 2
+    # Softmax in base 2; the FP8 key scale folds in here: (q . k * ks) * scale = q . k * (ks * scale).
+    qk_scale = float(scale) * float(k_scale) * _LOG2E
     on_gpu = q.is_cuda
     common_strides = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -415,12 +420,12 @@ def paged_attention(
         _decode_kernel[(batch, num_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
             tmp_acc, tmp_m, tmp_l,
-            qk_scale, float(k_scale), float(v_scale), partition,
+            qk_scale, float(v_scale), partition,
             *common_strides,
             NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits,
             BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-            FP8=fp8, IEEE=ieee,
+            IEEE=ieee,
             num_warps=4,
         )  # fmt: skip
         if splits > 1:
@@ -441,11 +446,11 @@ def paged_attention(
     grid = (batch, triton.cdiv(max_query_len, block_m), num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        qk_scale, float(k_scale), float(v_scale),
+        qk_scale, float(v_scale),
         *common_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        FP8=fp8, IEEE=ieee,
+        IEEE=ieee,
         num_warps=4,
     )  # fmt: skip
     return out

@@ -310,3 +310,16 @@ def test_lora_gpu_realistic(dtype: torch.dtype, batch: int) -> None:
             sgmv_expand(buf, b, y, seg_starts, seg_slots, ranks, 0)
         torch.testing.assert_close(buf, ref_buf, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(y.float(), ref_y, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize(("block_m", "block_r"), [(32, 32), (16, 64)])
+def test_sgmv_expand_tiles(block_m: int, block_r: int) -> None:
+    # Larger row / rank tiles (GPU prefill tuning) must keep the rank masking exact.
+    c = _case(33, 16, torch.float32, "skewed", seed=4)
+    y = c["y"].clone()
+    sgmv_expand(
+        c["buf"], c["b"], y, c["seg_starts"], c["seg_slots"], c["ranks"], 8,
+        force_triton=True, block_m=block_m, block_r=block_r,
+    )  # fmt: skip
+    ref = ref_lora_expand(c["y"], c["buf"], c["b"], c["token_slots"], c["ranks"], 8)
+    torch.testing.assert_close(y, ref, **_tol(torch.float32))
