@@ -232,3 +232,28 @@ def test_overloaded_engine_answers_503(tiny_model_dir: Path) -> None:
         busy = next(r for r in responses if r.status_code == 503)
         assert busy.headers["retry-after"] == "2" and busy.json()["error"]["code"] == 503
         assert wait_until(lambda: engine_idle(srv))
+
+
+def test_metrics_and_health_on_real_engine(real_server: ServerThread, client: openai.OpenAI) -> None:
+    import re
+
+    client.completions.create(model="alpha", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert httpx.get(real_server.url + "/health").status_code == 200
+    text = httpx.get(real_server.url + "/metrics").text
+
+    def value(pattern: str) -> float:
+        m = re.search(rf"^{pattern} ([0-9.e+-]+)$", text, re.M)
+        assert m, pattern
+        return float(m.group(1))
+
+    assert value(r'vllm:prompt_tokens_total\{model_name="tiny"\}') > 0
+    assert value(r'vllm:generation_tokens_total\{model_name="tiny"\}') > 0
+    assert value(r'vllm:time_to_first_token_seconds_count\{model_name="tiny"\}') > 0
+    assert value(r'vllm:e2e_request_latency_seconds_count\{model_name="tiny"\}') > 0
+    assert value(r'vllm:inter_token_latency_seconds_count\{model_name="tiny"\}') > 0
+    assert value(r'lorastar:adapter_requests_total\{adapter="alpha",model_name="tiny"\}') >= 1
+    assert 0 <= value(r'vllm:kv_cache_usage_perc\{model_name="tiny"\}') <= 1
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
+        value(rf'{name}\{{model_name="tiny"\}}')
+    assert re.search(r'^vllm:lora_requests_info\{max_lora="4",', text, re.M)
