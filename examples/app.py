@@ -72,7 +72,9 @@ async def blurb(book_id: int, lorastar_engine: Any, style: str | None = None) ->
     messages = [{"role": "user", "content": f"Write one sentence about the book {book['title']}."}]
     ids = lorastar_engine.apply_chat_template(messages)
     text = ""
-    async for out in lorastar_engine.generate(ids, SamplingParams(max_tokens=40, temperature=0), adapter=style):
+    async for out in lorastar_engine.generate(
+        ids, SamplingParams(max_tokens=40, temperature=0), adapter=style
+    ):
         text = out.outputs[0].text
     return {"book": book["title"], "style": style or "base", "blurb": text}
 
@@ -86,13 +88,15 @@ def create_app(
     """The bookshop app with lorastar mounted under ``/v1`` (tests build it with a tiny model)."""
     model = model or os.environ.get("LORASTAR_MODEL") or None
     root = Path(adapter_dir or os.environ.get("LORASTAR_ADAPTER_DIR") or ADAPTER_DIR)
-    lorastar = LoraStarPlugin(LoraStarConfig(
-        model=model,
-        adapters=discover_adapters(root),
-        adapter_root=root,
-        engine=engine or EngineConfig(),
-        **config,
-    ))
+    lorastar = LoraStarPlugin(
+        LoraStarConfig(
+            model=model,
+            adapters=discover_adapters(root),
+            adapter_root=root,
+            engine=engine or EngineConfig(),
+            **config,
+        )
+    )
     return Litestar(route_handlers=[index, list_books, get_book, blurb], plugins=[lorastar])
 
 

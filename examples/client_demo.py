@@ -62,18 +62,33 @@ def main() -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print(f"starting examples/app.py on {url} (first run converts the embedded model once) ...", flush=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "examples.app:app", "--host", "127.0.0.1", "--port", str(port),
-         "--log-level", "warning"],
-        cwd=REPO, env=env,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "examples.app:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
     )
     try:
         wait_healthy(url, proc, args.startup_timeout)
-        print(f"the app's own route still works: GET /books -> {httpx.get(url + '/books').json()[0]['title']}")
+        print(
+            f"the app's own route still works: GET /books -> {httpx.get(url + '/books').json()[0]['title']}"
+        )
         client = openai.OpenAI(base_url=url + "/v1", api_key="not-needed")
         models = client.models.list().data
         base = next(m.id for m in models if not getattr(m, "parent", None))
         adapters = [m.id for m in models if getattr(m, "parent", None)]
-        print(f"base model: {base}; adapters: {', '.join(adapters) or '(none found under examples/adapters)'}\n")
+        print(
+            f"base model: {base}; adapters: {', '.join(adapters) or '(none found under examples/adapters)'}\n"
+        )
 
         rows: list[tuple[str, str, str]] = []
         for i, model in enumerate([base, *adapters]):
@@ -82,8 +97,9 @@ def main() -> int:
             if i == 0:  # the base answer is streamed, printed as it arrives
                 print(f"[{model}] (streamed) ", end="", flush=True)
                 parts: list[str] = []
-                stream = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                                        temperature=0, stream=True)
+                stream = client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=args.max_tokens, temperature=0, stream=True
+                )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         parts.append(chunk.choices[0].delta.content)
@@ -91,8 +107,9 @@ def main() -> int:
                 print("\n")
                 answer = "".join(parts)
             else:
-                r = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                                   temperature=0)
+                r = client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=args.max_tokens, temperature=0
+                )
                 answer = r.choices[0].message.content or ""
             rows.append((model, question, answer.strip()))
 

@@ -55,17 +55,28 @@ def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
     """A fresh ``lora`` group (a new object per call: the litestar CLI and ours each get their own)."""
 
     @click.group("lora", help="Manage the LoRA adapters of a running lorastar server.")
-    @click.option("--url", envvar=URL_ENV, default=default_url, show_default=True,
-                  help=f"Base URL of the OpenAI routes (env {URL_ENV}).")
-    @click.option("--token", envvar=ADMIN_TOKEN_ENV, default=None,
-                  help=f"Admin bearer token (env {ADMIN_TOKEN_ENV}).")
-    @click.option("--api-key", envvar=API_KEY_ENV, default=None,
-                  help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).")
+    @click.option(
+        "--url",
+        envvar=URL_ENV,
+        default=default_url,
+        show_default=True,
+        help=f"Base URL of the OpenAI routes (env {URL_ENV}).",
+    )
+    @click.option(
+        "--token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin bearer token (env {ADMIN_TOKEN_ENV})."
+    )
+    @click.option(
+        "--api-key",
+        envvar=API_KEY_ENV,
+        default=None,
+        help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).",
+    )
     @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the server.")
     def lora(url: str, token: str | None, api_key: str | None, timeout: float) -> None:
         # No click.pass_context / `ctx` parameters: the litestar CLI wraps callbacks and injects `ctx` itself.
-        click.get_current_context().meta[_META_KEY] = dict(url=url, token=token, api_key=api_key or token,
-                                                           timeout=timeout)
+        click.get_current_context().meta[_META_KEY] = dict(
+            url=url, token=token, api_key=api_key or token, timeout=timeout
+        )
 
     @lora.command("list", help="List the base model and the loaded adapters.")
     def list_cmd() -> None:
@@ -87,8 +98,12 @@ def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
     @click.argument("path")
     @click.option("--replace", is_flag=True, help="Replace an adapter already loaded under NAME.")
     def load_cmd(name: str, path: str, replace: bool) -> None:
-        resp = _request("POST", "/load_lora_adapter", token=_settings()["token"],
-                        json={"lora_name": name, "lora_path": path, "load_inplace": replace})
+        resp = _request(
+            "POST",
+            "/load_lora_adapter",
+            token=_settings()["token"],
+            json={"lora_name": name, "lora_path": path, "load_inplace": replace},
+        )
         click.echo(resp.text.strip())
 
     @lora.command("unload", help="Unload the adapter NAME.")
@@ -125,10 +140,14 @@ main.add_command(make_lora_group())
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--served-model-name", default=None, help="Name of the base in the 'model' field.")
 @click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from.")
-@click.option("--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV}).")
+@click.option(
+    "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
+)
 @click.option("--api-key", "api_keys", multiple=True, help="Accepted API key (repeatable).")
 @click.option("--no-runtime-loading", is_flag=True, help="Do not mount the adapter admin routes.")
-@click.option("--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root.")
+@click.option(
+    "--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root."
+)
 @click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--max-model-len", default=None, type=int)
@@ -138,10 +157,24 @@ main.add_command(make_lora_group())
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
 @click.option("--log-level", default="info", show_default=True)
 def serve(
-    model: str | None, adapters: tuple[str, ...], host: str, port: int, served_model_name: str | None,
-    adapter_root: str | None, admin_token: str | None, api_keys: tuple[str, ...], no_runtime_loading: bool,
-    enable_adapter_resolver: bool, device: str, dtype: str, max_model_len: int | None, max_num_seqs: int,
-    num_kv_blocks: int | None, max_loras: int, max_waiting: int | None, log_level: str,
+    model: str | None,
+    adapters: tuple[str, ...],
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    adapter_root: str | None,
+    admin_token: str | None,
+    api_keys: tuple[str, ...],
+    no_runtime_loading: bool,
+    enable_adapter_resolver: bool,
+    device: str,
+    dtype: str,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    num_kv_blocks: int | None,
+    max_loras: int,
+    max_waiting: int | None,
+    log_level: str,
 ) -> None:
     import uvicorn
 
@@ -150,13 +183,25 @@ def serve(
     from lorastar.plugin.plugin import create_app
 
     try:
-        engine = EngineConfig(device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                              num_kv_blocks=num_kv_blocks, max_loras=max_loras,
-                              max_cpu_loras=max(64, max_loras))
+        engine = EngineConfig(
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            num_kv_blocks=num_kv_blocks,
+            max_loras=max_loras,
+            max_cpu_loras=max(64, max_loras),
+        )
         config = LoraStarConfig(
-            model=model, served_model_name=served_model_name, adapters=_parse_adapters(adapters),
-            adapter_root=adapter_root, allow_runtime_adapter_loading=not no_runtime_loading,
-            admin_token=admin_token, api_keys=list(api_keys) or None, engine=engine, max_waiting=max_waiting,
+            model=model,
+            served_model_name=served_model_name,
+            adapters=_parse_adapters(adapters),
+            adapter_root=adapter_root,
+            allow_runtime_adapter_loading=not no_runtime_loading,
+            admin_token=admin_token,
+            api_keys=list(api_keys) or None,
+            engine=engine,
+            max_waiting=max_waiting,
             enable_adapter_resolver=enable_adapter_resolver,
         )
     except ValueError as exc:

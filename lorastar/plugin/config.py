@@ -98,7 +98,9 @@ class LoraStarConfig:
             raise ValueError(f"path must start with '/', got {self.path!r}")
         self.path = "/" + self.path.strip("/") if self.path.strip("/") else "/"
         if self.max_waiting is not None and (
-            not isinstance(self.max_waiting, int) or isinstance(self.max_waiting, bool) or self.max_waiting < 1
+            not isinstance(self.max_waiting, int)
+            or isinstance(self.max_waiting, bool)
+            or self.max_waiting < 1
         ):
             raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
         if isinstance(self.api_keys, str):  # a lone string would be iterated per character

@@ -74,14 +74,18 @@ class APIError(Exception):
         self.message = message
         self.status_code = status_code
         self.param = param
-        self.type = type or _TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
+        self.type = type or _TYPES.get(
+            status_code, "BadRequestError" if status_code < 500 else "InternalServerError"
+        )
         self.headers = headers or {}
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.status_code))
 
     def to_response(self) -> Response[Any]:
-        return Response(self.body(), status_code=self.status_code, headers=self.headers, media_type="application/json")
+        return Response(
+            self.body(), status_code=self.status_code, headers=self.headers, media_type="application/json"
+        )
 
 
 def param_from_message(message: str, known: set[str] | frozenset[str] | None = None) -> str | None:
@@ -107,14 +111,16 @@ def _validation_param(exc: ValidationException) -> tuple[str, str | None]:
             m = re.search(r"field `([^`]+)`", str(msg))
             key = m.group(1) if m else None
         elif isinstance(key, str) and key.startswith("data."):
-            key = key[len("data."):]
+            key = key[len("data.") :]
         if key:
             return f"{msg} (field '{key}')" if key not in str(msg) else str(msg), str(key)
         return str(msg), None
     return str(exc.detail), None
 
 
-def to_api_error(exc: BaseException, *, retry_after: int = 1, known_params: frozenset[str] | None = None) -> APIError:
+def to_api_error(
+    exc: BaseException, *, retry_after: int = 1, known_params: frozenset[str] | None = None
+) -> APIError:
     """Map any exception to the API error it should be answered with."""
     if isinstance(exc, APIError):
         return exc

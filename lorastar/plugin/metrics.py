@@ -21,12 +21,74 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 CONTENT_TYPE = "text/plain; version=0.0.4"  # Litestar appends the charset
 
 # vLLM's buckets.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 def _get(obj: Any, name: str, default: Any = 0) -> Any:
@@ -38,7 +100,9 @@ def _get(obj: Any, name: str, default: Any = 0) -> Any:
 class _EngineCollector:
     """Reads the engine's live numbers at scrape time."""
 
-    def __init__(self, stats: Callable[[], Any], model_name: Callable[[], str], max_loras: Callable[[], int]) -> None:
+    def __init__(
+        self, stats: Callable[[], Any], model_name: Callable[[], str], max_loras: Callable[[], int]
+    ) -> None:
         self._stats = stats
         self._model_name = model_name
         self._max_loras = max_loras
@@ -60,62 +124,123 @@ class _EngineCollector:
             c.add_metric([name], float(value))
             return c
 
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                    _get(stats, "num_running"))
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                    _get(stats, "num_waiting"))
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                    _get(stats, "kv_cache_usage", 0.0))
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.",
-                      _get(stats, "num_preemptions"))
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      _get(stats, "prefix_cache_queries"))
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      _get(stats, "prefix_cache_hits"))
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", _get(stats, "prompt_tokens_total"))
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                      _get(stats, "generation_tokens_total"))
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            _get(stats, "num_running"),
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            _get(stats, "num_waiting"),
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            _get(stats, "kv_cache_usage", 0.0),
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemptions from the engine.",
+            _get(stats, "num_preemptions"),
+        )
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            _get(stats, "prefix_cache_queries"),
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            _get(stats, "prefix_cache_hits"),
+        )
+        yield counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", _get(stats, "prompt_tokens_total")
+        )
+        yield counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed.",
+            _get(stats, "generation_tokens_total"),
+        )
 
         # vLLM's info gauge: comma-joined adapter names in the labels, the scrape time as the value.
         running: list[str] = []
         waiting: list[str] = []
         adapters = _get(stats, "adapters", None) or {}
-        items = adapters.items() if isinstance(adapters, dict) else ((_get(a, "name", ""), a) for a in adapters)
+        items = (
+            adapters.items() if isinstance(adapters, dict) else ((_get(a, "name", ""), a) for a in adapters)
+        )
         for adapter, counts in items:
             if _get(counts, "running", _get(counts, "num_running", 0)):
                 running.append(str(adapter))
             if _get(counts, "waiting", _get(counts, "num_waiting", 0)):
                 waiting.append(str(adapter))
         info = GaugeMetricFamily(
-            "vllm:lora_requests_info", "Running stats on lora requests.",
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        info.add_metric([str(self._max_loras()), ",".join(sorted(waiting)), ",".join(sorted(running))], time.time())
+        info.add_metric(
+            [str(self._max_loras()), ",".join(sorted(waiting)), ",".join(sorted(running))], time.time()
+        )
         yield info
 
 
 class PluginMetrics:
     """The plugin's metric set, on its own registry."""
 
-    def __init__(self, stats: Callable[[], Any], model_name: Callable[[], str], max_loras: Callable[[], int]) -> None:
+    def __init__(
+        self, stats: Callable[[], Any], model_name: Callable[[], str], max_loras: Callable[[], int]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._model_name = model_name
         self.registry.register(_EngineCollector(stats, model_name, max_loras))  # type: ignore[arg-type]
         r = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              ["model_name"], buckets=_TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ["model_name"], buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             ["model_name"], buckets=_E2E_BUCKETS, registry=r)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               ["model_name", "finished_reason"], registry=r)
-        self.adapter_requests = Counter("lorastar:adapter_requests", "Requests per adapter (the base's served name "
-                                        "for the base model).", ["model_name", "adapter"], registry=r)
-        self.adapter_prompt_tokens = Counter("lorastar:adapter_prompt_tokens", "Prompt tokens per adapter.",
-                                             ["model_name", "adapter"], registry=r)
-        self.adapter_generation_tokens = Counter("lorastar:adapter_generation_tokens",
-                                                 "Generated tokens per adapter.", ["model_name", "adapter"], registry=r)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            ["model_name"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ["model_name"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.adapter_requests = Counter(
+            "lorastar:adapter_requests",
+            "Requests per adapter (the base's served name for the base model).",
+            ["model_name", "adapter"],
+            registry=r,
+        )
+        self.adapter_prompt_tokens = Counter(
+            "lorastar:adapter_prompt_tokens",
+            "Prompt tokens per adapter.",
+            ["model_name", "adapter"],
+            registry=r,
+        )
+        self.adapter_generation_tokens = Counter(
+            "lorastar:adapter_generation_tokens",
+            "Generated tokens per adapter.",
+            ["model_name", "adapter"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

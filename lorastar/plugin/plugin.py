@@ -56,8 +56,12 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         cfg, service = self.config, self.service
         handler = make_exception_handler(cfg.retry_after_seconds)
         own_handlers: dict[Any, Any] = {
-            Exception: handler, APIError: handler, LoraStarError: handler, ValueError: handler,
-            HTTPException: handler, ValidationException: handler,
+            Exception: handler,
+            APIError: handler,
+            LoraStarError: handler,
+            ValueError: handler,
+            HTTPException: handler,
+            ValidationException: handler,
             **{status: handler for status in _OWN_STATUSES},
         }
         api_guards = [_api_key_guard(list(cfg.api_keys))] if cfg.api_keys else []
@@ -65,8 +69,13 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         if cfg.allow_runtime_adapter_loading:
             route_handlers += build_admin_handlers(service)
         app_config.route_handlers.append(
-            Router(path=cfg.path, route_handlers=route_handlers, exception_handlers=own_handlers,
-                   include_in_schema=cfg.include_in_schema, tags=["lorastar"])
+            Router(
+                path=cfg.path,
+                route_handlers=route_handlers,
+                exception_handlers=own_handlers,
+                include_in_schema=cfg.include_in_schema,
+                tags=["lorastar"],
+            )
         )
         system: list[Any] = []
         if cfg.health_path:
@@ -82,7 +91,9 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
             return service.engine
 
         # Only where the app has none of its own: never override the user's choices.
-        app_config.dependencies.setdefault(cfg.engine_dependency_key, Provide(provide_engine, sync_to_thread=False))
+        app_config.dependencies.setdefault(
+            cfg.engine_dependency_key, Provide(provide_engine, sync_to_thread=False)
+        )
         app_config.exception_handlers.setdefault(LoraStarError, handler)
         app_config.exception_handlers.setdefault(APIError, handler)
         app_config.lifespan.append(self._lifespan)

@@ -97,7 +97,9 @@ class LoraStarService:
                     await self.engine.load_adapter(name, str(Path(path).expanduser()))
                 self.adapter_created.setdefault(name, int(time.time()))
             if self.admin_token is None and self.config.allow_runtime_adapter_loading:
-                logger.warning("lorastar: no admin_token (or LORASTAR_ADMIN_TOKEN): admin routes refuse every request")
+                logger.warning(
+                    "lorastar: no admin_token (or LORASTAR_ADMIN_TOKEN): admin routes refuse every request"
+                )
             self._started = True
 
     async def stop(self) -> None:
@@ -111,7 +113,9 @@ class LoraStarService:
     async def ready(self) -> Any:
         """The running engine. Starts it on first use when no lifespan ran (e.g. under a Starlette Mount)."""
         if not self._started:
-            logger.warning("lorastar: engine started lazily; run the app's lifespan (see lorastar.plugin.lifespan)")
+            logger.warning(
+                "lorastar: engine started lazily; run the app's lifespan (see lorastar.plugin.lifespan)"
+            )
             await self.start()
         if getattr(self.engine, "errored", False):
             raise EngineDeadError("The engine has died; the server cannot serve requests.")
@@ -180,7 +184,9 @@ class LoraStarService:
         prev_tokens = 0
         finished = False
         try:
-            async with aclosing(engine.generate(prompt, params, adapter=adapter, request_id=request_id)) as gen:
+            async with aclosing(
+                engine.generate(prompt, params, adapter=adapter, request_id=request_id)
+            ) as gen:
                 async for out in gen:
                     now = time.monotonic()
                     ntok = sum(len(o.token_ids) for o in out.outputs)
@@ -196,7 +202,10 @@ class LoraStarService:
                     if out.finished:
                         finished = True
                         self.metrics.request_finished(
-                            label, now - t0, len(out.prompt_token_ids), ntok,
+                            label,
+                            now - t0,
+                            len(out.prompt_token_ids),
+                            ntok,
                             [o.finish_reason or "unknown" for o in out.outputs],
                         )
                     yield out

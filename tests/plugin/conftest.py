@@ -17,8 +17,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # fake_engine
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def _has_async_engine() -> bool:
@@ -28,7 +33,9 @@ def _has_async_engine() -> bool:
 
 
 # Temporary: the real AsyncLLM is being written concurrently; these tests run as soon as it lands.
-requires_engine = pytest.mark.skipif(not _has_async_engine(), reason="lorastar.engine.async_engine not there yet")
+requires_engine = pytest.mark.skipif(
+    not _has_async_engine(), reason="lorastar.engine.async_engine not there yet"
+)
 
 
 def free_port() -> int:
@@ -44,8 +51,16 @@ class ServerThread:
         import uvicorn
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                   lifespan="on", timeout_graceful_shutdown=10))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=10,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{self.port}")
         self.startup_timeout = startup_timeout
 
@@ -97,9 +112,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     tok = AutoTokenizer.from_pretrained(str(out))
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, torch_dtype="float32",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        torch_dtype="float32",
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
@@ -118,9 +141,15 @@ def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
     from transformers import LlamaForCausalLM
 
     base = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                 "gate_proj", "up_proj", "down_proj"]))
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -142,8 +171,16 @@ def adapter_root(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 def engine_config(model_dir: Path, **kw: Any) -> Any:
     from lorastar.config import EngineConfig
 
-    opts: dict[str, Any] = dict(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256,
-                                num_kv_blocks=512, max_num_seqs=32, max_loras=4, max_cpu_loras=8)
+    opts: dict[str, Any] = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=512,
+        max_num_seqs=32,
+        max_loras=4,
+        max_cpu_loras=8,
+    )
     opts.update(kw)
     return EngineConfig(**opts)
 
@@ -159,11 +196,15 @@ def real_server(tiny_model_dir: Path, adapter_root: Path) -> Iterator[Any]:
     async def own() -> dict[str, str]:
         return {"mine": "yes"}
 
-    plugin = LoraStarPlugin(LoraStarConfig(
-        engine=engine_config(tiny_model_dir), served_model_name="tiny",
-        adapters={"alpha": str(adapter_root / "alpha"), "beta": str(adapter_root / "beta")},
-        adapter_root=adapter_root, admin_token="admin-secret",
-    ))
+    plugin = LoraStarPlugin(
+        LoraStarConfig(
+            engine=engine_config(tiny_model_dir),
+            served_model_name="tiny",
+            adapters={"alpha": str(adapter_root / "alpha"), "beta": str(adapter_root / "beta")},
+            adapter_root=adapter_root,
+            admin_token="admin-secret",
+        )
+    )
     app = Litestar(route_handlers=[own], plugins=[plugin])
     with ServerThread(app) as srv:
         srv.plugin = plugin  # type: ignore[attr-defined]

@@ -56,7 +56,9 @@ class FakeStats:
 
 
 class FakeAsyncLLM:
-    def __init__(self, step_delay: float = 0.002, max_model_len: int = 256, max_waiting: int | None = None) -> None:
+    def __init__(
+        self, step_delay: float = 0.002, max_model_len: int = 256, max_waiting: int | None = None
+    ) -> None:
         self.tokenizer = CharTokenizer()
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
@@ -94,7 +96,9 @@ class FakeAsyncLLM:
         del self.adapters[name]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
+            "<assistant>" if add_generation_prompt else ""
+        )
         return self.tokenizer.encode(text)
 
     def stats(self) -> FakeStats:
@@ -102,8 +106,13 @@ class FakeAsyncLLM:
         for a in self.running.values():
             if a:
                 per.setdefault(a, {"running": 0, "waiting": 0})["running"] += 1
-        return FakeStats(num_running=len(self.running), kv_cache_usage=len(self.running) / 100,
-                         prompt_tokens_total=self.total_prompt, generation_tokens_total=self.total_gen, adapters=per)
+        return FakeStats(
+            num_running=len(self.running),
+            kv_cache_usage=len(self.running) / 100,
+            prompt_tokens_total=self.total_prompt,
+            generation_tokens_total=self.total_gen,
+            adapters=per,
+        )
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
@@ -111,8 +120,12 @@ class FakeAsyncLLM:
             self.running.pop(request_id, None)
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, *,
-        adapter: str | None = None, request_id: str | None = None,
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        adapter: str | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         sp = sampling_params or SamplingParams()
         if self.errored:
@@ -133,8 +146,10 @@ class FakeAsyncLLM:
         if adapter:
             src = src.upper()
         metrics = RequestMetrics(arrival_time=time.time())
-        outs = [CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None)
-                for i in range(sp.n)]
+        outs = [
+            CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None)
+            for i in range(sp.n)
+        ]
         try:
             for step in range(sp.max_tokens):
                 await asyncio.sleep(self.step_delay)
@@ -143,14 +158,21 @@ class FakeAsyncLLM:
                 if rid not in self.running:
                     for o in outs:
                         o.finish_reason = "abort"
-                    yield RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, outs, True, adapter)
+                    yield RequestOutput(
+                        rid, prompt if isinstance(prompt, str) else None, ids, outs, True, adapter
+                    )
                     return
                 for o in outs:
                     ch = src[(step + o.index) % len(src)]
                     o.token_ids.append(ord(ch))
                     o.text += ch
                     if o.logprobs is not None:
-                        o.logprobs.append({ord(ch): Logprob(math.log(0.5), 1, ch), ord("z"): Logprob(math.log(0.25), 2, "z")})
+                        o.logprobs.append(
+                            {
+                                ord(ch): Logprob(math.log(0.5), 1, ch),
+                                ord("z"): Logprob(math.log(0.25), 2, "z"),
+                            }
+                        )
                     stop = next((s for s in sp.stop or [] if s in o.text), None)
                     if stop is not None:
                         o.text = o.text[: o.text.index(stop)]
@@ -159,11 +181,27 @@ class FakeAsyncLLM:
                         o.finish_reason = "length"
                 self.total_gen += sp.n
                 done = all(o.finish_reason for o in outs)
-                yield RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids,
-                                    [CompletionOutput(o.index, o.text, list(o.token_ids), None,
-                                                      list(o.logprobs) if o.logprobs is not None else None,
-                                                      o.finish_reason, o.stop_reason) for o in outs],
-                                    done, adapter, num_cached_tokens=0, metrics=metrics)
+                yield RequestOutput(
+                    rid,
+                    prompt if isinstance(prompt, str) else None,
+                    ids,
+                    [
+                        CompletionOutput(
+                            o.index,
+                            o.text,
+                            list(o.token_ids),
+                            None,
+                            list(o.logprobs) if o.logprobs is not None else None,
+                            o.finish_reason,
+                            o.stop_reason,
+                        )
+                        for o in outs
+                    ],
+                    done,
+                    adapter,
+                    num_cached_tokens=0,
+                    metrics=metrics,
+                )
                 if done:
                     return
         finally:

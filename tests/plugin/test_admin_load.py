@@ -22,29 +22,46 @@ PROMPT = "Once upon a time"
 
 def idle(engine: Any) -> bool:
     s = engine.stats()
-    return (s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0
-            and all(a.in_flight == 0 for a in engine.list_adapters()))
+    return (
+        s.num_running == 0
+        and s.num_waiting == 0
+        and s.kv_cache_usage == 0
+        and all(a.in_flight == 0 for a in engine.list_adapters())
+    )
 
 
-def test_path_escapes_and_tokens_on_real_engine(real_server: ServerThread, adapter_root: Path,
-                                                tmp_path: Path) -> None:
+def test_path_escapes_and_tokens_on_real_engine(
+    real_server: ServerThread, adapter_root: Path, tmp_path: Path
+) -> None:
     url = real_server.url + "/v1"
     outside = tmp_path / "outside"
     outside.mkdir()
     (adapter_root / "escape-link").symlink_to(adapter_root.parent / "nowhere-but-out")
     (adapter_root / "gamma-link").symlink_to(outside)
     try:
-        for path in ("../" + adapter_root.name + "/../x", str(outside), "gamma-link", "escape-link",
-                     str(adapter_root / ".." / adapter_root.name / "gamma" / ".." / ".." / "x")):
-            r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ADMIN)
+        for path in (
+            "../" + adapter_root.name + "/../x",
+            str(outside),
+            "gamma-link",
+            "escape-link",
+            str(adapter_root / ".." / adapter_root.name / "gamma" / ".." / ".." / "x"),
+        ):
+            r = httpx.post(
+                url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": path}, headers=ADMIN
+            )
             assert r.status_code == 403 and r.json()["error"]["param"] == "lora_path", (path, r.text)
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "admin-secret"}):
-            r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "g", "lora_path": "gamma"}, headers=headers)
+            r = httpx.post(
+                url + "/load_lora_adapter", json={"lora_name": "g", "lora_path": "gamma"}, headers=headers
+            )
             assert r.status_code == 401
         # A folder that exists but is not an adapter: 400, registry unchanged.
         (adapter_root / "not-an-adapter").mkdir(exist_ok=True)
-        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "bad", "lora_path": "not-an-adapter"},
-                       headers=ADMIN)
+        r = httpx.post(
+            url + "/load_lora_adapter",
+            json={"lora_name": "bad", "lora_path": "not-an-adapter"},
+            headers=ADMIN,
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         ids = [m["id"] for m in httpx.get(url + "/models").json()["data"]]
         assert "x" not in ids and "bad" not in ids and "g" not in ids
@@ -63,22 +80,34 @@ def test_concurrent_load_unload_during_streaming(real_server: ServerThread) -> N
     def stream(model: str) -> None:
         try:
             finish = None
-            for chunk in client.completions.create(model=model, prompt=PROMPT, max_tokens=40, stream=True,
-                                                   temperature=1.0, extra_body={"ignore_eos": True}):
+            for chunk in client.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=40,
+                stream=True,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},
+            ):
                 if chunk.choices and chunk.choices[0].finish_reason:
                     finish = chunk.choices[0].finish_reason
             results.append((model, finish))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=stream, args=(m,)) for m in ("tiny", "alpha", "beta", "alpha", "beta", "tiny")]
+    threads = [
+        threading.Thread(target=stream, args=(m,)) for m in ("tiny", "alpha", "beta", "alpha", "beta", "tiny")
+    ]
     for t in threads:
         t.start()
     # While they stream: load gamma, use it, unload it, reload it; unload + reload beta (in use).
     for _ in range(2):
-        r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "gamma", "lora_path": "gamma"}, headers=ADMIN)
+        r = httpx.post(
+            url + "/load_lora_adapter", json={"lora_name": "gamma", "lora_path": "gamma"}, headers=ADMIN
+        )
         assert r.status_code == 200, r.text
-        assert client.completions.create(model="gamma", prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
+        assert (
+            client.completions.create(model="gamma", prompt=PROMPT, max_tokens=3).usage.completion_tokens >= 1
+        )
         r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "gamma"}, headers=ADMIN)
         assert r.status_code == 200, r.text
     r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "beta"}, headers=ADMIN)
@@ -97,14 +126,19 @@ def test_concurrent_load_unload_during_streaming(real_server: ServerThread) -> N
     assert wait_until(lambda: idle(engine))
 
 
-def test_load_200_requests_32_streaming_clients_against_demo_app(tiny_model_dir: Path, adapter_root: Path) -> None:
+def test_load_200_requests_32_streaming_clients_against_demo_app(
+    tiny_model_dir: Path, adapter_root: Path
+) -> None:
     """>= 200 requests over 32 concurrent streaming clients, some hanging up early; at the end every
     request was answered or cleanly aborted and no KV block or adapter reference is held."""
     import examples.app
 
-    app = examples.app.create_app(model=str(tiny_model_dir), adapter_dir=adapter_root,
-                                  engine=engine_config(tiny_model_dir, max_num_seqs=32, num_kv_blocks=1024),
-                                  admin_token="t")
+    app = examples.app.create_app(
+        model=str(tiny_model_dir),
+        adapter_dir=adapter_root,
+        engine=engine_config(tiny_model_dir, max_num_seqs=32, num_kv_blocks=1024),
+        admin_token="t",
+    )
     total, concurrency = 200, 32
     with ServerThread(app) as srv:
         plugin = app.plugins.get("LoraStarPlugin")
@@ -131,13 +165,22 @@ def test_load_200_requests_32_streaming_clients_against_demo_app(tiny_model_dir:
                     try:
                         if i % 2:
                             stream = await client.chat.completions.create(
-                                model=model, messages=[{"role": "user", "content": f"Story {i}"}],
-                                max_tokens=rng.randint(4, 12), stream=True, temperature=1.0,
-                                stream_options={"include_usage": True})
+                                model=model,
+                                messages=[{"role": "user", "content": f"Story {i}"}],
+                                max_tokens=rng.randint(4, 12),
+                                stream=True,
+                                temperature=1.0,
+                                stream_options={"include_usage": True},
+                            )
                         else:
                             stream = await client.completions.create(
-                                model=model, prompt=f"{PROMPT} {i}", max_tokens=rng.randint(4, 12), stream=True,
-                                temperature=1.0, stream_options={"include_usage": True})
+                                model=model,
+                                prompt=f"{PROMPT} {i}",
+                                max_tokens=rng.randint(4, 12),
+                                stream=True,
+                                temperature=1.0,
+                                stream_options={"include_usage": True},
+                            )
                         chunks = 0
                         usage = None
                         async for chunk in stream:

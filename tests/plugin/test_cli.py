@@ -34,8 +34,14 @@ def cli_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cli_server(cli_root: Path) -> Iterator[ServerThread]:
-    app = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), adapter_root=cli_root, admin_token="tok",
-                                    adapters={"one": str(cli_root / "one")}))
+    app = create_app(
+        LoraStarConfig(
+            async_engine=FakeAsyncLLM(),
+            adapter_root=cli_root,
+            admin_token="tok",
+            adapters={"one": str(cli_root / "one")},
+        )
+    )
     with ServerThread(app) as srv:
         yield srv
 
@@ -43,7 +49,9 @@ def cli_server(cli_root: Path) -> Iterator[ServerThread]:
 def litestar_cli(*args: str, env: dict[str, str] | None = None) -> Any:
     from litestar.cli.main import litestar_group
 
-    return CliRunner().invoke(litestar_group, ["--app-dir", str(REPO), "--app", "examples.app:app", *args], env=env)
+    return CliRunner().invoke(
+        litestar_group, ["--app-dir", str(REPO), "--app", "examples.app:app", *args], env=env
+    )
 
 
 def test_litestar_lora_group_list_load_unload(cli_server: ServerThread, cli_root: Path) -> None:
@@ -60,17 +68,20 @@ def test_litestar_lora_group_list_load_unload(cli_server: ServerThread, cli_root
     assert r.exit_code == 1 and "401" in r.output
 
 
-def test_lorastar_script_lora_commands_and_failures(cli_server: ServerThread, cli_root: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lorastar_script_lora_commands_and_failures(
+    cli_server: ServerThread, cli_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("LORASTAR_ADMIN_TOKEN", raising=False)
     url = cli_server.url + "/v1"
     runner = CliRunner()
-    r = runner.invoke(main, ["lora", "--url", url, "--token", "tok", "load", "two", "two"])  # relative to the root
+    r = runner.invoke(
+        main, ["lora", "--url", url, "--token", "tok", "load", "two", "two"]
+    )  # relative to the root
     assert r.exit_code == 0 and "added successfully" in r.output, r.output
     r = runner.invoke(main, ["lora", "--url", url, "list"])
     assert r.exit_code == 0 and "two" in r.output.split("PATH", 1)[1]
     failures = {
-        ("load", "x", "/etc"): "403",            # outside the adapter root
+        ("load", "x", "/etc"): "403",  # outside the adapter root
         ("load", "two", "two"): "already been loaded",
         ("unload", "ghost"): "cannot be found",
     }
@@ -89,9 +100,27 @@ def test_lorastar_serve_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path
 
     seen: dict[str, Any] = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
-    r = CliRunner().invoke(main, ["serve", str(tmp_path), "--adapter", f"a={tmp_path}", "--adapter", "b=/x",
-                                  "--port", "9123", "--admin-token", "t", "--adapter-root", str(tmp_path),
-                                  "--max-waiting", "5", "--device", "cpu"])
+    r = CliRunner().invoke(
+        main,
+        [
+            "serve",
+            str(tmp_path),
+            "--adapter",
+            f"a={tmp_path}",
+            "--adapter",
+            "b=/x",
+            "--port",
+            "9123",
+            "--admin-token",
+            "t",
+            "--adapter-root",
+            str(tmp_path),
+            "--max-waiting",
+            "5",
+            "--device",
+            "cpu",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert seen["port"] == 9123 and seen["host"] == "127.0.0.1"
     cfg = seen["app"].plugins.get("LoraStarPlugin").config
@@ -107,11 +136,33 @@ def test_lorastar_serve_live(tiny_model_dir: Path, adapter_root: Path) -> None:
     port = free_port()
     env = dict(os.environ, LORASTAR_ADMIN_TOKEN="serve-token")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lorastar.plugin.cli", "serve", str(tiny_model_dir), "--adapter",
-         f"alpha={adapter_root / 'alpha'}", "--port", str(port), "--device", "cpu", "--dtype", "float32",
-         "--max-model-len", "256", "--num-kv-blocks", "256", "--adapter-root", str(adapter_root),
-         "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "lorastar.plugin.cli",
+            "serve",
+            str(tiny_model_dir),
+            "--adapter",
+            f"alpha={adapter_root / 'alpha'}",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--num-kv-blocks",
+            "256",
+            "--adapter-root",
+            str(adapter_root),
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
 
@@ -122,12 +173,17 @@ def test_lorastar_serve_live(tiny_model_dir: Path, adapter_root: Path) -> None:
             return proc.poll() is not None
 
     try:
-        assert wait_until(healthy, timeout=120, interval=0.2) and proc.poll() is None, proc.stdout.read().decode()
+        assert wait_until(healthy, timeout=120, interval=0.2) and proc.poll() is None, (
+            proc.stdout.read().decode()
+        )
         runner = CliRunner()
         r = runner.invoke(main, ["lora", "--url", url + "/v1", "list"])
         assert r.exit_code == 0 and "alpha" in r.output and tiny_model_dir.name in r.output, r.output
-        r = runner.invoke(main, ["lora", "--url", url + "/v1", "load", "beta", "beta"], env={"LORASTAR_ADMIN_TOKEN":
-                                                                                           "serve-token"})
+        r = runner.invoke(
+            main,
+            ["lora", "--url", url + "/v1", "load", "beta", "beta"],
+            env={"LORASTAR_ADMIN_TOKEN": "serve-token"},
+        )
         assert r.exit_code == 0, r.output
         client = openai.OpenAI(base_url=url + "/v1", api_key="x")
         out = client.completions.create(model="beta", prompt="Hello", max_tokens=3, temperature=0)

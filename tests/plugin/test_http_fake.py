@@ -63,9 +63,17 @@ def fake(fake_root: Path) -> Iterator[tuple[ServerThread, FakeAsyncLLM]]:
     app = Litestar(
         route_handlers=[mine],
         exception_handlers={HTTPException: app_http_handler, 400: app_http_handler},
-        plugins=[LoraStarPlugin(LoraStarConfig(async_engine=engine, adapter_root=fake_root, admin_token="tok",
-                                               adapters={"a1": str(fake_root / "a1")},
-                                               enable_adapter_resolver=True))],
+        plugins=[
+            LoraStarPlugin(
+                LoraStarConfig(
+                    async_engine=engine,
+                    adapter_root=fake_root,
+                    admin_token="tok",
+                    adapters={"a1": str(fake_root / "a1")},
+                    enable_adapter_resolver=True,
+                )
+            )
+        ],
     )
     with ServerThread(app) as srv:
         yield srv, engine
@@ -99,10 +107,16 @@ def test_user_routes_dependency_and_handlers_untouched(http: httpx.Client) -> No
 def test_post_routes_answer_200_and_sse_framing_is_exact(http: httpx.Client) -> None:
     r = http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "cba"
-    with http.stream("POST", "/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
-        "stream_options": {"include_usage": True},
-    }) as s:
+    with http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as s:
         assert s.status_code == 200
         assert s.headers["content-type"].startswith("text/event-stream")
         raw = b"".join(s.iter_raw()).decode()
@@ -137,7 +151,9 @@ def test_post_routes_answer_200_and_sse_framing_is_exact(http: httpx.Client) -> 
         ({"prompt": list(range(1, 300))}, "prompt"),
     ],
 )
-def test_completion_validation_errors_name_the_field(http: httpx.Client, body: dict[str, Any], param: str) -> None:
+def test_completion_validation_errors_name_the_field(
+    http: httpx.Client, body: dict[str, Any], param: str
+) -> None:
     assert_error(http.post("/v1/completions", json=body), 400, param)
 
 
@@ -160,14 +176,24 @@ def test_chat_validation_errors_name_the_field(http: httpx.Client, body: dict[st
 
 
 def test_malformed_json_and_unknown_model(http: httpx.Client) -> None:
-    assert_error(http.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}), 400)
+    assert_error(
+        http.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"}), 400
+    )
     err = assert_error(http.post("/v1/completions", json={"prompt": "x", "model": "ghost"}), 404, "model")
     assert err["type"] == "NotFoundError"
-    err = assert_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                              "model": "ghost", "stream": True}), 404, "model")
+    err = assert_error(
+        http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "model": "ghost", "stream": True},
+        ),
+        404,
+        "model",
+    )
 
 
-def test_overloaded_is_503_with_retry_after(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+def test_overloaded_is_503_with_retry_after(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
     fake[1].fail_on_submit = EngineOverloadedError("waiting queue is full (max_waiting=1)")
     for stream in (False, True):
         r = http.post("/v1/completions", json={"prompt": "x", "stream": stream})
@@ -175,7 +201,9 @@ def test_overloaded_is_503_with_retry_after(fake: tuple[ServerThread, FakeAsyncL
         assert r.headers["retry-after"] == "1"
 
 
-def test_dead_engine_health_503_and_requests_503(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+def test_dead_engine_health_503_and_requests_503(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
     assert http.get("/health").status_code == 200
     fake[1].errored = True
     assert_error(http.get("/health"), 503)
@@ -192,7 +220,9 @@ def test_unexpected_engine_error_is_500_without_traceback(
     assert "secret" not in err["message"]
 
 
-def test_error_after_stream_start_goes_in_band(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+def test_error_after_stream_start_goes_in_band(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
     fake[1].fail_after = 2
     r = http.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 6, "stream": True})
     assert r.status_code == 200
@@ -205,9 +235,10 @@ def test_error_after_stream_start_goes_in_band(fake: tuple[ServerThread, FakeAsy
 def test_client_disconnect_mid_stream_aborts(fake: tuple[ServerThread, FakeAsyncLLM]) -> None:
     engine = fake[1]
     before = len(engine.aborted)
-    with httpx.Client(base_url=fake[0].url, timeout=30) as c, c.stream(
-        "POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 200, "stream": True}
-    ) as s:
+    with (
+        httpx.Client(base_url=fake[0].url, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 200, "stream": True}) as s,
+    ):
         it = s.iter_lines()
         assert next(it).startswith("data: ")
     assert wait_until(lambda: len(engine.aborted) > before and not engine.running, 10)
@@ -235,7 +266,9 @@ def test_openai_client_against_fake(fake: tuple[ServerThread, FakeAsyncLLM]) -> 
     assert ei.value.body["param"] == "temperature"  # type: ignore[index]
 
 
-def test_resolver_loads_unknown_name_from_root_once(fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client) -> None:
+def test_resolver_loads_unknown_name_from_root_once(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
     r = http.post("/v1/completions", json={"prompt": "xy", "model": "lazy", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "YX"
     assert "lazy" in fake[1].adapters
@@ -244,42 +277,65 @@ def test_resolver_loads_unknown_name_from_root_once(fake: tuple[ServerThread, Fa
         assert_error(http.post("/v1/completions", json={"prompt": "x", "model": name}), 404, "model")
 
 
-def test_admin_auth_and_path_confinement(fake: tuple[ServerThread, FakeAsyncLLM], fake_root: Path,
-                                         http: httpx.Client) -> None:
+def test_admin_auth_and_path_confinement(
+    fake: tuple[ServerThread, FakeAsyncLLM], fake_root: Path, http: httpx.Client
+) -> None:
     body = {"lora_name": "a2", "lora_path": str(fake_root / "a2")}
     assert_error(http.post("/v1/load_lora_adapter", json=body), 401)
-    assert_error(http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Bearer wrong"}), 401
+    )
     assert_error(http.post("/v1/load_lora_adapter", json=body, headers={"Authorization": "Basic tok"}), 401)
     auth = {"Authorization": "Bearer tok"}
     for path in ("../outside", str(fake_root / ".." / "x"), "/etc", "sneaky", str(fake_root / "sneaky")):
-        assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, headers=auth),
-                     403, "lora_path")
+        assert_error(
+            http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path}, headers=auth),
+            403,
+            "lora_path",
+        )
     assert "bad" not in fake[1].adapters
     r = http.post("/v1/load_lora_adapter", json=body, headers=auth)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' added successfully."
     assert_error(http.post("/v1/load_lora_adapter", json=body, headers=auth), 400, "lora_name")
-    assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "missing"}, headers=auth),
-                 400, "lora_path")
+    assert_error(
+        http.post("/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": "missing"}, headers=auth),
+        400,
+        "lora_path",
+    )
     assert_error(http.post("/v1/load_lora_adapter", json={"lora_name": "a3"}, headers=auth), 400, "lora_path")
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth)
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'a2' removed successfully."
-    assert_error(http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth), 404, "lora_name")
+    assert_error(
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth), 404, "lora_name"
+    )
 
 
 def test_api_keys_guard_inference_routes_only() -> None:
     engine = FakeAsyncLLM()
     app = create_app(LoraStarConfig(async_engine=engine, api_keys=["k1", "k2"], admin_token="adm"))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url) as c:
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+        ):
             assert_error(c.request(method, path, json={}), 401)
             assert_error(c.request(method, path, json={}, headers={"Authorization": "Bearer nope"}), 401)
         assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
         assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
         # The admin routes take the admin token, not an API key.
-        assert_error(c.post("/v1/unload_lora_adapter", json={"lora_name": "x"},
-                            headers={"Authorization": "Bearer k1"}), 401)
-        assert_error(c.post("/v1/unload_lora_adapter", json={"lora_name": "x"},
-                            headers={"Authorization": "Bearer adm"}), 404)
+        assert_error(
+            c.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "x"}, headers={"Authorization": "Bearer k1"}
+            ),
+            401,
+        )
+        assert_error(
+            c.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "x"}, headers={"Authorization": "Bearer adm"}
+            ),
+            404,
+        )
         # create_app's own unknown routes speak OpenAI errors too.
         assert_error(c.get("/v1/nothing"), 404)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k1")
@@ -292,32 +348,51 @@ def test_admin_routes_absent_when_runtime_loading_off_and_refused_without_token(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("LORASTAR_ADMIN_TOKEN", raising=False)
-    off = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), allow_runtime_adapter_loading=False,
-                                    admin_token="t"))
+    off = create_app(
+        LoraStarConfig(async_engine=FakeAsyncLLM(), allow_runtime_adapter_loading=False, admin_token="t")
+    )
     no_token = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), adapter_root=tmp_path))
     with ServerThread(off) as a, ServerThread(no_token) as b:
         for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
-            r = httpx.post(a.url + route, json={"lora_name": "x", "lora_path": "y"},
-                           headers={"Authorization": "Bearer t"})
+            r = httpx.post(
+                a.url + route,
+                json={"lora_name": "x", "lora_path": "y"},
+                headers={"Authorization": "Bearer t"},
+            )
             assert r.status_code in (404, 405)
             assert_error(httpx.post(b.url + route, json={"lora_name": "x"}), 401)
         paths = httpx.get(a.url + "/schema/openapi.json").json()["paths"]
         assert "/v1/load_lora_adapter" not in paths and "/v1/completions" in paths
 
 
-def test_metrics_names_labels_and_per_plugin_registry(fake: tuple[ServerThread, FakeAsyncLLM],
-                                                       http: httpx.Client) -> None:
+def test_metrics_names_labels_and_per_plugin_registry(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
     http.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "model": "a1"})
     text = http.get("/metrics").text
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
-                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-                 "vllm:lora_requests_info", "lorastar:adapter_requests_total", "lorastar:adapter_generation_tokens_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:lora_requests_info",
+        "lorastar:adapter_requests_total",
+        "lorastar:adapter_generation_tokens_total",
+    ):
         assert re.search(rf"^{re.escape(name)}\{{.*model_name=\"fake-model\"", text, re.M) or (
-            name == "vllm:lora_requests_info" and re.search(r"^vllm:lora_requests_info\{.*max_lora=", text, re.M)
+            name == "vllm:lora_requests_info"
+            and re.search(r"^vllm:lora_requests_info\{.*max_lora=", text, re.M)
         ), name
-    assert re.search(r'^lorastar:adapter_requests_total\{adapter="a1",model_name="fake-model"\} [1-9]', text, re.M)
+    assert re.search(
+        r'^lorastar:adapter_requests_total\{adapter="a1",model_name="fake-model"\} [1-9]', text, re.M
+    )
     # A second app in the same process has its own registry (no duplicate-name error, fresh counters).
     other = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), served_model_name="other"))
     with ServerThread(other) as srv:

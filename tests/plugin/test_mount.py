@@ -26,8 +26,13 @@ def test_starlette_mount_with_lifespan(starlette: Any, tiny_model_dir: Path, ada
     from starlette.responses import JSONResponse
     from starlette.routing import Mount, Route
 
-    llm = create_app(LoraStarConfig(engine=engine_config(tiny_model_dir), served_model_name="tiny",
-                                    adapters={"alpha": str(adapter_root / "alpha")}))
+    llm = create_app(
+        LoraStarConfig(
+            engine=engine_config(tiny_model_dir),
+            served_model_name="tiny",
+            adapters={"alpha": str(adapter_root / "alpha")},
+        )
+    )
 
     async def home(_: Request) -> JSONResponse:
         return JSONResponse({"starlette": True})
@@ -43,9 +48,15 @@ def test_starlette_mount_with_lifespan(starlette: Any, tiny_model_dir: Path, ada
         assert [m.id for m in client.models.list().data] == ["tiny", "alpha"]
         r = client.completions.create(model="alpha", prompt="Hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == r.usage.completion_tokens and r.choices[0].finish_reason
-        chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=4, stream=True,
-                                                     stream_options={"include_usage": True}))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert chunks[-1].usage.completion_tokens >= 1
         err = httpx.post(srv.url + "/llm/v1/completions", json={"model": "nope", "prompt": "x"})
         assert err.status_code == 404 and err.json()["error"]["type"] == "NotFoundError"

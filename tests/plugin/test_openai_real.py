@@ -44,8 +44,12 @@ def greedy(max_tokens: int = 12, **kw: Any) -> Any:
 def engine_idle(server: ServerThread) -> bool:
     engine = server.plugin.engine  # type: ignore[attr-defined]
     s = engine.stats()
-    return (s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0
-            and all(a.in_flight == 0 for a in engine.list_adapters()))
+    return (
+        s.num_running == 0
+        and s.num_waiting == 0
+        and s.kv_cache_usage == 0
+        and all(a.in_flight == 0 for a in engine.list_adapters())
+    )
 
 
 def test_models_list(client: openai.OpenAI, adapter_root: Path) -> None:
@@ -54,11 +58,15 @@ def test_models_list(client: openai.OpenAI, adapter_root: Path) -> None:
     base, alpha = models[0], models[1]
     assert base.object == "model" and getattr(base, "parent", None) is None
     assert getattr(base, "max_model_len", None) == 256
-    assert getattr(alpha, "parent", None) == "tiny" and getattr(alpha, "root", None) == str(adapter_root / "alpha")
+    assert getattr(alpha, "parent", None) == "tiny" and getattr(alpha, "root", None) == str(
+        adapter_root / "alpha"
+    )
 
 
 @pytest.mark.parametrize("model", ["tiny", "alpha", "beta"])
-def test_greedy_completion_and_chat_equal_llm_generate(client: openai.OpenAI, reference: Any, model: str) -> None:
+def test_greedy_completion_and_chat_equal_llm_generate(
+    client: openai.OpenAI, reference: Any, model: str
+) -> None:
     adapter = None if model == "tiny" else model
     want = reference.generate(PROMPT, greedy(), adapter=adapter)[0]
     got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
@@ -79,28 +87,48 @@ def test_greedy_completion_and_chat_equal_llm_generate(client: openai.OpenAI, re
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(want_chat.prompt_token_ids)
     # max_completion_tokens is the newer name of the same limit.
-    chat2 = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+    chat2 = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_completion_tokens=10, temperature=0
+    )
     assert chat2.choices[0].message.content == want_chat.outputs[0].text
 
 
 def test_adapters_change_the_output(client: openai.OpenAI) -> None:
-    texts = {m: client.completions.create(model=m, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
-             for m in ("tiny", "alpha", "beta")}
+    texts = {
+        m: client.completions.create(model=m, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+        for m in ("tiny", "alpha", "beta")
+    }
     assert len(set(texts.values())) == 3, texts
 
 
 def test_streaming_with_usage_matches_non_streaming(client: openai.OpenAI) -> None:
     full = client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0)
-    chunks = list(client.completions.create(model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="alpha",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1])
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
 
     chat_full = client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=10, temperature=0)
-    stream = list(client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    stream = list(
+        client.chat.completions.create(
+            model="beta",
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == chat_full.choices[0].message.content
@@ -114,12 +142,19 @@ def test_n_greater_than_one_and_prompt_lists(client: openai.OpenAI) -> None:
     r = client.completions.create(model="alpha", prompt=[PROMPT, "Hello"], max_tokens=4, n=2, temperature=0)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == r.choices[1].text  # greedy: the n samples agree
-    chat = client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=5, n=2, temperature=1.0, seed=3)
+    chat = client.chat.completions.create(
+        model="beta", messages=MESSAGES, max_tokens=5, n=2, temperature=1.0, seed=3
+    )
     assert [c.index for c in chat.choices] == [0, 1]
-    streamed = list(client.chat.completions.create(model="beta", messages=MESSAGES, max_tokens=5, n=2,
-                                                   temperature=1.0, seed=3, stream=True))
+    streamed = list(
+        client.chat.completions.create(
+            model="beta", messages=MESSAGES, max_tokens=5, n=2, temperature=1.0, seed=3, stream=True
+        )
+    )
     for i in (0, 1):
-        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i)
+        text = "".join(
+            c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i
+        )
         assert text == chat.choices[i].message.content  # same seed, same samples, streamed or not
 
 
@@ -131,15 +166,22 @@ def test_stop_strings(client: openai.OpenAI, reference: Any) -> None:
     choice = r.choices[0]
     assert choice.text == text[: text.index(stop)]
     assert choice.finish_reason == "stop" and getattr(choice, "stop_reason", None) == stop
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=stop, stream=True))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=stop, stream=True
+        )
+    )
     assert streamed == choice.text
 
 
 def test_seed_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int, model: str = "tiny") -> str:
-        return client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0,
-                                         seed=seed).choices[0].text
+        return (
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed)
+            .choices[0]
+            .text
+        )
 
     assert sample(123) == sample(123)
     assert sample(5, "alpha") == sample(5, "alpha")
@@ -157,8 +199,9 @@ def test_logprobs(client: openai.OpenAI, reference: Any) -> None:
     assert "".join(lp.tokens) == r.choices[0].text
     assert lp.text_offset[0] == 0
 
-    chat = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model="alpha", messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for tok in content:
@@ -198,10 +241,21 @@ def test_real_engine_error_paths(real_server: ServerThread, client: openai.OpenA
 
 def test_client_disconnect_mid_stream_frees_blocks(real_server: ServerThread) -> None:
     engine = real_server.plugin.engine  # type: ignore[attr-defined]
-    with httpx.Client(timeout=30) as c, c.stream("POST", real_server.url + "/v1/completions", json={
-        "model": "alpha", "prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "stream": True,
-        "ignore_eos": True,
-    }) as s:
+    with (
+        httpx.Client(timeout=30) as c,
+        c.stream(
+            "POST",
+            real_server.url + "/v1/completions",
+            json={
+                "model": "alpha",
+                "prompt": PROMPT,
+                "max_tokens": 200,
+                "temperature": 1.0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as s,
+    ):
         lines = s.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["index"] == 0
@@ -214,16 +268,22 @@ def test_overloaded_engine_answers_503(tiny_model_dir: Path) -> None:
 
     from lorastar.plugin import LoraStarConfig, LoraStarPlugin
 
-    plugin = LoraStarPlugin(LoraStarConfig(engine=engine_config(tiny_model_dir, max_num_seqs=1), max_waiting=1,
-                                           retry_after_seconds=2))
+    plugin = LoraStarPlugin(
+        LoraStarConfig(
+            engine=engine_config(tiny_model_dir, max_num_seqs=1), max_waiting=1, retry_after_seconds=2
+        )
+    )
     import concurrent.futures
 
     with ServerThread(Litestar(plugins=[plugin])) as srv:
         srv.plugin = plugin  # type: ignore[attr-defined]
 
         def one(_: int) -> httpx.Response:
-            return httpx.post(srv.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 30,
-                                                                 "ignore_eos": True}, timeout=60)
+            return httpx.post(
+                srv.url + "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 30, "ignore_eos": True},
+                timeout=60,
+            )
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             responses = list(pool.map(one, range(8)))
@@ -253,7 +313,12 @@ def test_metrics_and_health_on_real_engine(real_server: ServerThread, client: op
     assert value(r'vllm:inter_token_latency_seconds_count\{model_name="tiny"\}') > 0
     assert value(r'lorastar:adapter_requests_total\{adapter="alpha",model_name="tiny"\}') >= 1
     assert 0 <= value(r'vllm:kv_cache_usage_perc\{model_name="tiny"\}') <= 1
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prefix_cache_queries_total",
-                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+    ):
         value(rf'{name}\{{model_name="tiny"\}}')
     assert re.search(r'^vllm:lora_requests_info\{max_lora="4",', text, re.M)

@@ -61,10 +61,14 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
         engine = await service.ready()
         name, path = data.lora_name, data.lora_path
         if not name or not path:
-            raise APIError("Both 'lora_name' and 'lora_path' must be provided.",
-                           param="lora_name" if not name else "lora_path")
+            raise APIError(
+                "Both 'lora_name' and 'lora_path' must be provided.",
+                param="lora_name" if not name else "lora_path",
+            )
         if name == service.served_model_name:
-            raise APIError(f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name")
+            raise APIError(
+                f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name"
+            )
         resolved = confine(service.adapter_root, path)
         if name in service.adapter_names():
             if not data.load_inplace:

@@ -43,9 +43,20 @@ from lorastar.plugin.service import LoraStarService, merge_streams, run_until_di
 from lorastar.plugin.sse import sse_response
 
 _SAMPLING_FIELDS = (
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "include_stop_str_in_output",
-    "use_beam_search", "length_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "use_beam_search",
+    "length_penalty",
 )
 _CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
@@ -59,8 +70,13 @@ def _random_id(prefix: str) -> str:
 
 
 def _sampling_params(req: Any, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    kw: dict[str, Any] = {"n": req.n, "max_tokens": max_tokens, "stop": req.stop, "seed": req.seed,
-                          "logprobs": logprobs}
+    kw: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "stop": req.stop,
+        "seed": req.seed,
+        "logprobs": logprobs,
+    }
     for name in _SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
     if req.logit_bias:
@@ -103,6 +119,7 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo
 
 def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
     """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]]."""
+
     def is_tok(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
@@ -124,8 +141,11 @@ def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]
         elif all(isinstance(p, list) for p in prompt):
             prompts = [check_ids(p) for p in prompt]
         else:
-            raise APIError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                           "lists of token ids.", param="prompt")
+            raise APIError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "lists of token ids.",
+                param="prompt",
+            )
     else:
         raise APIError("prompt must not be empty.", param="prompt")
     for p in prompts:
@@ -155,8 +175,9 @@ def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise APIError(f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.",
-                           param="messages")
+            raise APIError(
+                f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.", param="messages"
+            )
         msg = dict(m)
         msg["content"] = _message_text(m.get("content"), i) or ""
         out.append(msg)
@@ -169,7 +190,8 @@ def _check_length(max_model_len: int, prompt_len: int, max_tokens: int | None, *
     if prompt_len >= max_model_len:
         raise APIError(
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input {param}.", param=param,
+            f"{prompt_len} input tokens. Please reduce the length of the input {param}.",
+            param=param,
         )
     room = max_model_len - prompt_len
     if max_tokens is None:
@@ -178,7 +200,8 @@ def _check_length(max_model_len: int, prompt_len: int, max_tokens: int | None, *
         raise APIError(
             f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
             f"length is {max_model_len} tokens and your request has {prompt_len} input tokens "
-            f"({max_tokens} > {max_model_len} - {prompt_len}).", param="max_tokens",
+            f"({max_tokens} > {max_model_len} - {prompt_len}).",
+            param="max_tokens",
         )
     return max_tokens
 
@@ -212,7 +235,11 @@ def _map_adapter_error(exc: AdapterNotFoundError, model: str | None) -> APIError
 
 
 def _completion_logprobs(
-    tokenizer: Any, out: CompletionOutput, start: int, text_offset0: int, num_top: int,
+    tokenizer: Any,
+    out: CompletionOutput,
+    start: int,
+    text_offset0: int,
+    num_top: int,
     prompt_ids: list[int] | None = None,
 ) -> CompletionLogProbs:
     """vLLM's legacy completions ``logprobs`` for tokens ``start:`` (plus prompt tokens when echoing)."""
@@ -252,14 +279,21 @@ def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: i
         chosen = step.get(tid)
         tok = _decoded(tokenizer, tid, chosen)
         top = [
-            ChatTopLogprob(token=(s := _decoded(tokenizer, t, p)), logprob=_lp(p.logprob),
-                           bytes=list(s.encode("utf-8", errors="replace")))
+            ChatTopLogprob(
+                token=(s := _decoded(tokenizer, t, p)),
+                logprob=_lp(p.logprob),
+                bytes=list(s.encode("utf-8", errors="replace")),
+            )
             for t, p in _ranked(step)[:num_top]
         ]
-        content.append(ChatLogprobToken(
-            token=tok, logprob=_lp(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
-            bytes=list(tok.encode("utf-8", errors="replace")), top_logprobs=top,
-        ))
+        content.append(
+            ChatLogprobToken(
+                token=tok,
+                logprob=_lp(chosen.logprob) if chosen is not None else _MIN_LOGPROB,
+                bytes=list(tok.encode("utf-8", errors="replace")),
+                top_logprobs=top,
+            )
+        )
     return ChatChoiceLogprobs(content=content)
 
 
@@ -276,19 +310,34 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         base = service.served_model_name
         now = int(time.time())
         root = str(service.config.model or service.config.engine.model or base)
-        cards = [ModelCard(id=base, created=service.created, root=root, parent=None,
-                           max_model_len=int(engine.max_model_len),
-                           permission=[ModelPermission(id=_random_id("modelperm"), created=now)])]
+        cards = [
+            ModelCard(
+                id=base,
+                created=service.created,
+                root=root,
+                parent=None,
+                max_model_len=int(engine.max_model_len),
+                permission=[ModelPermission(id=_random_id("modelperm"), created=now)],
+            )
+        ]
         for a in engine.list_adapters():
-            cards.append(ModelCard(id=a.name, created=service.adapter_created.get(a.name, service.created),
-                                   root=str(a.path), parent=base,
-                                   permission=[ModelPermission(id=_random_id("modelperm"), created=now)]))
+            cards.append(
+                ModelCard(
+                    id=a.name,
+                    created=service.adapter_created.get(a.name, service.created),
+                    root=str(a.path),
+                    parent=base,
+                    permission=[ModelPermission(id=_random_id("modelperm"), created=now)],
+                )
+            )
         return ModelList(data=cards)
 
     # ------------------------------------------------------------------ completions
 
     @post("/completions", status_code=HTTP_200_OK, guards=guards, summary="OpenAI completions")
-    async def create_completion(data: CompletionRequest, request: Request[Any, Any, Any]) -> Response[Any] | Stream:
+    async def create_completion(
+        data: CompletionRequest, request: Request[Any, Any, Any]
+    ) -> Response[Any] | Stream:
         engine = await service.ready()
         adapter = await service.resolve_model(data.model)
         if data.suffix:
@@ -335,27 +384,47 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                             t0, k0 = sent_text.get(idx, 0), sent_tok.get(idx, 0)
                             delta = o.text[t0:] if len(o.text) >= t0 else ""
                             new_tokens = len(o.token_ids) - k0
-                            if not delta and new_tokens <= 0 and o.finish_reason is None and not (first and echo):
+                            if (
+                                not delta
+                                and new_tokens <= 0
+                                and o.finish_reason is None
+                                and not (first and echo)
+                            ):
                                 continue
                             text = delta
                             lp = None
                             if echo and first:
                                 text = prompt_text(out, i) + delta
                             if data.logprobs is not None:
-                                lp = _completion_logprobs(tokenizer, o, k0, t0, num_top,
-                                                          out.prompt_token_ids if (echo and first) else None)
+                                lp = _completion_logprobs(
+                                    tokenizer,
+                                    o,
+                                    k0,
+                                    t0,
+                                    num_top,
+                                    out.prompt_token_ids if (echo and first) else None,
+                                )
                             sent_text[idx], sent_tok[idx] = len(o.text), len(o.token_ids)
                             yield CompletionStreamResponse(
-                                id=request_id, created=created, model=model_name,
-                                choices=[CompletionStreamChoice(index=idx, text=text, logprobs=lp,
-                                                                finish_reason=o.finish_reason,
-                                                                stop_reason=o.stop_reason)],
+                                id=request_id,
+                                created=created,
+                                model=model_name,
+                                choices=[
+                                    CompletionStreamChoice(
+                                        index=idx,
+                                        text=text,
+                                        logprobs=lp,
+                                        finish_reason=o.finish_reason,
+                                        stop_reason=o.stop_reason,
+                                    )
+                                ],
                             )
                         if out.finished:
                             finals[i] = out
                 if include_usage:
-                    yield CompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                   usage=_usage_of(finals))
+                    yield CompletionStreamResponse(
+                        id=request_id, created=created, model=model_name, choices=[], usage=_usage_of(finals)
+                    )
 
             return sse_response(events(), retry_after=service.config.retry_after_seconds)
 
@@ -367,14 +436,31 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                 text = o.text
                 lp = None
                 if data.logprobs is not None:
-                    lp = _completion_logprobs(tokenizer, o, 0, len(prompt_text(out, i)) if echo else 0, num_top,
-                                              out.prompt_token_ids if echo else None)
+                    lp = _completion_logprobs(
+                        tokenizer,
+                        o,
+                        0,
+                        len(prompt_text(out, i)) if echo else 0,
+                        num_top,
+                        out.prompt_token_ids if echo else None,
+                    )
                 if echo:
                     text = prompt_text(out, i) + text
-                choices.append(CompletionResponseChoice(index=i * n + o.index, text=text, logprobs=lp,
-                                                        finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-        return Response(CompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                           usage=_usage_of(finals)), status_code=HTTP_200_OK)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * n + o.index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+        return Response(
+            CompletionResponse(
+                id=request_id, created=created, model=model_name, choices=choices, usage=_usage_of(finals)
+            ),
+            status_code=HTTP_200_OK,
+        )
 
     # ------------------------------------------------------------------ chat
 
@@ -392,11 +478,15 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         messages = _normalize_messages(data.messages)
         try:
-            prompt_ids = list(engine.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt))
+            prompt_ids = list(
+                engine.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt)
+            )
         except APIError:
             raise
         except Exception as exc:  # jinja TemplateError ("roles must alternate", ...) is the client's input
-            raise APIError(f"messages could not be rendered by the chat template: {exc}", param="messages") from exc
+            raise APIError(
+                f"messages could not be rendered by the chat template: {exc}", param="messages"
+            ) from exc
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         if requested is not None and requested < 1:
             raise APIError(f"max_tokens must be an integer >= 1, got {requested}.", param="max_tokens")
@@ -420,8 +510,9 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
 
             async def events() -> AsyncIterator[Any]:
                 def chunk(choice: ChatStreamChoice) -> ChatCompletionStreamResponse:
-                    return ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
-                                                        choices=[choice])
+                    return ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=model_name, choices=[choice]
+                    )
 
                 # vLLM's first frame per choice: the role, empty content.
                 for i in range(n):
@@ -441,13 +532,25 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                                 continue
                             lp = _chat_logprobs(tokenizer, o, k0, num_top) if want_lp else None
                             sent_text[i], sent_tok[i] = len(o.text), len(o.token_ids)
-                            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=delta), logprobs=lp,
-                                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                            yield chunk(
+                                ChatStreamChoice(
+                                    index=i,
+                                    delta=DeltaMessage(content=delta),
+                                    logprobs=lp,
+                                    finish_reason=o.finish_reason,
+                                    stop_reason=o.stop_reason,
+                                )
+                            )
                         if out.finished:
                             final = out
                 if include_usage:
-                    yield ChatCompletionStreamResponse(id=request_id, created=created, model=model_name, choices=[],
-                                                       usage=_usage_of({0: final} if final else {}))
+                    yield ChatCompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=model_name,
+                        choices=[],
+                        usage=_usage_of({0: final} if final else {}),
+                    )
 
             return sse_response(events(), retry_after=service.config.retry_after_seconds)
 
@@ -458,12 +561,17 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                 index=o.index,
                 message=ChatMessage(role="assistant", content=echo_text + o.text),
                 logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
-                finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
             )
             for o in out.outputs
         ]
-        return Response(ChatCompletionResponse(id=request_id, created=created, model=model_name, choices=choices,
-                                               usage=_usage_of(finals)), status_code=HTTP_200_OK)
+        return Response(
+            ChatCompletionResponse(
+                id=request_id, created=created, model=model_name, choices=choices, usage=_usage_of(finals)
+            ),
+            status_code=HTTP_200_OK,
+        )
 
     return [list_models, create_completion, create_chat_completion]
 
@@ -490,7 +598,9 @@ def _usage_of(finals: dict[int, RequestOutput]) -> UsageInfo:
     return _usage(prompt, completion, cached)
 
 
-async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], model: str | None) -> dict[int, RequestOutput]:
+async def _collect(
+    merged: AsyncIterator[tuple[int, RequestOutput]], model: str | None
+) -> dict[int, RequestOutput]:
     finals: dict[int, RequestOutput] = {}
     try:
         async with aclosing(merged) as m:  # type: ignore[type-var]
