@@ -418,3 +418,19 @@ def test_lifespan_starts_and_stops_owned_engine(monkeypatch: pytest.MonkeyPatch)
         engine = created[0]
         assert engine.started and engine.config.model == "/some/model" and engine.config.max_waiting == 7
     assert not engine.started  # shut down with the app
+
+
+def test_continuous_usage_stats(http: httpx.Client) -> None:
+    for url, body in (
+        ("/v1/completions", {"prompt": "abcd"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "abcd"}]}),
+    ):
+        body = dict(
+            body,
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+        frames = [json.loads(f[6:]) for f in http.post(url, json=body).text.split("\n\n")[:-2]]
+        assert all("usage" in f for f in frames)
+        assert frames[-2]["usage"]["completion_tokens"] == 3 == frames[-1]["usage"]["completion_tokens"]

@@ -11,6 +11,7 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
+from msgspec import UNSET
 
 from lorastar.engine.errors import AdapterNotFoundError
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -370,6 +371,9 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
 
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            continuous = include_usage and bool(
+                data.stream_options and data.stream_options.continuous_usage_stats
+            )
             merged = await _prime_or_404(merge_streams(streams), data.model)
 
             async def events() -> AsyncIterator[Any]:
@@ -418,6 +422,7 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                                         stop_reason=o.stop_reason,
                                     )
                                 ],
+                                usage=_usage_of({0: out}) if continuous else UNSET,
                             )
                         if out.finished:
                             finals[i] = out
@@ -506,12 +511,21 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
 
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            continuous = include_usage and bool(
+                data.stream_options and data.stream_options.continuous_usage_stats
+            )
             primed = await _prime_or_404(stream, data.model)
 
             async def events() -> AsyncIterator[Any]:
-                def chunk(choice: ChatStreamChoice) -> ChatCompletionStreamResponse:
+                def chunk(
+                    choice: ChatStreamChoice, out: RequestOutput | None = None
+                ) -> ChatCompletionStreamResponse:
+                    # continuous_usage_stats (vLLM): every chunk carries the usage so far.
+                    usage: Any = UNSET
+                    if continuous:
+                        usage = _usage_of({0: out}) if out is not None else _usage(len(prompt_ids), 0, 0)
                     return ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=model_name, choices=[choice]
+                        id=request_id, created=created, model=model_name, choices=[choice], usage=usage
                     )
 
                 # vLLM's first frame per choice: the role, empty content.
@@ -539,7 +553,8 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                                     logprobs=lp,
                                     finish_reason=o.finish_reason,
                                     stop_reason=o.stop_reason,
-                                )
+                                ),
+                                out,
                             )
                         if out.finished:
                             final = out
