@@ -146,6 +146,9 @@ def test_load_200_requests_32_streaming_clients_against_demo_app(
             models = [m["id"] for m in c.get(srv.url + "/v1/models").json()["data"]]
             assert {"alpha", "beta", "gamma"} <= set(models)
             assert c.get(srv.url + "/books").status_code == 200  # the demo app's own routes still work
+            # ...and one of them uses the engine the plugin injects (`lorastar_engine`), with an adapter.
+            blurb = c.post(srv.url + "/books/1/blurb", params={"style": "alpha"}, timeout=60).json()
+            assert blurb["style"] == "alpha" and blurb["blurb"]
 
         outcome: dict[str, int] = {"finished": 0, "aborted": 0}
         failures: list[str] = []
