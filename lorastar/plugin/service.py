@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from lorastar.engine.errors import AdapterNotFoundError, EngineDeadError
+from lorastar.engine.errors import EngineDeadError
 from lorastar.engine.outputs import RequestOutput
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, forbidden, not_found
@@ -91,11 +91,18 @@ class LoraStarService:
             if self.engine is None:
                 self.engine = await asyncio.to_thread(build_engine, self.config.engine_config())
             await self.engine.start()
-            loaded = {a.name for a in self.engine.list_adapters()}
-            for name, path in self.config.adapters.items():
-                if name not in loaded:
-                    await self.engine.load_adapter(name, str(Path(path).expanduser()))
-                self.adapter_created.setdefault(name, int(time.time()))
+            try:
+                loaded = {a.name for a in self.engine.list_adapters()}
+                for name, path in self.config.adapters.items():
+                    if name == self.served_model_name:
+                        raise ValueError(f"adapters: {name!r} is the base model's served name")
+                    if name not in loaded:
+                        await self.engine.load_adapter(name, str(Path(path).expanduser()))
+                    self.adapter_created.setdefault(name, int(time.time()))
+            except BaseException:
+                if self._owns_engine:  # a failed startup must not leave the engine loop running
+                    await self.engine.shutdown(drain_timeout=0)
+                raise
             if self.admin_token is None and self.config.allow_runtime_adapter_loading:
                 logger.warning(
                     "lorastar: no admin_token (or LORASTAR_ADMIN_TOKEN): admin routes refuse every request"
@@ -287,7 +294,3 @@ async def run_until_disconnect(coro: Any, receive: Any) -> Any:
     if work.cancelled():
         raise APIError("Client disconnected.", 499, type="ClientDisconnected")
     return work.result()
-
-
-def adapter_not_found_to_404(exc: AdapterNotFoundError, model: str | None) -> APIError:
-    return not_found(f"The model `{model}` does not exist.", "model")

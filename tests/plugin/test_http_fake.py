@@ -443,3 +443,21 @@ def test_continuous_usage_stats(http: httpx.Client) -> None:
         frames = [json.loads(f[6:]) for f in http.post(url, json=body).text.split("\n\n")[:-2]]
         assert all("usage" in f for f in frames)
         assert frames[-2]["usage"]["completion_tokens"] == 3 == frames[-1]["usage"]["completion_tokens"]
+
+
+def test_bad_startup_adapter_fails_startup_and_stops_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import lorastar.plugin.service
+
+    created: list[FakeAsyncLLM] = []
+
+    def build(config: Any) -> FakeAsyncLLM:
+        created.append(FakeAsyncLLM())
+        return created[-1]
+
+    monkeypatch.setattr(lorastar.plugin.service, "build_engine", build)
+    app = create_app(LoraStarConfig(adapters={"broken": str(tmp_path)}))  # no adapter_config.json there
+    with pytest.raises(RuntimeError, match="did not start"), ServerThread(app, startup_timeout=20):
+        pass
+    assert created and not created[0].started

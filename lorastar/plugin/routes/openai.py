@@ -16,7 +16,7 @@ from msgspec import UNSET
 from lorastar.engine.errors import AdapterNotFoundError
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
-from lorastar.plugin.errors import APIError
+from lorastar.plugin.errors import APIError, param_from_message
 from lorastar.plugin.schemas import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -89,8 +89,6 @@ def _sampling_params(req: Any, *, max_tokens: int, logprobs: int | None) -> Samp
 
 
 def _bad_request(exc: ValueError) -> APIError:
-    from lorastar.plugin.errors import param_from_message
-
     msg = str(exc)
     return APIError(msg, param=param_from_message(msg))
 
