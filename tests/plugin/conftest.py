@@ -61,8 +61,14 @@ class ServerThread:
                 timeout_graceful_shutdown=10,
             )
         )
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name=f"uvicorn-{self.port}")
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn-{self.port}")
         self.startup_timeout = startup_timeout
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit:  # uvicorn exits when the app's startup fails; the test sees it in __enter__
+            pass
 
     @property
     def url(self) -> str:
