@@ -25,3 +25,62 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ---- tiny real checkpoints (random weights, SmolLM2's tokenizer) ------------------------------
+TINY_CONFIGS: dict[str, dict] = {
+    # GQA, untied embeddings
+    "llama-gqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # MHA, tied embeddings, llama3 rope scaling
+    "llama-mha-llama3": dict(
+        arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    # Qwen2: q/k/v bias, GQA, tied
+    "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
+    """Write a tiny random Llama/Qwen2 checkpoint + SmolLM2's tokenizer into ``path``."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from lorastar.models.default import default_model_dir
+
+    spec = dict(TINY_CONFIGS[name])
+    arch = spec.pop("arch")
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=49152,
+                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, **spec))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, **spec))
+        with torch.no_grad():  # random init leaves biases at zero: make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    src = Path(default_model_dir())
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, Path(path) / f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
+    """Factory: ``tiny_model_dir("llama-gqa")`` -> folder (made once per session)."""
+    made: dict[str, str] = {}
+
+    def get(name: str = "llama-gqa") -> str:
+        if name not in made:
+            made[name] = str(make_tiny_model(tmp_path_factory.mktemp(name), name))
+        return made[name]
+
+    return get

@@ -10,11 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
-except ImportError:  # TEMP until the kernels land
-    from lorastar.kernels.reference import ref_paged_attention as paged_attention
-    from lorastar.kernels.reference import ref_reshape_and_cache as reshape_and_cache
+from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
 from lorastar.models.context import ForwardContext
 
 
