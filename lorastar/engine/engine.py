@@ -19,6 +19,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
 from lorastar.engine.errors import AdapterNotFoundError, EngineOverloadedError
+from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorastar.engine.request import Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner
@@ -410,6 +411,33 @@ class LLMEngine:
     def kv_cache_usage(self) -> KVCacheUsage:
         with self.lock:
             return self.block_manager.usage(self.scheduler.all_sequences())
+
+    def stats(self) -> EngineStats:
+        with self.lock:
+            sched = self.scheduler
+            usage = self.block_manager.usage(sched.running)
+            adapters: dict[str, dict[str, int]] = {}
+            for state, seqs in (("running", sched.running), ("waiting", sched.waiting)):
+                for seq in seqs:
+                    name = seq.request.adapter_name
+                    if name is not None and seq.index == 0:
+                        d = adapters.setdefault(name, {"running": 0, "waiting": 0})
+                        d[state] += 1
+            return EngineStats(
+                num_running=len({s.request.request_id for s in sched.running}),
+                num_waiting=len({s.request.request_id for s in sched.waiting}),
+                kv_cache_usage=usage.usage,
+                num_blocks=usage.num_blocks,
+                num_used_blocks=usage.num_used_blocks,
+                num_preemptions=sched.stats.num_preemptions,
+                prefix_cache_queries=sched.stats.prefix_queries,
+                prefix_cache_hits=sched.stats.prefix_hits,
+                prompt_tokens_total=self.prompt_tokens_total,
+                generation_tokens_total=self.generation_tokens_total,
+                max_loras=self.config.max_loras,
+                adapters=adapters,
+                adapter_generation_tokens=dict(self.adapter_tokens),
+            )
 
     def check_invariants(self) -> None:
         """Raise if block refcounts or adapter refcounts are inconsistent (tests call this)."""
