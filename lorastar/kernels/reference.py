@@ -143,3 +143,125 @@ def ref_lora_expand(
         delta = lora_b[s, :, :r].float() @ buf[t, :r].float()  # [N]
         new_y[t, offset : offset + n] = (y[t, offset : offset + n].float() + delta).to(y.dtype)
     return new_y
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized weights (AWQ / GPTQ int4-int8, FP8). Owned by the quant issue; appended here.
+# ---------------------------------------------------------------------------------------------
+
+# AutoAWQ packs 8 output columns per int32 with ``order_map = [0, 2, 4, 6, 1, 3, 5, 7]``: nibble ``i``
+# holds column ``order_map[i]``. So column ``j`` sits in nibble ``AWQ_REVERSE_ORDER[j]``.
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def ref_awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``[R, C]`` int32 (AWQ order, 4-bit) -> ``[R, C * 8]`` int32 values in ``0..15``."""
+    cols = []
+    for j in range(8):
+        cols.append((packed >> (4 * AWQ_REVERSE_ORDER[j])) & 0xF)  # [R, C] column 8c + j
+    return torch.stack(cols, dim=-1).reshape(packed.shape[0], packed.shape[1] * 8)
+
+
+def ref_gptq_unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ ``qweight`` ``[K * bits / 32, N]`` -> ``[K, N]``: row ``r`` holds input rows
+    ``r * (32 / bits) + i`` at bit offset ``i * bits`` (plain sequential order)."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    rows = [(packed >> (bits * i)) & mask for i in range(per)]  # each [R, N]
+    return torch.stack(rows, dim=1).reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def ref_gptq_unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """GPTQ ``qzeros`` ``[G, N * bits / 32]`` -> ``[G, N]`` (sequential order along columns)."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    cols = [(packed >> (bits * i)) & mask for i in range(per)]  # each [G, C]
+    return torch.stack(cols, dim=-1).reshape(packed.shape[0], packed.shape[1] * per)
+
+
+def ref_awq_dequant(
+    qweight: torch.Tensor,  # [K, N / 8] int32
+    qzeros: torch.Tensor,  # [K / g, N / 8] int32
+    scales: torch.Tensor,  # [K / g, N]
+    group_size: int,
+) -> torch.Tensor:
+    """AWQ GEMM: ``W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n]`` (product in the scales' dtype);
+    returns ``[K, N]`` fp32."""
+    q = ref_awq_unpack(qweight)  # [K, N]
+    z = ref_awq_unpack(qzeros)  # [G, N]
+    groups = torch.arange(q.shape[0], device=q.device) // group_size  # [K]
+    # Dequantized in the scales' dtype (fp16 in checkpoints), as AutoAWQ / gptqmodel do.
+    return ((q - z[groups]).to(scales.dtype) * scales[groups]).float()
+
+
+def ref_gptq_dequant(
+    qweight: torch.Tensor,  # [K * bits / 32, N] int32
+    qzeros: torch.Tensor,  # [G, N * bits / 32] int32
+    scales: torch.Tensor,  # [G, N]
+    g_idx: torch.Tensor,  # [K] group of each input row
+    bits: int,
+    zero_offset: int = 1,
+) -> torch.Tensor:
+    """GPTQ: ``W[k, n] = (q[k, n] - (z[g_idx[k], n] + zero_offset)) * s[g_idx[k], n]``, ``[K, N]`` fp32.
+
+    ``zero_offset`` is 1 for the original auto-gptq format (zeros stored minus one) and 0 for v2.
+    """
+    q = ref_gptq_unpack_rows(qweight, bits)  # [K, N]
+    z = ref_gptq_unpack_cols(qzeros, bits) + zero_offset  # [G, N]
+    g = g_idx.long()
+    # Dequantized in the scales' dtype (fp16 in checkpoints), as gptqmodel does.
+    return ((q - z[g]).to(scales.dtype) * scales[g]).float()
+
+
+def ref_awq_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x [M, K] @ W [K, N]`` with the AWQ-dequantized weight, fp32 math, result in ``x.dtype``."""
+    return (x.float() @ ref_awq_dequant(qweight, qzeros, scales, group_size)).to(x.dtype)
+
+
+def ref_gptq_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    bits: int,
+    zero_offset: int = 1,
+) -> torch.Tensor:
+    """``x [M, K] @ W [K, N]`` with the GPTQ-dequantized weight, fp32 math, result in ``x.dtype``."""
+    w = ref_gptq_dequant(qweight, qzeros, scales, g_idx, bits, zero_offset)
+    return (x.float() @ w).to(x.dtype)
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def ref_fp8_quant_dequant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize ``x`` to e4m3 with ``scale`` (broadcastable): ``fp8(clamp(x / s)) * s``, fp32."""
+    q = torch.clamp(x.float() / scale.float(), -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.float() * scale.float()
+
+
+def ref_fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N, 1] (per channel) or [1] (per tensor)
+    input_scale: torch.Tensor | None = None,  # static per-tensor scale; None = dynamic per token
+    bias: torch.Tensor | None = None,
+    quantize_input: bool = True,
+) -> torch.Tensor:
+    """W8A8 FP8 linear: the input is fake-quantized (static scale, or per token ``amax / 448``),
+    the weight dequantized; ``y = x_dq @ (w * s_w).T (+ b)`` in fp32, returned in ``x.dtype``."""
+    xf = x.float()
+    if quantize_input:
+        if input_scale is None:
+            s = xf.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps) / FP8_E4M3_MAX
+        else:
+            s = input_scale.float().reshape(1, 1)
+        xf = ref_fp8_quant_dequant(xf, s)
+    w = weight.float() * weight_scale.float().reshape(-1, 1)
+    y = xf @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

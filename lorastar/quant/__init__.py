@@ -1,0 +1,80 @@
+"""Quantized weights and KV cache: AWQ, GPTQ, FP8 (compressed-tensors or on the fly), FP8 KV.
+
+``get_quant_config`` is the one entry point the loader uses: the method comes from the checkpoint's
+``config.json`` (``quantization_config.quant_method``), never from file names; ``requested`` (the
+engine's ``quantization=``) forces on-the-fly FP8 for a 16-bit checkpoint or checks the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lorastar.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.quant.kv_cache import KVScales, kv_cache_torch_dtype, parse_kv_scale_key, resolve_kv_scales
+
+__all__ = [
+    "KVScales",
+    "QuantConfig",
+    "QuantMethod",
+    "UnquantizedLinearMethod",
+    "get_quant_config",
+    "kv_cache_torch_dtype",
+    "parse_kv_scale_key",
+    "resolve_kv_scales",
+    "set_param_meta",
+]
+
+# quant_method in config.json -> the name users pass as ``quantization=``.
+_METHOD_NAMES = {"awq": "awq", "gptq": "gptq", "compressed-tensors": "fp8", "fp8": "fp8"}
+_REQUESTABLE = ("awq", "gptq", "fp8")
+
+
+def get_quant_config(
+    hf_config: dict[str, Any], requested: str | None, model_dtype: torch.dtype
+) -> QuantConfig | None:
+    """The checkpoint's quantization scheme (``None``: a plain 16/32-bit checkpoint)."""
+    if requested is not None and requested not in _REQUESTABLE:
+        raise ValueError(f"quantization must be one of {_REQUESTABLE} or None, got {requested!r}")
+    # Older compressed-tensors checkpoints used the key "compression_config".
+    qc = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    if not qc:
+        if requested is None:
+            return None
+        if requested == "fp8":
+            if model_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise ValueError(f"quantization='fp8' needs a float model dtype, got {model_dtype}")
+            from lorastar.quant.fp8 import Fp8OnTheFlyConfig
+
+            return Fp8OnTheFlyConfig()
+        raise ValueError(
+            f"quantization={requested!r} was requested but the checkpoint is not quantized "
+            "(config.json has no quantization_config)"
+        )
+    if not isinstance(qc, dict):
+        raise ValueError(f"config.json quantization_config must be an object, got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in _METHOD_NAMES:
+        raise ValueError(
+            f"unsupported quantization_config.quant_method {method!r} (supported: {sorted(_METHOD_NAMES)})"
+        )
+    detected = _METHOD_NAMES[method]
+    if requested is not None and requested != detected:
+        raise ValueError(
+            f"quantization={requested!r} was requested but the checkpoint is quantized with "
+            f"{method!r} ({detected!r})"
+        )
+    if method == "awq":
+        from lorastar.quant.awq import AWQConfig
+
+        return AWQConfig.from_config(qc)
+    if method == "gptq":
+        from lorastar.quant.gptq import GPTQConfig
+
+        return GPTQConfig.from_config(qc)
+    from lorastar.quant.fp8 import CompressedTensorsFp8Config, Fp8CheckpointConfig
+
+    if method == "compressed-tensors":
+        return CompressedTensorsFp8Config.from_config(qc)
+    return Fp8CheckpointConfig.from_config(qc)
