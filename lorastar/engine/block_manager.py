@@ -76,7 +76,8 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
-        extra = (seq.adapter_key or "").encode()
+        key = (seq.adapter_key or "").encode()
+        extra = struct.pack("<I", len(key)) + key  # length-prefixed: no key/token ambiguity
         while len(hashes) < num_blocks:
             i = len(hashes)
             toks = seq.token_ids[i * bs : (i + 1) * bs]
@@ -129,9 +130,12 @@ class BlockManager:
         return bid
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:  # type: ignore[assignment]
-        need = self.blocks_needed(seq, num_new_tokens) - len(cached)
-        need += sum(1 for b in cached if self.ref_counts[b] == 0)
-        need += self._cow_needed(seq)
+        if cached:
+            # Admission with prefix hits: the new tokens start after the cached blocks.
+            total = -(-(len(cached) * self.block_size + num_new_tokens) // self.block_size)
+            need = total - len(cached) + sum(1 for b in cached if self.ref_counts[b] == 0)
+        else:
+            need = self.blocks_needed(seq, num_new_tokens) + self._cow_needed(seq)
         return need <= len(self._free)
 
     def _cow_needed(self, seq: Sequence) -> int:
@@ -146,6 +150,8 @@ class BlockManager:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens. ``cached`` are prefix-cache hits
         from ``lookup`` (only at admission). Returns the copy-on-write copies to perform
         ``[(src, dst)]``, or ``None`` (nothing changed) if the blocks don't fit."""
+        if cached and seq.block_table:
+            raise ValueError("prefix-cache hits are only taken at admission (empty block table)")
         if not self.can_allocate(seq, num_new_tokens, cached):
             return None
         for b in cached:
@@ -181,11 +187,16 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; freed blocks that hold cached content stay reusable."""
+        # Check before changing anything: a double free leaves the state as it was.
+        drops: dict[int, int] = {}
+        for b in seq.block_table:
+            drops[b] = drops.get(b, 0) + 1
+        for b, k in drops.items():
+            if self.ref_counts[b] < k:
+                raise RuntimeError(f"block {b} freed twice (seq {seq.seq_id})")
         # Tail first: a later allocation then evicts suffix blocks before the shared prefix.
         for b in reversed(seq.block_table):
             rc = self.ref_counts[b] - 1
-            if rc < 0:
-                raise RuntimeError(f"block {b} freed twice")
             self.ref_counts[b] = rc
             if rc == 0:
                 self._free[b] = None
@@ -226,3 +237,9 @@ class BlockManager:
         for h, b in self._cached.items():
             if self.block_hash[b] != h:
                 raise RuntimeError(f"prefix cache entry points at block {b} holding other content")
+        for b, h in enumerate(self.block_hash):
+            if h is not None and self._cached.get(h) != b:
+                raise RuntimeError(f"block {b} holds a hash the prefix cache does not map to it")
+        for s in seqs:
+            if s.num_computed_tokens > len(s.block_table) * self.block_size:
+                raise RuntimeError(f"seq {s.seq_id}: {s.num_computed_tokens} computed tokens exceed its blocks")

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lorastar.engine.block_manager import BlockManager
-from lorastar.engine.request import Request, Sequence, SeqStatus
+from lorastar.engine.request import Request, SeqStatus, Sequence
 
 # ensure_adapter(seq, pinned_keys) -> bool: make the sequence's adapter resident in a device slot
 # without evicting any pinned one (content hashes); False if impossible this step.
@@ -26,11 +26,12 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already in the KV cache before this step
     num_new_tokens: int
+    # Whether this step produces a token for the sequence (its last chunk). Fixed when scheduled:
+    # it stays true after the sampled token is appended.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step produces a token for the sequence (its last chunk)."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -53,6 +54,13 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+
+
+def _seats(seq: Sequence) -> int:
+    """``max_num_seqs`` seats a running sequence holds: an n > 1 request not yet forked holds
+    the seats of the samples it will fork into."""
+    req = seq.request
+    return req.params.n if (req.params.n > 1 and not req.forked and seq.index == 0) else 1
 
 
 class Scheduler:
@@ -105,6 +113,9 @@ class Scheduler:
         for seq in request.sequences:
             self.finish(seq, "abort")
 
+    def _is_starving(self, seq: Sequence) -> bool:
+        return self._blocked_steps.get(seq.seq_id, 0) >= self.starvation_steps
+
     # ---- scheduling -----------------------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -122,54 +133,63 @@ class Scheduler:
         # Adapters of running sequences hold their slots; new ones may only take free/LRU slots.
         pinned: set[str] = {s.adapter_key for s in self.running if s.adapter_key}
 
-        # 1) Running sequences, oldest first: decodes (1 token) and remaining prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # 1) Running sequences: decodes first (1 token each, oldest first), then the remaining
+        #    prefill chunks (oldest first), so a long prompt's chunks never starve decodes.
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in self.running:
+            left = s.num_tokens - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this step
             key = seq.adapter_key
             if key is not None and not self.ensure_adapter(seq, pinned - {key}):
-                i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             copies = self.bm.allocate(seq, num_new)
             while copies is None:
-                # Out of blocks: preempt the newest running sequence not yet scheduled.
-                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
-                if victim is None or victim is seq:
-                    self._preempt(seq, out)
-                    break
+                # Out of blocks: preempt the newest running sequence not yet scheduled (possibly
+                # ``seq`` itself, which is then the newest such).
+                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
                 self._preempt(victim, out)
+                if victim is seq:
+                    break
                 copies = self.bm.allocate(seq, num_new)
             if copies is None:
-                continue  # seq itself was preempted; self.running[i] is now the next one
+                continue
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
-            i = self.running.index(seq) + 1  # preemptions may have shifted the list
 
         # 2) Waiting sequences, FIFO. Blocks that don't fit stop admission (FIFO fairness);
         #    an adapter that can't get a slot only holds up its own requests, unless one of
         #    them has starved for `starvation_steps`, then new adapters stop being admitted
         #    until the running ones drain and free a slot.
+        #    Nothing new is admitted in a step that had to preempt (blocks are short).
         starving = any(n >= self.starvation_steps for n in self._blocked_steps.values())
+        seats = sum(_seats(s) for s in self.running)
         j = 0
-        while j < len(self.waiting) and budget > 0:
+        while j < len(self.waiting) and budget > 0 and not out.preempted:
             seq = self.waiting[j]
-            n_seats = seq.request.params.n if not seq.request.forked else 1
-            if len(self.running) + n_seats > self.max_num_seqs and self.running:
+            if seats + _seats(seq) > self.max_num_seqs and self.running:
                 break
             key = seq.adapter_key
             if key is not None and key not in pinned:
-                fits = len(pinned) < self.max_loras and not (
-                    starving and self._blocked_steps.get(seq.seq_id, 0) < self.starvation_steps
-                )
+                fits = len(pinned) < self.max_loras and not (starving and not self._is_starving(seq))
                 if not fits or not self.ensure_adapter(seq, set(pinned)):
                     self._blocked_steps[seq.seq_id] = self._blocked_steps.get(seq.seq_id, 0) + 1
                     j += 1
                     continue
-            elif starving and self._blocked_steps.get(seq.seq_id, 0) < self.starvation_steps:
-                # Let the starving adapter's requests in first: don't grow other adapters' load.
+            elif key is not None and starving and not self._is_starving(seq):
+                # Let the starving adapter's requests in first: don't grow other adapters' load
+                # (base-model requests hold no adapter slot: they go on).
                 j += 1
                 continue
             cached = self.bm.lookup(seq)
@@ -188,6 +208,7 @@ class Scheduler:
                 pinned.add(key)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            seats += _seats(seq)
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             scheduled_ids.add(seq.seq_id)
