@@ -26,18 +26,6 @@ TOKENIZER_FILES = (
 )
 
 
-def _has_async_engine() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("lorastar.engine.async_engine") is not None
-
-
-# Temporary: the real AsyncLLM is being written concurrently; these tests run as soon as it lands.
-requires_engine = pytest.mark.skipif(
-    not _has_async_engine(), reason="lorastar.engine.async_engine not there yet"
-)
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

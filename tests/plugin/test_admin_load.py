@@ -12,9 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, engine_config, requires_engine, wait_until
-
-pytestmark = requires_engine
+from conftest import ServerThread, engine_config, wait_until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPT = "Once upon a time"

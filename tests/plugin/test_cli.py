@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
-from conftest import ServerThread, free_port, requires_engine, wait_until
+from conftest import ServerThread, free_port, wait_until
 from fake_engine import FakeAsyncLLM
 
 from lorastar.plugin import LoraStarConfig, create_app
@@ -130,7 +130,6 @@ def test_lorastar_serve_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert bad.exit_code == 2 and "NAME=PATH" in bad.output
 
 
-@requires_engine
 def test_lorastar_serve_live(tiny_model_dir: Path, adapter_root: Path) -> None:
     """`lorastar serve MODEL --adapter name=path` in a real process, then the CLI and openai against it."""
     port = free_port()

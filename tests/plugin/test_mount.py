@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, engine_config, requires_engine
+from conftest import ServerThread, engine_config
 from fake_engine import FakeAsyncLLM
 
 from lorastar.plugin import LoraStarConfig, create_app, lifespan
@@ -19,7 +19,6 @@ def starlette() -> Any:
     return pytest.importorskip("starlette", reason="starlette is not installed (add it to the test extra)")
 
 
-@requires_engine
 def test_starlette_mount_with_lifespan(starlette: Any, tiny_model_dir: Path, adapter_root: Path) -> None:
     from starlette.applications import Starlette
     from starlette.requests import Request

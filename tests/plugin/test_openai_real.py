@@ -10,9 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, engine_config, requires_engine, wait_until
-
-pytestmark = requires_engine
+from conftest import ServerThread, engine_config, wait_until
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -322,3 +320,74 @@ def test_metrics_and_health_on_real_engine(real_server: ServerThread, client: op
     ):
         value(rf'{name}\{{model_name="tiny"\}}')
     assert re.search(r'^vllm:lora_requests_info\{max_lora="4",', text, re.M)
+
+
+def test_engine_death_health_503_and_in_band_stream_error(tiny_model_dir: Path) -> None:
+    from litestar import Litestar
+
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
+
+    plugin = LoraStarPlugin(LoraStarConfig(engine=engine_config(tiny_model_dir)))
+    with ServerThread(Litestar(plugins=[plugin])) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        inner = plugin.engine.engine  # the synchronous LLMEngine behind AsyncLLM
+        real_step = inner.step
+        steps = {"n": 0}
+
+        def dying_step() -> Any:
+            steps["n"] += 1
+            if steps["n"] > 3:
+                raise RuntimeError("simulated device failure")
+            return real_step()
+
+        inner.step = dying_step
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            timeout=30,
+            json={"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True},
+        )
+        assert r.status_code == 200
+        frames = r.text.split("\n\n")
+        assert frames[-2] == "data: [DONE]"
+        err = json.loads(frames[-3][6:])["error"]
+        assert err["code"] == 503 and "Traceback" not in r.text
+        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
+        dead = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MESSAGES})
+        assert dead.status_code == 503 and dead.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_shutdown_lets_in_flight_streams_finish(tiny_model_dir: Path) -> None:
+    import threading
+
+    from litestar import Litestar
+
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
+
+    plugin = LoraStarPlugin(LoraStarConfig(engine=engine_config(tiny_model_dir)))
+    srv = ServerThread(Litestar(plugins=[plugin])).__enter__()
+    try:
+        frames: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST",
+                srv.url + "/v1/completions",
+                timeout=60,
+                json={"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "stream": True},
+            ) as s:
+                for line in s.iter_lines():
+                    if line:
+                        frames.append(line)
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(30)
+        srv.server.should_exit = True  # the server stops while the stream is in flight
+        t.join(60)
+    finally:
+        srv.__exit__(None, None, None)
+    assert frames[-1] == "data: [DONE]"
+    assert json.loads(frames[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert not plugin.service.started and not plugin.engine.is_running
