@@ -411,3 +411,32 @@ def test_no_leaks_after_mixed_workload() -> None:
     assert bm.num_free_blocks == 32 and sum(bm.ref_counts) == 0
     assert bm._seq_hashes == {}
     bm.check_invariants([])
+
+
+def test_lookup_only_at_admission() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(9)))
+    prefill(bm, a)
+    b = make_seq(list(range(9)))
+    hit = bm.lookup(b)
+    compute(bm, b, 1)  # b now holds a block of its own
+    assert bm.lookup(b) == []
+    with pytest.raises(ValueError, match="admission"):
+        bm.allocate(b, 1, hit)
+    bm.check_invariants([a, b])
+
+
+def test_check_invariants_detects_bad_cache_and_overrun() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(list(range(9)))
+    prefill(bm, a)
+    bm.check_invariants([a])
+    a.num_computed_tokens += BS
+    with pytest.raises(RuntimeError, match="exceed"):
+        bm.check_invariants([a])
+    a.num_computed_tokens -= BS
+    h = bm.block_hash[a.block_table[0]]
+    assert h is not None
+    del bm._cached[h]
+    with pytest.raises(RuntimeError, match="hash"):
+        bm.check_invariants([a])

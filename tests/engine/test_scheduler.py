@@ -511,3 +511,34 @@ def test_random_workload_invariants(prefix: bool) -> None:
             h.step()
     h.run(max_steps=2000)
     h.assert_all_done()
+
+
+def test_running_sequence_whose_adapter_is_unavailable_is_skipped() -> None:
+    down: set[str] = set()
+    h = Harness(ensure_adapter=lambda seq, pinned: seq.adapter_key not in down)
+    a = h.add(3, max_tokens=4, adapter="A")
+    h.add(3, max_tokens=4)
+    h.step()
+    down.add("A")
+    out = h.step()
+    assert ids_of(out) == ["r1/0"] and a.sequences[0].status is SeqStatus.RUNNING
+    down.clear()
+    h.run()
+    h.assert_all_done()
+
+
+def test_abort_clears_adapter_wait_bookkeeping() -> None:
+    h = Harness(max_loras=1, starvation_steps=2)
+    h.add(3, max_tokens=20, adapter="A")
+    b = h.add(3, max_tokens=2, adapter="B")
+    for _ in range(3):
+        h.step()
+    assert h.sched._blocked_steps == {b.sequences[0].seq_id: 3}
+    h.sched.abort(b)
+    h.requests.remove(b)
+    assert h.sched._blocked_steps == {}
+    h.add(3, max_tokens=2, adapter="A")  # not held back by a starvation that no longer exists
+    out = h.step()
+    assert ids_of(out) == ["r0/0", "r2/0"]
+    h.run()
+    h.assert_all_done()
