@@ -66,7 +66,9 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
     model.save_pretrained(path)
-    src = Path(default_model_dir())
+    # LORASTAR_TEST_TOKENIZER: a folder with SmolLM2's tokenizer files, for machines (the GPU box)
+    # where the embedded model can't be converted.
+    src = Path(os.environ.get("LORASTAR_TEST_TOKENIZER") or default_model_dir())
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (src / f).is_file():
             shutil.copy(src / f, Path(path) / f)
