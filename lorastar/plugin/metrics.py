@@ -180,9 +180,8 @@ class _EngineCollector:
             "Running stats on lora requests.",
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
-        info.add_metric(
-            [str(self._max_loras()), ",".join(sorted(waiting)), ",".join(sorted(running))], time.time()
-        )
+        max_lora = _get(stats, "max_loras", None) or self._max_loras()
+        info.add_metric([str(max_lora), ",".join(sorted(waiting)), ",".join(sorted(running))], time.time())
         yield info
 
 
