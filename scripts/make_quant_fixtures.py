@@ -3,6 +3,7 @@
 
     python3 scripts/make_quant_fixtures.py                 # everything (creates the venvs if missing)
     python3 scripts/make_quant_fixtures.py --only awq_g32,gptq_sym
+    python3 scripts/make_quant_fixtures.py --only smollm2_gptq,smollm2_fp8   # benchmark inputs (cache)
 
 The quantization tools conflict with lorastar's own environment (and with each other), so each runs
 in its own throwaway venv under /tmp, with torch pinned to the local CPU wheel by a constraints file:
@@ -11,11 +12,11 @@ in its own throwaway venv under /tmp, with torch pinned to the local CPU wheel b
                                             GPTQ on CPU (so every int4 reference logit comes from here)
   llmc  llmcompressor==0.14.0.1             writes compressed-tensors FP8 (pins transformers <= 5.17)
 None of them is a runtime or test dependency of lorastar: the outputs are committed under
-tests/fixtures/quant/<name>/ (config.json, model.safetensors, tokenizer, reference.safetensors).
+tests/fixtures/quant/<name>/ (config.json, model.safetensors, tokenizer, reference/reference.safetensors).
 
 The base model is a tiny Llama (hidden 128, intermediate 256, 2 layers, vocab 384), seeded and
 briefly trained on stdlib docstrings so its logits are not flat (a random model's greedy tokens
-would all be near ties). reference.safetensors holds ``input_ids`` [B, T] (prompt + transformers'
+would all be near ties). reference/reference.safetensors holds ``input_ids`` [B, T] (prompt + transformers'
 greedy continuation), ``prompt_len`` [B], and ``logits`` [B, T, V] fp32 from transformers (CPU, fp32).
 
 This script runs itself inside the venvs with ``--stage``; the top level only orchestrates.
@@ -54,7 +55,22 @@ FIXTURES: dict[str, tuple[str, dict]] = {
     "fp8_tensor": ("llmc", {"scheme": "FP8"}),
     "fp8_channel": ("llmc", {"scheme": "FP8_DYNAMIC"}),
 }
+# SmolLM2 checkpoints for benchmarks/quant.py: generated on demand into the cache, never committed
+# (hidden 576 is not a multiple of 128: group size 64).
+SMOLLM2: dict[str, tuple[str, dict]] = {
+    "smollm2_awq": ("awq", {"group_size": 64}),
+    "smollm2_gptq": ("gptq", {"bits": 4, "group_size": 64, "sym": True, "desc_act": False}),
+    "smollm2_fp8": ("llmc", {"scheme": "FP8_DYNAMIC"}),
+}
+CACHE = Path(os.environ.get("LORASTAR_CACHE", Path.home() / ".cache" / "lorastar"))
 LOGITS_VENV = {"awq": "gptq", "gptq": "gptq", "llmc": "llmc"}
+
+
+def paths(name: str) -> tuple[Path, Path]:
+    """(base model folder, output folder) of a fixture or SmolLM2 target."""
+    if name in SMOLLM2:
+        return CACHE / "smollm2-135m-instruct", CACHE / "quant" / name
+    return WORK / "base", WORK / name
 
 PROMPTS = [
     "Return a new list containing all items from the iterable in ascending order.",
@@ -184,10 +200,10 @@ def stage_awq(name: str, settings: dict) -> None:
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
 
-    base, out = WORK / "base", WORK / name
+    base, out = paths(name)
     model = AutoAWQForCausalLM.from_pretrained(str(base))
     tok = AutoTokenizer.from_pretrained(str(base))
-    texts = json.loads((WORK / "calib.json").read_text())
+    texts = corpus()
     qc = {"zero_point": True, "q_group_size": settings["group_size"], "w_bit": 4, "version": "GEMM"}
     model.quantize(
         tok,
@@ -205,9 +221,9 @@ def stage_gptq(name: str, settings: dict) -> None:
     from gptqmodel import GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 
-    base, out = WORK / "base", WORK / name
+    base, out = paths(name)
     tok = AutoTokenizer.from_pretrained(str(base))
-    texts = json.loads((WORK / "calib.json").read_text())[:128]
+    texts = corpus()[:128]
     extra = {"act_group_aware": False} if settings["group_size"] == -1 else {}  # GAR needs groups
     qc = QuantizeConfig(
         bits=settings["bits"],
@@ -229,10 +245,10 @@ def stage_fp8(name: str, settings: dict) -> None:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base, out = WORK / "base", WORK / name
+    base, out = paths(name)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float16)
     tok = AutoTokenizer.from_pretrained(str(base))
-    texts = json.loads((WORK / "calib.json").read_text())[:64]
+    texts = corpus()[:64]
     enc = [tok(t, truncation=True, max_length=128) for t in texts]
     ds = Dataset.from_dict(
         {"input_ids": [e["input_ids"] for e in enc], "attention_mask": [e["attention_mask"] for e in enc]}
@@ -351,7 +367,9 @@ def stage_logits(name: str) -> None:
         **extra,
         **probes,
     }
-    save_file(tensors, str(dst / "reference.safetensors"))
+    # In a subfolder: model loaders read every *.safetensors at the top of a model folder.
+    (dst / "reference").mkdir(exist_ok=True)
+    save_file(tensors, str(dst / "reference" / "reference.safetensors"))
     for f in KEEP_FILES:
         if (src / f).exists():
             shutil.copy(src / f, dst / f)
@@ -370,22 +388,27 @@ def main() -> None:
     if args.stage == "logits":
         return stage_logits(args.name)
     if args.stage:
-        venv, settings = FIXTURES[args.name]
+        venv, settings = {**FIXTURES, **SMOLLM2}[args.name]
         return {"awq": stage_awq, "gptq": stage_gptq, "llmc": stage_fp8}[venv](args.name, settings)
 
     names = [n for n in args.only.split(",") if n] or list(FIXTURES)
+    targets = {**FIXTURES, **SMOLLM2}
     for n in names:
-        if n not in FIXTURES:
-            raise SystemExit(f"unknown fixture {n!r} (known: {', '.join(FIXTURES)})")
-    if not args.skip_base or not (WORK / "base" / "config.json").exists():
+        if n not in targets:
+            raise SystemExit(f"unknown target {n!r} (known: {', '.join(targets)})")
+    if any(n in SMOLLM2 for n in names) and not (CACHE / "smollm2-135m-instruct" / "config.json").exists():
+        raise SystemExit("SmolLM2 is not in the cache yet: run `python -c 'import lorastar; lorastar.LLM()'` once")
+    needs_base = any(n in FIXTURES for n in names)
+    if needs_base and (not args.skip_base or not (WORK / "base" / "config.json").exists()):
         run_stage("gptq", "base")
     failed = []
     for n in names:
-        venv = FIXTURES[n][0]
+        venv = targets[n][0]
         try:
-            shutil.rmtree(WORK / n, ignore_errors=True)
+            shutil.rmtree(paths(n)[1], ignore_errors=True)
             run_stage(venv, "quant", "--name", n)
-            run_stage(LOGITS_VENV[venv], "logits", "--name", n)
+            if n in FIXTURES:  # SmolLM2 targets are benchmark inputs: no reference logits
+                run_stage(LOGITS_VENV[venv], "logits", "--name", n)
         except subprocess.CalledProcessError as e:
             print(f"FAILED {n}: {e}", flush=True)
             failed.append(n)

@@ -21,7 +21,7 @@ def fixture_dir(name: str) -> Path:
 
 def have_fixture(name: str) -> bool:
     d = fixture_dir(name)
-    return (d / "config.json").is_file() and (d / "reference.safetensors").is_file()
+    return (d / "config.json").is_file() and (d / "reference" / "reference.safetensors").is_file()
 
 
 def present(names: tuple[str, ...]) -> list[str]:
@@ -43,4 +43,4 @@ def checkpoint(name: str, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def reference(name: str) -> dict[str, torch.Tensor]:
-    return read_tensors(fixture_dir(name) / "reference.safetensors")
+    return read_tensors(fixture_dir(name) / "reference" / "reference.safetensors")

@@ -1,0 +1,178 @@
+"""Quantized serving on SmolLM2-135M: weight memory, KV capacity, tokens/s, quality; int4 GEMM on GPU.
+
+    python benchmarks/quant.py                # model table (CPU or GPU), whatever checkpoints exist
+    python benchmarks/quant.py --gemm         # GPU: Triton int4 GEMM vs fp16 torch.matmul, batch 1..64
+
+Systems: the 16-bit model (bf16 on GPU; fp32 compute on CPU, memory counted at bf16), on-the-fly FP8
+(``quantization="fp8"``), the FP8 KV cache, and the AWQ / GPTQ / compressed-tensors FP8 SmolLM2
+checkpoints made by ``scripts/make_quant_fixtures.py --only smollm2_awq,smollm2_gptq,smollm2_fp8``
+(in ``~/.cache/lorastar/quant``; missing ones are listed and skipped).
+
+Quality: mean KL(bf16 || system) of the next-token distributions over a fixed text (teacher forced),
+and greedy agreement with the 16-bit model over a fixed prompt set (the FP8 KV criterion).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "lorastar" / "quant"
+TEXT = (
+    "The history of the city begins with a small village on the river. Over the centuries the "
+    "village grew into a market town, then into a port, and finally into the capital of the region. "
+    "Its library holds old maps of the harbour, letters from sailors and the diaries of farmers who "
+    "lived in the valley. In winter the streets are quiet; in summer the bridge is full of people."
+)
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in one paragraph.",
+    "List three fruits that are red.",
+    "What is 12 times 7?",
+    "Describe the water cycle.",
+    "Give me a name for a pet turtle.",
+    "Why is the sky blue?",
+]
+
+
+def weight_bytes(model: torch.nn.Module, as_dtype: torch.dtype | None = None) -> int:
+    """Bytes of every parameter and persistent buffer (``as_dtype``: count float tensors at that size)."""
+    total = 0
+    for t in list(model.parameters()) + [b for _, b in model.named_buffers() if b.dtype.is_floating_point]:
+        size = t.element_size()
+        if as_dtype is not None and t.dtype.is_floating_point and t.element_size() > 1:
+            size = torch.empty((), dtype=as_dtype).element_size()
+        total += t.numel() * size
+    return total
+
+
+def teacher_forced_logits(llm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    from lorastar.engine.runner import KVCacheSpec, ModelRunner
+
+    model = llm.engine.model
+    bs = 16
+    nb = -(-len(ids) // bs)
+    dev = llm.engine.device
+    kv_dtype = llm.engine.runner.kv_caches[0][0].dtype
+    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype)
+    runner = ModelRunner(
+        model, spec, dev, k_scales=llm.engine.runner.k_scales, v_scales=llm.engine.runner.v_scales
+    )
+    seq = SimpleNamespace(token_ids=ids, block_table=list(range(nb)), adapter_key=None)
+    out = SimpleNamespace(
+        scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
+    )
+    input_ids, positions, ctx, _ = runner.prepare(out)
+    with torch.inference_mode():
+        return model.compute_logits(model(input_ids, positions, ctx)).float().cpu()
+
+
+def run_models(args: argparse.Namespace) -> None:
+    from lorastar import LLM, SamplingParams
+    from lorastar.models.default import default_model_dir
+
+    base = str(default_model_dir())
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    systems: list[tuple[str, dict]] = [
+        ("16-bit", {"model": base}),
+        ("fp8 on the fly", {"model": base, "quantization": "fp8"}),
+        ("16-bit + fp8 KV", {"model": base, "kv_cache_dtype": "fp8"}),
+    ]
+    for name, label in (
+        ("smollm2_awq", "AWQ int4 g64"),
+        ("smollm2_gptq", "GPTQ int4 g64"),
+        ("smollm2_fp8", "CT FP8 dynamic"),
+    ):
+        if (CACHE / name / "config.json").is_file():
+            systems.append((label, {"model": str(CACHE / name)}))
+        else:
+            print(f"skipping {label}: {CACHE / name} missing (scripts/make_quant_fixtures.py --only {name})")
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows, ref_logits, ref_tokens = [], None, None
+    for label, kw in systems:
+        llm = LLM(device=dev, dtype=dtype, num_kv_blocks=256, enable_prefix_caching=False, **kw)
+        tok = llm.tokenizer
+        model = llm.engine.model
+        mem = weight_bytes(model, torch.bfloat16)
+        spec = llm.engine.runner.kv_caches[0][0]
+        per_block = 2 * len(llm.engine.runner.kv_caches) * spec[0].numel() * spec.element_size()
+        kv_blocks_per_gib = (1 << 30) // per_block
+        ids = tok(TEXT)["input_ids"]
+        logits = teacher_forced_logits(llm, ids)
+        prompts = [tok(p)["input_ids"] for p in PROMPTS]
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        tokens = [o.outputs[0].token_ids for o in outs]
+        if ref_logits is None:
+            ref_logits, ref_tokens, ref_mem = logits, tokens, mem
+        lp_ref = torch.log_softmax(ref_logits, -1)
+        kl = (lp_ref.exp() * (lp_ref - torch.log_softmax(logits, -1))).sum(-1).mean().item()
+        agree = sum(a == b for x, y in zip(ref_tokens, tokens) for a, b in zip(x, y)) / sum(
+            len(x) for x in ref_tokens
+        )
+        rows.append(
+            (label, mem / 2**20, mem / ref_mem, kv_blocks_per_gib, sum(map(len, tokens)) / dt, kl, agree)
+        )
+        del llm
+    print(f"\nSmolLM2-135M on {dev} ({dtype} compute; memory counted with 16-bit tensors at bf16 size)\n")
+    print(
+        "| system | weights MiB | vs 16-bit | KV blocks / GiB | tokens/s | mean KL to 16-bit | greedy agreement |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for label, mib, ratio, blocks, tps, kl, agree in rows:
+        print(f"| {label} | {mib:.1f} | {ratio:.3f} | {blocks} | {tps:.1f} | {kl:.4f} | {agree:.1%} |")
+
+
+def run_gemm(args: argparse.Namespace) -> None:
+    import triton
+
+    from lorastar.kernels.quant_gemm import awq_gemm, gptq_gemm
+
+    assert torch.cuda.is_available(), "--gemm needs a GPU"
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}; y = x[M, K] @ W[K, N], fp16 activations, group 128")
+    print("| K x N | M | fp16 matmul us | AWQ int4 us | GPTQ int4 us | AWQ speedup |")
+    print("|---|---|---|---|---|---|")
+    for k, n in ((4096, 4096), (4096, 11008)):
+        g = 128
+        w = torch.randn(k, n, device=dev, dtype=torch.float16) * 0.02
+        qw = torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, device=dev)
+        qz = torch.randint(-(2**31), 2**31 - 1, (k // g, n // 8), dtype=torch.int32, device=dev)
+        s = torch.rand(k // g, n, device=dev, dtype=torch.float16) * 0.01
+        gqw = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.randn(m, k, device=dev, dtype=torch.float16)
+            t16 = triton.testing.do_bench(lambda: x @ w) * 1e3  # noqa: B023
+            tawq = triton.testing.do_bench(lambda: awq_gemm(x, qw, qz, s, g)) * 1e3  # noqa: B023
+            tgptq = triton.testing.do_bench(lambda: gptq_gemm(x, gqw, qz, s, None, 4, g)) * 1e3  # noqa: B023
+            print(f"| {k}x{n} | {m} | {t16:.1f} | {tawq:.1f} | {tgptq:.1f} | {t16 / tawq:.2f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gemm", action="store_true", help="GPU int4 GEMM timing only")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    if args.gemm:
+        run_gemm(args)
+    else:
+        run_models(args)
+
+
+if __name__ == "__main__":
+    main()
