@@ -16,6 +16,7 @@ from lorastar.adapters.layers import LoRADeviceState
 from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
 from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
 from lorastar.config import EngineConfig
+from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
 from lorastar.engine.errors import AdapterNotFoundError, EngineOverloadedError
@@ -226,8 +227,8 @@ class LLMEngine:
             params = SamplingParams.from_dict(dict(params))
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
-        if params.use_beam_search:
-            raise ValueError("use_beam_search is not supported yet")
+        if params.use_beam_search and params.stop:
+            raise ValueError("stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -240,6 +241,8 @@ class LLMEngine:
             entry = self.registry.acquire(adapter) if adapter is not None else None
             req = Request(rid, text, ids, params, adapter_name=adapter, adapter_entry=entry,
                           adapter_key=entry.content_hash if entry is not None else None)  # fmt: skip
+            if params.use_beam_search:
+                req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos)
             seq = req.sequences[0]
             self._init_seq(seq)
             self.requests[rid] = req
@@ -290,6 +293,7 @@ class LLMEngine:
         rows: list[SamplingRow] = []
         owners: list[tuple[Sequence, int]] = []  # (sequence, index among the request's samples)
         logit_rows: list[int] = []
+        beam_rows: list[tuple[Sequence, int]] = []
         r = 0
         for s in out.scheduled:
             seq = s.seq
@@ -297,6 +301,10 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             if not s.samples:
+                continue
+            if req.beam is not None:
+                beam_rows.append((seq, r))
+                r += 1
                 continue
             fan = req.params.n if (req.params.n > 1 and not req.forked) else 1
             for k in range(fan):
@@ -326,10 +334,70 @@ class LLMEngine:
             for seq, tok, lp in zip(targets, sampled.token_ids, sampled.logprobs):
                 self._append(seq, tok, lp, now)
                 touched[seq.request.request_id] = seq.request
+        if beam_rows:
+            self._beam_proposals(beam_rows, logits, touched)
         outputs: list[RequestOutput] = []
         for req in touched.values():
             outputs.append(self._finish_request(req) if req.is_finished else self._output(req))
         return outputs
+
+    # ---- beam search ------------------------------------------------------------------------
+    def _beam_proposals(
+        self, rows: list[tuple[Sequence, int]], logits: torch.Tensor, touched: dict[str, Request]
+    ) -> None:
+        idx = torch.tensor([r for _, r in rows], device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)  # [R, vocab]
+        k = min(2 * max(seq.request.beam.width for seq, _ in rows), lp.shape[-1])
+        vals, toks = lp.topk(k, dim=-1)
+        vals, toks = vals.tolist(), toks.tolist()
+        for (seq, _), v, t in zip(rows, vals, toks):
+            w = 2 * seq.request.beam.width
+            seq.request.beam.pending[seq.seq_id] = [(seq.cumulative_logprob + a, b) for a, b in zip(v[:w], t[:w])]
+            touched[seq.request.request_id] = seq.request
+        for req in {seq.request.request_id: seq.request for seq, _ in rows}.values():
+            live = [s for s in req.sequences if not s.is_finished]
+            if all(s.seq_id in req.beam.pending for s in live):
+                self._beam_step(req, live)
+
+    def _beam_step(self, req: Request, live: list[Sequence]) -> None:
+        st = req.beam
+        now = time.monotonic()
+        beams = [(s.seq_id, s.output_token_ids, s.cumulative_logprob) for s in live]
+        chosen = st.select(beams)
+        by_id = {s.seq_id: s for s in live}
+        used: set[int] = set()
+        targets: list[tuple[Sequence, int, float]] = []
+        for sid, tok, score in chosen:  # fork extra uses of a parent before any append
+            parent = by_id[sid]
+            if sid in used:
+                child = Sequence(req, 0, list(parent.token_ids), parent.num_prompt_tokens)
+                self.scheduler.add_forked(parent, child)
+                req.sequences.append(child)
+                targets.append((child, tok, score))
+            else:
+                used.add(sid)
+                targets.append((parent, tok, score))
+        for s in live:
+            if s.seq_id not in used:  # pruned beam: its blocks go back now
+                self.scheduler.finish(s, "stop")
+                req.sequences.remove(s)
+        req.forked = True
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        for seq, tok, score in targets:
+            seq.token_ids.append(tok)
+            seq.cumulative_logprob = score
+            self.generation_tokens_total += 1
+        for i, (seq, _, _) in enumerate(targets):
+            seq.index = i
+        if targets and not st.done:
+            head = targets[0][0]
+            if head.num_output_tokens >= req.params.max_tokens or head.num_tokens >= self.max_model_len:
+                st.finish_all([(s.seq_id, s.output_token_ids, s.cumulative_logprob) for s, _, _ in targets])
+        if st.done:
+            for s in list(req.sequences):
+                self.scheduler.finish(s, "length")
 
     def _append(self, seq: Sequence, tok: int, lp: dict[int, tuple[float, int]] | None, now: float) -> None:
         req = seq.request
@@ -370,6 +438,8 @@ class LLMEngine:
             self.scheduler.finish(seq, "length", None)
 
     def _output(self, req: Request) -> RequestOutput:
+        if req.beam is not None and req.beam.done:
+            return self._beam_output(req)
         outs = []
         for seq in req.sequences:
             text = seq.text
@@ -397,6 +467,16 @@ class LLMEngine:
             metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
                                    req.last_token_time, req.finished_time),  # fmt: skip
         )
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for i, h in enumerate(req.beam.finished):
+            ended_on_eos = bool(h.token_ids) and h.token_ids[-1] in self.eos_token_ids
+            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=req.params.skip_special_tokens)
+            outs.append(CompletionOutput(i, text, list(h.token_ids), h.sum_logprob, None,
+                                         "stop" if ended_on_eos else "length"))  # fmt: skip
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                             adapter=req.adapter_name, num_cached_tokens=req.num_cached_tokens)  # fmt: skip
 
     def _finish_request(self, req: Request) -> RequestOutput:
         req.finished_time = time.monotonic()

@@ -91,6 +91,7 @@ class Request:
     forked: bool = False  # n > 1: children created after the first token
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     aborted: bool = False
+    beam: Any = None  # BeamState when params.use_beam_search
 
     def __post_init__(self) -> None:
         if not self.sequences:
@@ -109,6 +110,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
+        if self.beam is not None and not self.aborted:
+            return self.beam.done and all(s.is_finished for s in self.sequences)
         return (self.forked or self.params.n == 1 or self.aborted) and all(
             s.is_finished for s in self.sequences
         )

@@ -152,6 +152,9 @@ class Scheduler:
             if key is not None and not self.ensure_adapter(seq, pinned - {key}):
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
+                i += 1
+                continue
             copies = self.bm.allocate(seq, num_new)
             while copies is None:
                 # Out of blocks: preempt the newest running sequence not yet scheduled (possibly
