@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, wait_until
-from fake_engine import FakeAsyncLLM
 from litestar import Litestar, Request, Response, get
 from litestar.exceptions import HTTPException
+from plugin_fake_engine import FakeAsyncLLM
+from plugin_support import ServerThread, wait_until
 
 from lorastar.engine.errors import EngineOverloadedError
 from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, engine_config
-from fake_engine import FakeAsyncLLM
+from plugin_fake_engine import FakeAsyncLLM
+from plugin_support import ServerThread, engine_config
 
 from lorastar.plugin import LoraStarConfig, create_app, lifespan
 

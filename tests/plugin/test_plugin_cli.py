@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
-from conftest import ServerThread, free_port, wait_until
-from fake_engine import FakeAsyncLLM
+from plugin_fake_engine import FakeAsyncLLM
+from plugin_support import ServerThread, free_port, wait_until
 
 from lorastar.plugin import LoraStarConfig, create_app
 from lorastar.plugin.cli import main

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, engine_config, wait_until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPT = "Once upon a time"

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, engine_config, wait_until
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

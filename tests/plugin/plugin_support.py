@@ -1,0 +1,119 @@
+"""Helpers of the plugin tests (a module of its own, so test files import it by a distinctive name)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a thread (lifespan included)."""
+
+    def __init__(self, app: Any, *, startup_timeout: float = 120.0) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=10,
+            )
+        )
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"uvicorn-{self.port}")
+        self.startup_timeout = startup_timeout
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit:  # uvicorn exits when the app's startup fails; the test sees it in __enter__
+            pass
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True
+                raise RuntimeError("uvicorn did not start (see the log above)")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
+    """A real PEFT LoRA folder for ``model_dir`` with random (non-zero) ``lora_B``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    peft_model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def engine_config(model_dir: Path, **kw: Any) -> Any:
+    from lorastar.config import EngineConfig
+
+    opts: dict[str, Any] = dict(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=512,
+        max_num_seqs=32,
+        max_loras=4,
+        max_cpu_loras=8,
+    )
+    opts.update(kw)
+    return EngineConfig(**opts)
