@@ -39,6 +39,9 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
     # Qwen2: q/k/v bias, GQA, tied
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Mistral: GQA, untied, sliding window wider than any test sequence
+    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
+                    sliding_window=4096),
 }
 
 
@@ -48,7 +51,14 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
     from pathlib import Path
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     from lorastar.models.default import default_model_dir
 
@@ -59,6 +69,8 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, **spec))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, **spec))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common, **spec))
         with torch.no_grad():  # random init leaves biases at zero: make them matter
