@@ -58,6 +58,7 @@ class LoraStarService:
         self.engine: Any = config.async_engine
         self._owns_engine = config.async_engine is None
         self._started = False
+        self._closed = False  # after stop(): no lazy restart, requests get 503
         self._start_lock: asyncio.Lock | None = None
         self._resolver_locks: dict[str, asyncio.Lock] = {}
         self.created = int(time.time())
@@ -88,6 +89,7 @@ class LoraStarService:
         async with self._start_lock:
             if self._started:
                 return
+            self._closed = False
             if self.engine is None:
                 self.engine = await asyncio.to_thread(build_engine, self.config.engine_config())
             await self.engine.start()
@@ -111,6 +113,7 @@ class LoraStarService:
 
     async def stop(self) -> None:
         """Let in-flight requests finish (up to ``shutdown_drain_timeout``), then stop an engine we own."""
+        self._closed = True
         if not self._started:
             return
         self._started = False
@@ -119,6 +122,8 @@ class LoraStarService:
 
     async def ready(self) -> Any:
         """The running engine. Starts it on first use when no lifespan ran (e.g. under a Starlette Mount)."""
+        if self._closed:
+            raise APIError("The server is shutting down.", 503)
         if not self._started:
             logger.warning(
                 "lorastar: engine started lazily; run the app's lifespan (see lorastar.plugin.lifespan)"

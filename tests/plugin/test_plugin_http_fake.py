@@ -461,3 +461,18 @@ def test_bad_startup_adapter_fails_startup_and_stops_engine(
     with pytest.raises(RuntimeError, match="did not start"), ServerThread(app, startup_timeout=20):
         pass
     assert created and not created[0].started
+
+
+async def test_no_lazy_restart_after_shutdown() -> None:
+    from lorastar.plugin.errors import APIError
+    from lorastar.plugin.service import LoraStarService
+
+    engine = FakeAsyncLLM()
+    service = LoraStarService(LoraStarConfig(async_engine=engine))
+    assert await service.ready() is engine  # lazy start (no lifespan ran)
+    await service.stop()
+    with pytest.raises(APIError) as ei:
+        await service.ready()  # a request racing the shutdown: 503, not a second engine start
+    assert ei.value.status_code == 503 and not service.healthy()
+    await service.start()  # an explicit lifespan start works again
+    assert service.healthy()
