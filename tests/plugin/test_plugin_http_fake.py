@@ -265,6 +265,9 @@ def test_openai_client_against_fake(fake: tuple[ServerThread, FakeAsyncLLM]) -> 
     client = openai.OpenAI(base_url=fake[0].url + "/v1", api_key="unused")
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == "fake-model" and "a1" in ids
+    assert client.models.retrieve("a1").parent == "fake-model"  # type: ignore[attr-defined]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("ghost")
     r = client.completions.create(model="a1", prompt=["ab", "cd"], max_tokens=2, n=2)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text == "BA" and r.usage.completion_tokens == 8

@@ -303,8 +303,7 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
     """Route handlers bound to ``service`` (closures: one set per plugin instance)."""
     guards = guards or []
 
-    @get("/models", guards=guards, summary="List the base model and its adapters")
-    async def list_models() -> ModelList:
+    async def model_cards() -> list[ModelCard]:
         engine = await service.ready()
         base = service.served_model_name
         now = int(time.time())
@@ -329,7 +328,18 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                     permission=[ModelPermission(id=_random_id("modelperm"), created=now)],
                 )
             )
-        return ModelList(data=cards)
+        return cards
+
+    @get("/models", guards=guards, summary="List the base model and its adapters")
+    async def list_models() -> ModelList:
+        return ModelList(data=await model_cards())
+
+    @get("/models/{model_id:str}", guards=guards, summary="One model (OpenAI's retrieve)")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        for card in await model_cards():
+            if card.id == model_id:
+                return card
+        raise APIError(f"The model `{model_id}` does not exist.", 404, param="model")
 
     # ------------------------------------------------------------------ completions
 
@@ -586,7 +596,7 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
             status_code=HTTP_200_OK,
         )
 
-    return [list_models, create_completion, create_chat_completion]
+    return [list_models, retrieve_model, create_completion, create_chat_completion]
 
 
 def _tokenize(engine: Any, prompt: str) -> list[int]:
