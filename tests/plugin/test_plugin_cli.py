@@ -88,6 +88,8 @@ def test_lorastar_script_lora_commands_and_failures(
     for args, text in failures.items():
         r = runner.invoke(main, ["lora", "--url", url, "--token", "tok", *args])
         assert r.exit_code == 1 and text in r.output, (args, r.output)
+    r = runner.invoke(main, ["lora", "--url", url, "--token", "tok", "load", "--replace", "two", "one"])
+    assert r.exit_code == 0 and "added successfully" in r.output, r.output  # replaced in place
     r = runner.invoke(main, ["lora", "--url", url, "unload", "two"])  # no token at all
     assert r.exit_code == 1 and "401" in r.output
     r = runner.invoke(main, ["lora", "--url", f"http://127.0.0.1:{free_port()}/v1", "list"])

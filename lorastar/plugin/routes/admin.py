@@ -70,10 +70,10 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
                 f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name"
             )
         resolved = confine(service.adapter_root, path)
-        if name in service.adapter_names():
-            if not data.load_inplace:
-                raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-            await engine.unload_adapter(name)
+        if name in service.adapter_names() and not data.load_inplace:
+            raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        # load_inplace: the engine re-registers the name atomically (in-flight requests keep the old
+        # weights; a failed load leaves the old adapter in place).
         if not resolved.is_dir():
             raise APIError(f"lora_path does not name an adapter folder: {path}", param="lora_path")
         try:
