@@ -44,6 +44,84 @@ PROMPTS = [
 ]
 
 
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _rtn(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit round-to-nearest per (input group, output column): ``W [out, in]`` ->
+    ``q [in, out]`` (0..15), ``zeros [in/g, out]`` (1..15: GPTQ's v1 format cannot store 0), ``scales`` fp16."""
+    wt = w.float().t().contiguous()  # [in, out]
+    k, n = wt.shape
+    wg = wt.view(k // group, group, n)
+    lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).half()  # [G, out]
+    zeros = torch.round(-lo / scales.float()).clamp(1, 15)
+    q = torch.clamp(torch.round(wg / scales.float()[:, None]) + zeros[:, None], 0, 15).view(k, n)
+    return q.int(), zeros.int(), scales
+
+
+def _pack_rows(q: torch.Tensor) -> torch.Tensor:  # [K, N] -> [K/8, N], sequential (GPTQ qweight)
+    out = torch.zeros(q.shape[0] // 8, q.shape[1], dtype=torch.int64)
+    for j in range(8):
+        out |= q[j::8].long() << (4 * j)
+    return (out - (out >= 2**31).long() * 2**32).int()
+
+
+def _pack_cols(
+    q: torch.Tensor, order: tuple[int, ...] = tuple(range(8))
+) -> torch.Tensor:  # [R, N] -> [R, N/8]
+    r, n = q.shape
+    qv = q.long().view(r, n // 8, 8)
+    out = torch.zeros(r, n // 8, dtype=torch.int64)
+    for i in range(8):
+        out |= qv[:, :, order[i]] << (4 * i)
+    return (out - (out >= 2**31).long() * 2**32).int()
+
+
+def write_rtn_checkpoint(base: Path, out: Path, fmt: str, group: int = 64) -> Path:
+    """SmolLM2 in AWQ-GEMM or GPTQ-v1 layout by plain RTN (no calibration): a stand-in when the real
+    tools' CPU runs are too slow here (gptqmodel: ~2 h for SmolLM2 on 2 cores). Memory and speed
+    are the format's; quality is RTN's, not AWQ's / GPTQ's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if (out / "config.json").is_file():
+        return out
+    state = load_file(str(base / "model.safetensors"))
+    new: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        if key.endswith("_proj.weight"):
+            stem = key.removesuffix(".weight")
+            q, z, s = _rtn(t, group)
+            if fmt == "gptq":
+                new[f"{stem}.qweight"] = _pack_rows(q)
+                new[f"{stem}.qzeros"] = _pack_cols(z - 1)
+                new[f"{stem}.g_idx"] = (torch.arange(q.shape[0]) // group).int()
+            else:
+                new[f"{stem}.qweight"] = _pack_cols(q, AWQ_ORDER)
+                new[f"{stem}.qzeros"] = _pack_cols(z, AWQ_ORDER)
+            new[f"{stem}.scales"] = s
+        else:
+            new[key] = t.to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(new, str(out / "model.safetensors"))
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["dtype"] = "bfloat16"
+    cfg["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False,
+         "checkpoint_format": "gptq"}
+        if fmt == "gptq"
+        else {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    )  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def weight_bytes(model: torch.nn.Module, as_dtype: torch.dtype | None = None) -> int:
     """Bytes of every parameter and persistent buffer (``as_dtype``: count float tensors at that size)."""
     total = 0
@@ -97,8 +175,13 @@ def run_models(args: argparse.Namespace) -> None:
     ):
         if (CACHE / name / "config.json").is_file():
             systems.append((label, {"model": str(CACHE / name)}))
-        else:
+        elif name == "smollm2_fp8":
             print(f"skipping {label}: {CACHE / name} missing (scripts/make_quant_fixtures.py --only {name})")
+        else:
+            fmt = name.split("_")[1]
+            print(f"{label}: no tool-made checkpoint; using an RTN checkpoint in the same layout")
+            rtn = write_rtn_checkpoint(Path(base), CACHE / f"{name}_rtn", fmt)
+            systems.append((f"{fmt.upper()}-layout int4 g64 (RTN)", {"model": str(rtn)}))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, ref_logits, ref_tokens = [], None, None
     for label, kw in systems:

@@ -11,6 +11,8 @@ the same numbers transformers' compressed-tensors forward computes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +27,12 @@ ACT_TENSOR_STATIC = "tensor_static"  # static per-tensor scale from the checkpoi
 
 
 def scaled_mm_supported(device: torch.device) -> bool:
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+    """FP8 tensor-core matmul available (``LORASTAR_FP8_SCALED_MM=0`` forces the upcast path)."""
+    if (
+        device.type != "cuda"
+        or not hasattr(torch, "_scaled_mm")
+        or os.environ.get("LORASTAR_FP8_SCALED_MM") == "0"
+    ):
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 

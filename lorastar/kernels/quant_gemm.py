@@ -28,6 +28,14 @@ GPTQ = 1
 
 
 @triton.jit
+def _expand8(w):
+    """``[..., C]`` -> ``[..., 8C]``: every word repeated 8 times in a row (one copy per column)."""
+    w = tl.interleave(w, w)
+    w = tl.interleave(w, w)
+    return tl.interleave(w, w)
+
+
+@triton.jit
 def _quant_gemm_kernel(
     x_ptr,
     qw_ptr,
@@ -55,12 +63,14 @@ def _quant_gemm_kernel(
     HAS_GIDX: tl.constexpr,  # GPTQ act-order: group of each input row read from g_idx
     GROUP_TILE: tl.constexpr,  # every K tile lies inside one group: load one scale row per tile
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot (no tf32), so results match the references
+    SPLIT_K: tl.constexpr,  # >1: programs split K and atomically add fp32 partial sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     m_mask = offs_m < M
@@ -68,15 +78,17 @@ def _quant_gemm_kernel(
     PER: tl.constexpr = 32 // BITS  # values per int32 word
     MASK: tl.constexpr = (1 << BITS) - 1
     if FORMAT == 0:
+        # Load each packed word once ([.., BN/8], contiguous) and expand it to its 8 columns.
         # AWQ order [0, 2, 4, 6, 1, 3, 5, 7]: column j of a word sits in nibble (j % 2) * 4 + j // 2.
-        j = offs_n % 8
+        offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # [BN/8] word columns
+        w_mask = offs_w < N // 8
+        j = tl.arange(0, BLOCK_N) % 8
         col_shift = ((j % 2) * 4 + j // 2) * 4  # [BN]
-        col_word = offs_n // 8
     else:
         col_shift = (offs_n % PER) * BITS  # zeros are packed along N for GPTQ
         col_word = offs_n // PER
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_mask = offs_k < K
         x = tl.load(
@@ -84,23 +96,28 @@ def _quant_gemm_kernel(
             mask=m_mask[:, None] & k_mask[None, :],
             other=0.0,
         )  # [BM, BK]
-        wmask = k_mask[:, None] & n_mask[None, :]
         if FORMAT == 0:
-            q = tl.load(
-                qw_ptr + offs_k[:, None] * stride_qk + col_word[None, :] * stride_qn, mask=wmask, other=0
-            )
-            q = (q >> col_shift[None, :]) & MASK  # [BK, BN]
+            qp = tl.load(
+                qw_ptr + offs_k[:, None] * stride_qk + offs_w[None, :] * stride_qn,
+                mask=k_mask[:, None] & w_mask[None, :],
+                other=0,
+            )  # [BK, BN/8]
+            q = (_expand8(qp) >> col_shift[None, :]) & MASK  # [BK, BN]
         else:
             q = tl.load(
                 qw_ptr + (offs_k[:, None] // PER) * stride_qk + offs_n[None, :] * stride_qn,
-                mask=wmask,
+                mask=k_mask[:, None] & n_mask[None, :],
                 other=0,
             )
             q = (q >> ((offs_k[:, None] % PER) * BITS)) & MASK  # [BK, BN]
         if GROUP_TILE:
             g = k0 // group_size
-            z = tl.load(qz_ptr + g * stride_zg + col_word * stride_zn, mask=n_mask, other=0)  # [BN]
-            z = ((z >> col_shift) & MASK) + zero_offset
+            if FORMAT == 0:
+                zp = tl.load(qz_ptr + g * stride_zg + offs_w * stride_zn, mask=w_mask, other=0)  # [BN/8]
+                z = (_expand8(zp) >> col_shift) & MASK  # [BN]
+            else:
+                z = tl.load(qz_ptr + g * stride_zg + col_word * stride_zn, mask=n_mask, other=0)  # [BN]
+                z = ((z >> col_shift) & MASK) + zero_offset
             s = tl.load(s_ptr + g * stride_sg + offs_n * stride_sn, mask=n_mask, other=0.0)
             # Dequantize in the scales' dtype (fp16 in checkpoints), like AutoAWQ / gptqmodel.
             w = (q - z[None, :]).to(s.dtype) * s[None, :]  # [BK, BN]
@@ -109,27 +126,53 @@ def _quant_gemm_kernel(
                 g = tl.load(gidx_ptr + offs_k, mask=k_mask, other=0)  # [BK]
             else:
                 g = offs_k // group_size
-            z = tl.load(qz_ptr + g[:, None] * stride_zg + col_word[None, :] * stride_zn, mask=wmask, other=0)
-            z = ((z >> col_shift[None, :]) & MASK) + zero_offset  # [BK, BN]
-            s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn, mask=wmask, other=0.0)
+            if FORMAT == 0:
+                zp = tl.load(
+                    qz_ptr + g[:, None] * stride_zg + offs_w[None, :] * stride_zn,
+                    mask=k_mask[:, None] & w_mask[None, :],
+                    other=0,
+                )
+                z = (_expand8(zp) >> col_shift[None, :]) & MASK  # [BK, BN]
+            else:
+                z = tl.load(
+                    qz_ptr + g[:, None] * stride_zg + col_word[None, :] * stride_zn,
+                    mask=k_mask[:, None] & n_mask[None, :],
+                    other=0,
+                )
+                z = ((z >> col_shift[None, :]) & MASK) + zero_offset  # [BK, BN]
+            s = tl.load(
+                s_ptr + g[:, None] * stride_sg + offs_n[None, :] * stride_sn,
+                mask=k_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )
             w = (q - z).to(s.dtype) * s  # [BK, BN]
         if IEEE:
             acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-        out,
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask)  # fp32 buffer, cast by the wrapper
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 def _blocks(m: int, group_size: int, k: int) -> tuple[int, int, int]:
     # tl.dot needs every dim >= 16 on NVIDIA; small M (decode) gets a narrow M tile.
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_n = 64
-    block_k = 32 if group_size % 64 else 64
+    block_k = 64 if group_size % 64 == 0 else 32
     if k < block_k:
         block_k = max(16, triton.next_power_of_2(k))
     return block_m, block_n, block_k
@@ -147,16 +190,26 @@ def _launch(
     group_size: int,
     n: int,
     zero_offset: int,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"quant_gemm expects x [M, K], got {tuple(x.shape)}")
     m, k = x.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk = _blocks(m, group_size, k)
     group_tile = g_idx is None and group_size % bk == 0 and k % bk == 0
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split_k is None:
+        # Decode-sized GEMMs have too few (M, N) tiles to fill the GPU: split K across programs.
+        split_k = 1
+        if x.is_cuda and m <= 64:
+            split_k = max(1, min(16, (2 * _num_sms(x.device)) // tiles, k // (4 * bk)))
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
+    if split_k > 1:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _quant_gemm_kernel[grid](
         x,
         qweight,
@@ -184,11 +237,12 @@ def _launch(
         HAS_GIDX=g_idx is not None,
         GROUP_TILE=group_tile,
         IEEE=x.dtype == torch.float32,
+        SPLIT_K=split_k,
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
     )
-    return out
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def awq_gemm(
@@ -197,8 +251,11 @@ def awq_gemm(
     qzeros: torch.Tensor,  # [K/g, N/8] int32
     scales: torch.Tensor,  # [K/g, N]
     group_size: int,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """``x @ W`` for an AutoAWQ GEMM-format weight; returns ``[M, N]`` in ``x.dtype``."""
+    """``x @ W`` for an AutoAWQ GEMM-format weight; returns ``[M, N]`` in ``x.dtype``.
+
+    ``split_k``: programs along K (``None``: chosen from the GPU's SM count for small M)."""
     return _launch(
         x,
         qweight,
@@ -210,6 +267,7 @@ def awq_gemm(
         group_size=group_size,
         n=scales.shape[1],
         zero_offset=0,
+        split_k=split_k,
     )
 
 
@@ -222,6 +280,7 @@ def gptq_gemm(
     bits: int,
     group_size: int,
     zero_offset: int = 1,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """``x @ W`` for a GPTQ-format weight; returns ``[M, N]`` in ``x.dtype``."""
     if bits not in (4, 8):
@@ -237,4 +296,5 @@ def gptq_gemm(
         group_size=group_size,
         n=scales.shape[1],
         zero_offset=zero_offset,
+        split_k=split_k,
     )

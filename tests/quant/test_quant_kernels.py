@@ -137,3 +137,28 @@ def test_gemm_kernel_larger_m_and_empty() -> None:
     out = awq_gemm(x.to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV), 32).cpu()
     torch.testing.assert_close(out, R.ref_awq_gemm(x, qw, qz, s, 32), atol=1e-4, rtol=1e-4)
     assert awq_gemm(x[:0].to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV), 32).shape == (0, n)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_gemm_kernel_split_k_and_row_groups(fmt: str) -> None:
+    """Split-K (atomic fp32 partial sums, used for decode-sized M on GPUs) and groups smaller than
+    a K tile (per-row scale gather)."""
+    from lorastar.kernels.quant_gemm import awq_gemm, gptq_gemm
+
+    gen = torch.Generator().manual_seed(11)
+    m, k, n, g = 3, 128, 64, 16
+    x = torch.randn(m, k, generator=gen)
+    s = torch.rand(k // g, n, generator=gen) * 0.02
+    if fmt == "awq":
+        qw, qz = _rand_i32(k, n // 8, gen=gen), _rand_i32(k // g, n // 8, gen=gen)
+        ref = R.ref_awq_gemm(x, qw, qz, s, g)
+        outs = [awq_gemm(x.to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV), g, split_k=sk).cpu() for sk in (1, 2)]
+    else:
+        qw, qz = _rand_i32(k // 8, n, gen=gen), _rand_i32(k // g, n // 8, gen=gen)
+        ref = R.ref_gptq_gemm(x, qw, qz, s, torch.arange(k) // g, 4)
+        outs = [
+            gptq_gemm(x.to(DEV), qw.to(DEV), qz.to(DEV), s.to(DEV), None, 4, g, split_k=sk).cpu()
+            for sk in (1, 2)
+        ]
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
