@@ -108,6 +108,16 @@ def test_concurrent_load_unload_during_streaming(real_server: ServerThread) -> N
         )
         r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "gamma"}, headers=ADMIN)
         assert r.status_code == 200, r.text
+    # Replace alpha in place (in-flight alpha streams keep their weights), then restore it.
+    for path in ("gamma", "alpha"):
+        r = httpx.post(
+            url + "/load_lora_adapter",
+            json={"lora_name": "alpha", "lora_path": path, "load_inplace": True},
+            headers=ADMIN,
+        )
+        assert r.status_code == 200, r.text
+        root = next(m.root for m in client.models.list().data if m.id == "alpha")  # type: ignore[attr-defined]
+        assert root.endswith(path)
     r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "beta"}, headers=ADMIN)
     assert r.status_code == 200
     with pytest.raises(openai.NotFoundError):
