@@ -158,8 +158,8 @@ def test_n_greater_than_one_and_prompt_lists(client: openai.OpenAI) -> None:
 
 def test_stop_strings(client: openai.OpenAI, reference: Any) -> None:
     text = reference.generate(PROMPT, greedy(20))[0].outputs[0].text
-    stop = text[6:9]
-    assert stop.strip(), text
+    # A 3-character stop string from the middle of the greedy answer (not blank).
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip())
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, stop=[stop])
     choice = r.choices[0]
     assert choice.text == text[: text.index(stop)]
