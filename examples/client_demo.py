@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -59,7 +60,12 @@ def main() -> int:
 
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    token = secrets.token_hex(8)  # enables the admin routes for this run (shown with the CLI below)
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        LORASTAR_ADMIN_TOKEN=token,
+    )
     print(f"starting examples/app.py on {url} (first run converts the embedded model once) ...", flush=True)
     proc = subprocess.Popen(
         [
@@ -124,6 +130,13 @@ def main() -> int:
                 print(f"{''.ljust(width)} | {line}")
             print(f"{''.ljust(width)} |   (asked: {question})")
         print("=" * 100)
+        print("\n$ lorastar lora --url", url + "/v1", "list", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "lorastar.plugin.cli", "lora", "--url", url + "/v1", "list"],
+            cwd=REPO,
+            env=env,
+            check=False,
+        )
         return 0
     finally:
         proc.terminate()
