@@ -479,3 +479,35 @@ async def test_no_lazy_restart_after_shutdown() -> None:
     assert ei.value.status_code == 503 and not service.healthy()
     await service.start()  # an explicit lifespan start works again
     assert service.healthy()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"path": "v1"}, "path"),
+        ({"max_waiting": 0}, "max_waiting"),
+        ({"adapters": {"": "x"}}, "adapters"),
+        ({"adapters": ["x"]}, "adapters"),
+        ({"engine": {"device": "cpu"}}, "engine"),
+        ({"retry_after_seconds": -1}, "retry_after_seconds"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LoraStarConfig(**kwargs)
+
+
+def test_config_overrides_and_plugin_kwargs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lorastar.config import EngineConfig
+
+    cfg = LoraStarConfig(model="/m", max_waiting=3, engine=EngineConfig(max_loras=2), path="/api/v1/")
+    assert cfg.path == "/api/v1"
+    eng = cfg.engine_config()
+    assert (eng.model, eng.max_waiting, eng.max_loras) == ("/m", 3, 2)
+    monkeypatch.setenv("LORASTAR_ADMIN_TOKEN", "from-env")
+    assert LoraStarConfig().resolved_admin_token() == "from-env"
+    assert LoraStarConfig(admin_token="explicit").resolved_admin_token() == "explicit"
+    plugin = LoraStarPlugin(api_keys="single-key")
+    assert plugin.config.api_keys == ["single-key"] and plugin.engine is None
+    with pytest.raises(ValueError):
+        LoraStarPlugin(LoraStarConfig(), path="/x")
