@@ -1,0 +1,262 @@
+"""Shared helpers for the CPU benchmarks: environment line, prompts, tables, results, plots.
+
+Every benchmark prints a markdown table, then writes ``<name>.md`` (table + the command and the
+machine's load), ``<name>.json`` (raw numbers; gitignored) and ``<name>.png`` under ``--out``
+(default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+RESULTS = REPO / "benchmarks" / "results"
+
+# Plain English words: prompts built from them tokenize to ordinary text, so every system sees the
+# same realistic token distribution (no special or unseen tokens).
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her are were this be which or had an "
+    "not but have one all their has been its new more who also after first other two into time years "
+    "would when there only some can out most up over such many three made than may these about later "
+    "city world state school river music house water family story light people north game court war "
+    "small old great long high large early young local public small final common early major open "
+    "built played moved called wrote found began became turned opened known given taken held shown "
+    "garden mountain bridge market village station island forest valley harbour castle library museum "
+    "winter summer morning evening season journey letter window kitchen teacher doctor farmer sailor"
+).split()
+
+
+def setup_torch(threads: int = 2) -> None:
+    """Fix the thread count (the machine has 2 cores; every system gets the same)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
+def load_avg() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def env_line(extra: str = "") -> str:
+    """One line describing where and under what load the numbers were taken."""
+    import torch
+
+    l1, l5, l15 = load_avg()
+    parts = [
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
+        f"load average {l1:.2f} / {l5:.2f} / {l15:.2f} (1/5/15 min) at {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+    ]
+    if extra:
+        parts.append(extra)
+    return "; ".join(parts)
+
+
+def command_line() -> str:
+    rel = Path(sys.argv[0]).resolve()
+    try:
+        rel = rel.relative_to(REPO)
+    except ValueError:
+        pass
+    return " ".join([".venv/bin/python", shlex.quote(str(rel)), *map(shlex.quote, sys.argv[1:])])
+
+
+class LoadMonitor:
+    """Samples the 1-minute load average while a benchmark runs (reported next to the results)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    def sample(self) -> None:
+        self.samples.append(load_avg()[0])
+
+    def summary(self) -> str:
+        if not self.samples:
+            return "n/a"
+        return f"min {min(self.samples):.2f}, max {max(self.samples):.2f}"
+
+
+def text_prompts(tokenizer: Any, n: int, length: int | Sequence[int], seed: int = 0) -> list[list[int]]:
+    """``n`` token-id prompts of exactly ``length`` tokens (or ``length[i]``), each different from
+    its first token on (so no two prompts share a prefix-cache block)."""
+    rng = random.Random(seed)
+    lengths = [length] * n if isinstance(length, int) else list(length)
+    out: list[list[int]] = []
+    for i, want in enumerate(lengths):
+        words = [f"Story {i + 1}:"]
+        ids: list[int] = []
+        while len(ids) < want:
+            words.extend(rng.choice(_WORDS) for _ in range(max(16, want)))
+            ids = list(tokenizer(" ".join(words), add_special_tokens=False)["input_ids"])
+        out.append(ids[:want])
+    return out
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            if v != v:  # nan
+                return "n/a"
+            return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+        return "n/a" if v is None else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str, out_dir: Path, sections: Sequence[str], data: dict[str, Any], *, notes: Sequence[str] = ()
+) -> str:
+    """Write ``name.md`` (command, environment, sections, notes) and ``name.json``; return the md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = [
+        f"# {name}",
+        "",
+        f"Command: `{command_line()}`",
+        "",
+        f"Environment: {data.get('env', env_line())}",
+        "",
+    ]
+    for s in sections:
+        md += [s, ""]
+    if notes:
+        md += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    text = "\n".join(md)
+    (out_dir / f"{name}.md").write_text(text)
+    data = {"command": command_line(), **data}
+    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return text
+
+
+def new_figure(ncols: int = 1, width: float = 6.0, height: float = 4.2) -> tuple[Any, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def log_x_axis(ax: Any, ticks: Sequence[int]) -> None:
+    """Log-scaled x axis labelled exactly at ``ticks`` (no minor-tick labels)."""
+    from matplotlib.ticker import NullFormatter
+
+    ax.set_xscale("log")
+    ax.set_xticks(list(ticks))
+    ax.set_xticklabels([str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def save_figure(fig: Any, path: Path, title: str) -> None:
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(fig.get_figwidth() * 17))), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@contextmanager
+def timed() -> Iterator[Callable[[], float]]:
+    """``with timed() as t: ...`` then ``t()`` is the elapsed wall time in seconds."""
+    start = time.perf_counter()
+    end: list[float] = []
+    yield lambda: (end[0] if end else time.perf_counter()) - start
+    end.append(time.perf_counter())
+
+
+def load_hf_model(attn_implementation: str | None = None) -> tuple[Any, Any]:
+    """The same SmolLM2 checkpoint lorastar serves, as an HF transformers model (fp32, CPU, eval)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lorastar.models.default import default_model_dir
+
+    path = str(default_model_dir())
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs).eval()
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tok
+
+
+def hf_greedy_kwargs(tokenizer: Any, new_tokens: int) -> dict[str, Any]:
+    """``generate`` kwargs for exactly ``new_tokens`` greedy tokens (EOS ignored, like ignore_eos)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+        "pad_token_id": pad,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+    }
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    """Left-padded ``input_ids`` and ``attention_mask`` tensors for HF static batching."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(list(p))
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def model_flops() -> dict[str, float]:
+    """FLOPs of the embedded SmolLM2 (from its config.json): per token through the decoder layers
+    (the linear layers, 2 x multiply-adds), per token through the LM head (only sampled positions
+    need it), and attention per token per context position (QK^T and PV)."""
+    from lorastar.models.default import default_model_dir
+
+    cfg = json.loads((Path(default_model_dir()) / "config.json").read_text())
+    h, inter, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    return {
+        "layers": 2.0 * n * per_layer,
+        "head": 2.0 * h * cfg["vocab_size"],
+        "attn_per_ctx": 2.0 * 2 * n * q,
+    }
+
+
+def gemm_gflops(seconds: float = 2.0) -> float:
+    """Sustained fp32 GEMM rate of this machine at the thread count set, on the model's shapes
+    (a 256-token batch through a 576 x 1536 projection): the compute roof for prefill and batches."""
+    import torch
+
+    x = torch.randn(256, 576)
+    w = torch.randn(1536, 576)
+    for _ in range(5):
+        x @ w.T
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        x @ w.T
+        n += 1
+    return n * 2.0 * 256 * 576 * 1536 / (time.perf_counter() - t0) / 1e9
