@@ -118,21 +118,21 @@ class ModelRunner:
         dec = [i for i, q in enumerate(md.query_lens_list) if q == 1]
         if dec:
             lens = torch.tensor([md.seq_lens_list[i] for i in dec])
-            L = int(lens.max())
-            p = torch.arange(L)
-            btd = bt[dec].long()  # [Bd, MB]
+            nblk = -(-int(lens.max()) // bs)
             md.decode_rows = md.query_start_loc[dec].long()
-            md.decode_gather = btd[:, p // bs] * bs + (p % bs)  # [Bd, L]
-            md.decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+            # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index.
+            md.decode_gather = bt[dec, :nblk].long()  # [Bd, nblk]
+            p = torch.arange(nblk * bs)
+            md.decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * BS]
         starts = md.query_start_loc.tolist()
         for i, q in enumerate(md.query_lens_list):
             if q == 1:
                 continue
             L = md.seq_lens_list[i]
             ctx_slots = None
-            if L != q:  # earlier chunks or cached prefix: read the context from the cache
-                ctx_slots = torch.tensor(self._slots(tables[i], 0, L), dtype=torch.int64)
-            md.prefill_seqs.append((starts[i], q, ctx_slots))
+            if L != q:  # earlier chunks or cached prefix: read the context blocks from the cache
+                ctx_slots = torch.tensor(tables[i][: -(-L // bs)], dtype=torch.int64)
+            md.prefill_seqs.append((starts[i], q, L, ctx_slots))
 
     def _prepare_lora(self, token_slots: list[int], q_lens: list[int]) -> LoRAMetadata | None:
         if all(s < 0 for s in token_slots):

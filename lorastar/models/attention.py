@@ -14,9 +14,10 @@ from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
 from lorastar.models.context import ForwardContext
 
 
-def _read_cache(cache: torch.Tensor, idx: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    flat = cache.view(-1, cache.shape[-2], cache.shape[-1])  # [NB * BS, Hkv, D]
-    x = flat[idx]
+def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``cache [NB, BS, Hkv, D]`` gathered at ``blocks [..., n]`` -> ``[..., n * BS, Hkv, D]``."""
+    x = cache[blocks]  # [..., n, BS, Hkv, D]
+    x = x.flatten(-4, -3)
     if x.dtype != dtype:  # FP8 cache: dequantize before SDPA (no fp8 SDPA on CPU)
         x = x.to(dtype)
         if scale != 1.0:
@@ -48,23 +49,22 @@ def attention_forward(
     gqa = q.shape[1] != k.shape[1]
     if md.decode_rows is not None and md.decode_rows.numel() > 0:
         rows = md.decode_rows
-        kd = _read_cache(k_cache, md.decode_gather, ks, q.dtype)  # [Bd, L, Hkv, D]
-        vd = _read_cache(v_cache, md.decode_gather, vs, q.dtype)
+        kd = _read_blocks(k_cache, md.decode_gather, ks, q.dtype)  # [Bd, nblk * BS, Hkv, D]
+        vd = _read_blocks(v_cache, md.decode_gather, vs, q.dtype)
         qd = q[rows].unsqueeze(2)  # [Bd, Hq, 1, D]
         od = F.scaled_dot_product_attention(
             qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=md.decode_mask, scale=scale, enable_gqa=gqa
         )  # [Bd, Hq, 1, D]
         out[rows] = od.squeeze(2)
-    for start, qlen, ctx_slots in md.prefill_seqs:
+    for start, qlen, L, ctx_blocks in md.prefill_seqs:
         qs = q[start : start + qlen].transpose(0, 1)  # [Hq, q, D]
-        if ctx_slots is None:  # the whole sequence is in this chunk: K/V are the fresh tensors
+        if ctx_blocks is None:  # the whole sequence is in this chunk: K/V are the fresh tensors
             kk = k[start : start + qlen].transpose(0, 1)
             vv = v[start : start + qlen].transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            kk = _read_cache(k_cache, ctx_slots, ks, q.dtype).transpose(0, 1)  # [Hkv, L, D]
-            vv = _read_cache(v_cache, ctx_slots, vs, q.dtype).transpose(0, 1)
-            L = kk.shape[1]
+            kk = _read_blocks(k_cache, ctx_blocks, ks, q.dtype)[:L].transpose(0, 1)  # [Hkv, L, D]
+            vv = _read_blocks(v_cache, ctx_blocks, vs, q.dtype)[:L].transpose(0, 1)
             # Row i sits at position L - q + i and sees keys 0..L - q + i.
             mask = torch.ones(qlen, L, dtype=torch.bool).tril(diagonal=L - qlen)
             o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)

@@ -27,12 +27,16 @@ class AttentionMetadata:
     # Host-side copies, so the CPU path never syncs or re-derives them per layer.
     query_lens_list: list[int] = field(default_factory=list)
     seq_lens_list: list[int] = field(default_factory=list)
-    # CPU path, decode rows (q == 1): gather indices into the flattened cache and a padding mask.
+    # CPU path, decode rows (q == 1): the blocks to gather and a padding mask over their slots.
     decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
-    decode_gather: torch.Tensor | None = None  # [Bd, Lmax] int64 slots
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, Lmax] bool, True = attend
-    # CPU path, prefill rows (q > 1 or with no decode shape): (row_start, q, ctx_slots or None)
-    prefill_seqs: list[tuple[int, int, torch.Tensor | None]] = field(default_factory=list)
+    decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
+    # CPU path, prefill rows: (row_start, q, context length, context block ids or None when the
+    # chunk is the whole sequence so far and K/V come straight from this step's tensors)
+    prefill_seqs: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+    # RoPE cos/sin for this step's positions, computed once and shared by all layers.
+    rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]
+    rope_sin: torch.Tensor | None = None
 
 
 @dataclass

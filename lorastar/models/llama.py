@@ -80,11 +80,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(dtype)[:, None, :]  # [T, 1, D]
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        return cos, sin
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        if ctx is not None and ctx.attn.rope_cos is not None:  # computed once for the step
+            cos, sin = ctx.attn.rope_cos, ctx.attn.rope_sin
+        else:
+            cos, sin = self.cos_sin(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -144,7 +151,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(positions, q, k)
+        q, k = self.rope(positions, q, k, ctx)
         o = attention_forward(q, k, v, ctx, self.layer_idx, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size), ctx)
 
@@ -210,6 +217,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(self.vocab_size, hidden, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         rope = RotaryEmbedding(cfg, self.head_dim, max_positions)
+        self.rope = rope
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, quant, rope) for i in range(self.num_layers))
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -220,6 +228,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        ctx.attn.rope_cos, ctx.attn.rope_sin = self.rope.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
