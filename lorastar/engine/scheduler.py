@@ -153,7 +153,6 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
-                i += 1
                 continue
             copies = self.bm.allocate(seq, num_new)
             while copies is None:
