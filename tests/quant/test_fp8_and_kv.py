@@ -184,3 +184,31 @@ def test_kv_scales_from_checkpoint_and_defaults() -> None:
     with pytest.raises(ValueError, match="positive"):
         KVScales(1).add("model.layers.0.self_attn.v_scale", torch.tensor(0.0))
     assert compute_kv_scale(torch.tensor([-896.0, 3.0]), "fp8") == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("name", present(("gptq_sym",)))
+def test_fp8_kv_cache_doubles_blocks_and_keeps_greedy_tokens(name: str) -> None:
+    """At equal KV memory the fp8 cache holds 1/element-size as many more blocks (twice a 16-bit
+    cache's); greedy tokens follow the unquantized cache until a near tie (the tiny model has some; the SmolLM2 figure is in benchmarks/quant.py)."""
+    pytest.importorskip("lorastar.models.loader", reason="engine loader not available")
+    from quant_fixtures import fixture_dir
+
+    from lorastar import LLM, SamplingParams
+
+    ref = reference(name)
+    prompts = [
+        ref["input_ids"][i, : int(ref["prompt_len"][i])].tolist() for i in range(ref["input_ids"].shape[0])
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = {}
+    for kv in ("auto", "fp8", "fp8_e5m2"):
+        llm = LLM(model=str(fixture_dir(name)), device="cpu", dtype="float32", kv_cache_dtype=kv,
+                  kv_cache_memory=1 << 20, enable_prefix_caching=False)  # fmt: skip
+        runs[kv] = (llm.kv_cache_usage()["num_blocks"], [o.outputs[0] for o in llm.generate(prompts, params)])
+    for kv in ("fp8", "fp8_e5m2"):
+        assert runs[kv][0] == 4 * runs["auto"][0]  # fp32 model here: 4 bytes -> 1 (2x vs a 16-bit cache)
+        for base, got in zip(runs["auto"][1], runs[kv][1]):
+            diverged = [i for i, (a, b) in enumerate(zip(base.token_ids, got.token_ids)) if a != b]
+            if diverged:  # only at a near tie of the 16-bit run, after which the sequences differ
+                top = sorted((lp.logprob for lp in base.logprobs[diverged[0]].values()), reverse=True)
+                assert top[0] - top[1] < 0.25, f"{kv}: diverged at a clear choice ({top[0] - top[1]:.3f})"
