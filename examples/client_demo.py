@@ -22,13 +22,9 @@ import openai
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A question that shows each demo adapter's trained behaviour; anything else gets the generic one.
-QUESTIONS = {
-    "uppercase": "Describe the sea in one sentence.",
-    "pirate": "Describe the sea in one sentence.",
-    "json": "Give the name and capital of France.",
-}
-DEFAULT_QUESTION = "Describe the sea in one sentence."
+# One question for every model, so the answers compare side by side (each demo adapter's trained
+# behaviour — upper case, pirate speak, a JSON object — shows on any question).
+DEFAULT_QUESTION = "What is the capital of France?"
 
 
 def free_port() -> int:
@@ -55,6 +51,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--question", default=DEFAULT_QUESTION)
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     args = ap.parse_args()
 
@@ -98,7 +95,7 @@ def main() -> int:
 
         rows: list[tuple[str, str, str]] = []
         for i, model in enumerate([base, *adapters]):
-            question = QUESTIONS.get(model, DEFAULT_QUESTION)
+            question = args.question
             messages = [{"role": "user", "content": question}]
             if i == 0:  # the base answer is streamed, printed as it arrives
                 print(f"[{model}] (streamed) ", end="", flush=True)
@@ -121,14 +118,13 @@ def main() -> int:
 
         width = max(len(r[0]) for r in rows)
         print("=" * 100)
-        print(f"{'model'.ljust(width)} | answer")
+        print(f"Q: {args.question}")
         print("-" * 100)
-        for model, question, answer in rows:
+        for model, _question, answer in rows:
             lines = textwrap.wrap(answer.replace("\n", " ") or "(empty)", 100 - width - 3) or [""]
             print(f"{model.ljust(width)} | {lines[0]}")
             for line in lines[1:]:
                 print(f"{''.ljust(width)} | {line}")
-            print(f"{''.ljust(width)} |   (asked: {question})")
         print("=" * 100)
         print("\n$ lorastar lora --url", url + "/v1", "list", flush=True)
         subprocess.run(
