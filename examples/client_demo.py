@@ -2,7 +2,7 @@
 adapter the same kind of question with the official ``openai`` client (one answer streamed), print
 the answers side by side, stop the server.
 
-    python examples/client_demo.py [--port N] [--max-tokens N]
+    python examples/client_demo.py [--port N] [--max-tokens N] [--question Q]
 """
 
 from __future__ import annotations
