@@ -142,8 +142,18 @@ class AsyncLLM:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
+        add = asyncio.ensure_future(
+            asyncio.to_thread(self.engine.add_request, prompt, sampling_params, adapter=adapter, request_id=rid)
+        )
         try:
-            await asyncio.to_thread(self.engine.add_request, prompt, sampling_params, adapter=adapter, request_id=rid)
+            # Shielded: if we are cancelled mid-add, the add still completes and is aborted below,
+            # instead of running unobserved to max_tokens.
+            await asyncio.shield(add)
+        except asyncio.CancelledError:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            add.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._queue_abort(rid))
+            raise
         except BaseException:
             with self._streams_lock:
                 self._streams.pop(rid, None)
@@ -169,12 +179,14 @@ class AsyncLLM:
             if not finished:
                 with self._streams_lock:
                     self._streams.pop(rid, None)
-                self._aborts.append(rid)
-                self._wake.set()
+                self._queue_abort(rid)
 
-    async def abort(self, request_id: str) -> None:
+    def _queue_abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        self._queue_abort(request_id)
 
     # ---- adapters ------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
@@ -188,6 +200,10 @@ class AsyncLLM:
         return self.engine.list_adapters()
 
     # ---- misc ------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added)."""
+        return self.engine.tokenize(prompt)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.engine.apply_chat_template(messages, add_generation_prompt)
 

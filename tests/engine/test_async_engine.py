@@ -42,6 +42,18 @@ async def test_streams_match_offline_and_abort_frees(tiny_model_dir) -> None:  #
     with pytest.raises(AdapterNotFoundError):
         async for _ in engine.generate([1, 2], GREEDY, adapter="missing"):
             pass
+    # Cancelled while the request is being added: it is added, then aborted (nothing runs on).
+    for _ in range(5):
+        task = asyncio.create_task(_collect(engine, [4] * 30, SamplingParams(max_tokens=400, ignore_eos=True)))
+        await asyncio.sleep(0)  # let it reach the add
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    for _ in range(200):
+        await asyncio.sleep(0.02)
+        if not engine.engine.requests:
+            break
+    assert not engine.engine.requests and engine.kv_cache_usage()["num_used_blocks"] == 0
     # Shutdown lets an in-flight request finish.
     task = asyncio.create_task(_collect(engine, [9, 9, 9]))
     await asyncio.sleep(0.05)
