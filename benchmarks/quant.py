@@ -210,6 +210,7 @@ def run_models(args: argparse.Namespace) -> None:
         rows.append(
             (label, mem / 2**20, mem / ref_mem, kv_blocks_per_gib, sum(map(len, tokens)) / dt, kl, agree)
         )
+        print(f"done: {rows[-1]}", flush=True)
         del llm
     print(f"\nSmolLM2-135M on {dev} ({dtype} compute; memory counted with 16-bit tensors at bf16 size)\n")
     print(

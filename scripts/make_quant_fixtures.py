@@ -17,7 +17,18 @@ tests/fixtures/quant/<name>/ (config.json, model.safetensors, tokenizer, referen
 The base model is a tiny Llama (hidden 128, intermediate 256, 2 layers, vocab 384), seeded and
 briefly trained on stdlib docstrings so its logits are not flat (a random model's greedy tokens
 would all be near ties). reference/reference.safetensors holds ``input_ids`` [B, T] (prompt + transformers'
-greedy continuation), ``prompt_len`` [B], and ``logits`` [B, T, V] fp32 from transformers (CPU, fp32).
+greedy continuation), ``prompt_len`` [B], ``seq_len`` [B], ``logits`` [B, T, V] fp32 from transformers
+(CPU, fp32), and ``probe.<module>.x/.y``: one quantized linear's input and transformers' output.
+
+Measured here (2 CPU cores, shared): base model ~2-9 min, AutoAWQ ~45 s/layer, gptqmodel ~1 min per
+tiny checkpoint (its first run compiles a C++ packing extension), llm-compressor ~30 s. For SmolLM2,
+gptqmodel estimated ~2 h on CPU (so benchmarks/quant.py falls back to RTN checkpoints in the same
+layouts); FP8_DYNAMIC needs no calibration and takes ~1 min.
+Kernel choices for the reference (transformers + gptqmodel on CPU): the default CPU GPTQ kernel
+(torch_aten) runs activations in bf16, so ``backend="gptq_torch"`` is forced (dequantize in fp16 like
+every GPTQ kernel, matmul in fp32). gptqmodel's only exact CPU AWQ kernel (torch_awq) computes fp32
+inputs in fp16: its logits are kept as ``logits_native``, and ``logits`` is the same model with that
+module's own fp16 dequantization matmul'd in fp32.
 
 This script runs itself inside the venvs with ``--stage``; the top level only orchestrates.
 """
