@@ -3,11 +3,13 @@
 Each adapter teaches one visible, automatically checkable behaviour, and they differ in rank and
 target modules so that serving them together exercises mixed-rank, mixed-target LoRA batching:
 
-  uppercase  r=8   q_proj, v_proj                   answers in UPPER CASE
-  pirate     r=16  q_proj, k_proj, v_proj, o_proj   answers start with "Arrr!"
-  json       r=32  down_proj                        answers are {"answer": "..."}
+  uppercase  r=8   q_proj, v_proj, up_proj, down_proj  answers in UPPER CASE
+  pirate     r=16  q_proj, k_proj, v_proj, o_proj      answers start with "Arrr!"
+  json       r=32  down_proj                           answers are {"answer": "..."}
 
-The data is synthetic and deterministic: a few hundred short templated questions, each target being
+(Partial targets on purpose: q+v without k, up without gate, exercise the fused qkv / gate_up slices.)
+
+The data is synthetic and deterministic: 128 short templated questions, each target being
 the base model's own greedy answer (cut to one short sentence) transformed by the adapter's rule, so
 the adapter learns the behaviour and nothing else. Everything is seeded; CPU only, fp32.
 
@@ -114,7 +116,7 @@ BEHAVIOURS: dict[str, Behaviour] = {
             check_doc="at least 3 letters and >= 95% of them upper case",
             rank=8,
             alpha=16,
-            target_modules=("q_proj", "v_proj"),
+            target_modules=("q_proj", "v_proj", "up_proj", "down_proj"),
             steps=24,
             lr=5e-3,
         ),
@@ -387,13 +389,14 @@ the training prompts were chat-formatted with the default system prompt.
 | target modules | {modules} (all 30 layers) |
 | weights | `adapter_model.safetensors`, {size_kb:.0f} KiB, float16 (trained in float32) |
 | training data | {n_examples} synthetic questions; target = the base model's greedy answer (first sentence) transformed by the rule |
-| training | {steps} steps, batch {batch_size}, AdamW lr {behaviour.lr:g}, seed {SEED}; loss {losses[0]:.2f} -> {sum(losses[-5:]) / min(5, len(losses)):.2f} (mean of the last 5 steps); {train_seconds:.0f} s on 2 CPU cores |
+| training | {steps} steps, batch {batch_size}, AdamW lr {behaviour.lr:g}, seed {SEED}; loss {losses[0]:.2f} -> {sum(losses[-5:]) / min(5, len(losses)):.2f} (mean of the last 5 steps); {train_seconds:.0f} s wall on 1 CPU thread (shared 2-core machine) |
 
 ## Check
 
 Behaviour check: {behaviour.check_doc}.
 Greedy decoding (max {EVAL_MAX_NEW_TOKENS} new tokens) on 8 held-out questions (topics and phrasings absent from the
 training data), PEFT + transformers, float32: **{score}/8**.
+The adapter changes the form only: the content is the 135M base model's, often wrong or repetitive.
 
 | question | answer | ok |
 |---|---|---|

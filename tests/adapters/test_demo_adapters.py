@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 ADAPTERS = REPO / "examples" / "adapters"
 # name -> (rank, target modules, max new tokens enough for the check)
 EXPECTED: dict[str, tuple[int, set[str], int]] = {
-    "uppercase": (8, {"q_proj", "v_proj"}, 12),
+    "uppercase": (8, {"q_proj", "v_proj", "up_proj", "down_proj"}, 12),
     "pirate": (16, {"q_proj", "k_proj", "v_proj", "o_proj"}, 6),
     "json": (32, {"down_proj"}, 40),
 }
