@@ -189,36 +189,43 @@ def run_models(args: argparse.Namespace) -> None:
         tok = llm.tokenizer
         model = llm.engine.model
         mem = weight_bytes(model, torch.bfloat16)
-        spec = llm.engine.runner.kv_caches[0][0]
-        per_block = 2 * len(llm.engine.runner.kv_caches) * spec[0].numel() * spec.element_size()
+        lin = sum(weight_bytes(m, torch.bfloat16) for m in model.linears().values())  # decoder linears
+        cache = llm.engine.runner.kv_caches[0][0]
+        elem = min(cache.element_size(), 2)  # a 32-bit CPU cache counted at bf16 size, like weights
+        per_block = 2 * len(llm.engine.runner.kv_caches) * cache[0].numel() * elem
         kv_blocks_per_gib = (1 << 30) // per_block
-        ids = tok(TEXT)["input_ids"]
-        logits = teacher_forced_logits(llm, ids)
-        prompts = [tok(p)["input_ids"] for p in PROMPTS]
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
-        tokens = [o.outputs[0].token_ids for o in outs]
-        if ref_logits is None:
-            ref_logits, ref_tokens, ref_mem = logits, tokens, mem
-        lp_ref = torch.log_softmax(ref_logits, -1)
-        kl = (lp_ref.exp() * (lp_ref - torch.log_softmax(logits, -1))).sum(-1).mean().item()
-        agree = sum(a == b for x, y in zip(ref_tokens, tokens) for a, b in zip(x, y)) / sum(
-            len(x) for x in ref_tokens
-        )
-        rows.append(
-            (label, mem / 2**20, mem / ref_mem, kv_blocks_per_gib, sum(map(len, tokens)) / dt, kl, agree)
-        )
+        tps = kl = agree = float("nan")
+        if not args.memory_only:
+            ids = tok(TEXT)["input_ids"]
+            logits = teacher_forced_logits(llm, ids)
+            prompts = [tok(p)["input_ids"] for p in PROMPTS]
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            dt = time.perf_counter() - t0
+            tokens = [o.outputs[0].token_ids for o in outs]
+            if ref_logits is None:
+                ref_logits, ref_tokens = logits, tokens
+            lp_ref = torch.log_softmax(ref_logits, -1)
+            kl = (lp_ref.exp() * (lp_ref - torch.log_softmax(logits, -1))).sum(-1).mean().item()
+            pairs = [(a, b) for x, y in zip(ref_tokens, tokens) for a, b in zip(x, y)]
+            agree = sum(a == b for a, b in pairs) / len(pairs)
+            tps = sum(map(len, tokens)) / dt
+        if not rows:
+            ref_mem, ref_lin = mem, lin
+        rows.append((label, mem / 2**20, mem / ref_mem, lin / ref_lin, kv_blocks_per_gib, tps, kl, agree))
         print(f"done: {rows[-1]}", flush=True)
         del llm
-    print(f"\nSmolLM2-135M on {dev} ({dtype} compute; memory counted with 16-bit tensors at bf16 size)\n")
+    print(f"\nSmolLM2-135M on {dev} ({dtype} compute; 16/32-bit tensors counted at bf16 size)\n")
     print(
-        "| system | weights MiB | vs 16-bit | KV blocks / GiB | tokens/s | mean KL to 16-bit | greedy agreement |"
+        "| system | weights MiB | vs 16-bit | decoder linears vs 16-bit | KV blocks / GiB | tokens/s "
+        "| mean KL to 16-bit | greedy agreement |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for label, mib, ratio, blocks, tps, kl, agree in rows:
-        print(f"| {label} | {mib:.1f} | {ratio:.3f} | {blocks} | {tps:.1f} | {kl:.4f} | {agree:.1%} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, mib, ratio, lratio, blocks, tps, kl, agree in rows:
+        print(
+            f"| {label} | {mib:.1f} | {ratio:.3f} | {lratio:.3f} | {blocks} | {tps:.1f} | {kl:.4f} | {agree:.1%} |"
+        )
 
 
 def run_gemm(args: argparse.Namespace) -> None:
@@ -250,6 +257,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gemm", action="store_true", help="GPU int4 GEMM timing only")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--memory-only", action="store_true", help="weights and KV capacity only (fast)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.gemm:
