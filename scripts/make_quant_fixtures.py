@@ -65,7 +65,9 @@ FIXTURES: dict[str, tuple[str, dict]] = {
     "gptq_8bit": ("gptq", {"bits": 8, "group_size": -1, "sym": True, "desc_act": False}),
     "fp8_tensor": ("llmc", {"scheme": "FP8"}),
     "fp8_channel": ("llmc", {"scheme": "FP8_DYNAMIC"}),
+    "fp8_kv": ("llmc", {"scheme": "FP8_DYNAMIC", "kv_cache": True}),  # + static per-layer K/V scales
 }
+KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # SmolLM2 checkpoints for benchmarks/quant.py: generated on demand into the cache, never committed
 # (hidden 576 is not a multiple of 128: group size 64).
 SMOLLM2: dict[str, tuple[str, dict]] = {
@@ -264,7 +266,8 @@ def stage_fp8(name: str, settings: dict) -> None:
     ds = Dataset.from_dict(
         {"input_ids": [e["input_ids"] for e in enc], "attention_mask": [e["attention_mask"] for e in enc]}
     )
-    recipe = QuantizationModifier(targets="Linear", scheme=settings["scheme"], ignore=["lm_head"])
+    kv = {"kv_cache_scheme": KV_SCHEME} if settings.get("kv_cache") else {}
+    recipe = QuantizationModifier(targets="Linear", scheme=settings["scheme"], ignore=["lm_head"], **kv)
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=128, num_calibration_samples=len(texts))
     model.save_pretrained(str(out), save_compressed=True)
     tok.save_pretrained(str(out))

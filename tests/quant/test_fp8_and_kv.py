@@ -212,3 +212,28 @@ def test_fp8_kv_cache_doubles_blocks_and_keeps_greedy_tokens(name: str) -> None:
             if diverged:  # only at a near tie of the 16-bit run, after which the sequences differ
                 top = sorted((lp.logprob for lp in base.logprobs[diverged[0]].values()), reverse=True)
                 assert top[0] - top[1] < 0.25, f"{kv}: diverged at a clear choice ({top[0] - top[1]:.3f})"
+
+
+@pytest.mark.parametrize("name", present(("fp8_kv",)))
+def test_fp8_kv_scales_from_checkpoint_follow_transformers(name: str) -> None:
+    """llm-compressor's kv_cache_scheme: per-layer ``self_attn.k_scale/v_scale`` in the checkpoint.
+    With ``kv_cache_dtype="fp8"`` the engine uses them and reproduces the greedy continuation that
+    transformers computes with K/V quantized (one prompt's continuation differs from the unquantized
+    KV run, so this discriminates); with the 16-bit cache it follows the unquantized run."""
+    pytest.importorskip("lorastar.models.loader", reason="engine loader not available")
+    from quant_fixtures import checkpoint, fixture_dir
+
+    from lorastar import LLM, SamplingParams
+
+    ref = reference(name)
+    ck = checkpoint(name)
+    n_layers = read_config(name)["num_hidden_layers"]
+    want_k = [float(ck[f"model.layers.{i}.self_attn.k_scale"]) for i in range(n_layers)]
+    rows = range(ref["input_ids"].shape[0])
+    prompts = [ref["input_ids"][i, : int(ref["prompt_len"][i])].tolist() for i in rows]
+    wants = [ref["input_ids"][i, int(ref["prompt_len"][i]) : int(ref["seq_len"][i])].tolist() for i in rows]
+    llm = LLM(model=str(fixture_dir(name)), device="cpu", dtype="float32", kv_cache_dtype="fp8",
+              num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
+    assert llm.engine.runner.k_scales == pytest.approx(want_k)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=len(wants[0]), ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outs] == wants
