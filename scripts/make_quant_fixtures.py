@@ -85,6 +85,7 @@ def paths(name: str) -> tuple[Path, Path]:
         return CACHE / "smollm2-135m-instruct", CACHE / "quant" / name
     return WORK / "base", WORK / name
 
+
 PROMPTS = [
     "Return a new list containing all items from the iterable in ascending order.",
     "The string module contains a number of useful constants and classes.",
@@ -411,7 +412,9 @@ def main() -> None:
         if n not in targets:
             raise SystemExit(f"unknown target {n!r} (known: {', '.join(targets)})")
     if any(n in SMOLLM2 for n in names) and not (CACHE / "smollm2-135m-instruct" / "config.json").exists():
-        raise SystemExit("SmolLM2 is not in the cache yet: run `python -c 'import lorastar; lorastar.LLM()'` once")
+        raise SystemExit(
+            "SmolLM2 is not in the cache yet: run `python -c 'import lorastar; lorastar.LLM()'` once"
+        )
     needs_base = any(n in FIXTURES for n in names)
     if needs_base and (not args.skip_base or not (WORK / "base" / "config.json").exists()):
         run_stage("gptq", "base")
