@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-import pytest
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads libgomp: see lorastar/__init__.py
+
+import pytest  # noqa: E402
 
 try:
     import torch
