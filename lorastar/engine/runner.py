@@ -155,7 +155,14 @@ class ModelRunner:
         for slot in sorted({s for s in token_slots if s >= 0}):
             groups.append((slot, torch.nonzero(tslots == slot).flatten().to(dev)))
         ranks_host = state.ranks_host  # type: ignore[attr-defined]
+        ranges, start = [], 0
+        for slot, rows in groups:
+            ranges.append((slot, start, start + rows.numel()))
+            start += rows.numel()
         return LoRAMetadata(
+            perm=torch.cat([rows for _, rows in groups]),
+            ranges=ranges,
+            ranks_host=list(ranks_host),
             token_slots=tslots.to(dev),
             seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
             seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),

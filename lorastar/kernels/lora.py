@@ -541,6 +541,34 @@ def sgmv_expand(
     )  # fmt: skip
 
 
+def _add_lora_sorted(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_slices: list[torch.Tensor | None],
+    lora_b_slices: list[torch.Tensor | None],
+    meta: LoRAMetadata,
+    offsets: list[int],
+) -> None:
+    """CPU path for batches with several adapters: rows gathered once in adapter order, so each
+    adapter is one contiguous range and costs two matmuls per slice, then one scatter-add back.
+
+    Semantics: ``for slot, s, e in ranges: y[perm[s:e], off:off+N] += x[perm[s:e]] @ A[slot,:r].T @ B[slot,:,:r].T``
+    """
+    perm = meta.perm
+    assert perm is not None
+    rank_of = meta.ranks_host if meta.ranks_host else _rank_list(meta.ranks)
+    xp = x.index_select(0, perm)  # [n, H]
+    for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
+        if a is None or b is None:
+            continue
+        yp = y.new_zeros(perm.numel(), b.shape[1])  # [n, N]
+        for slot, s, e in meta.ranges:
+            r = rank_of[slot]
+            if r:
+                yp[s:e].addmm_(xp[s:e] @ a[slot, :r].t(), b[slot, :, :r].t())
+        y[:, off : off + b.shape[1]].index_add_(0, perm, yp)
+
+
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -567,6 +595,9 @@ def add_lora(
     if x.shape[0] == 0:
         return
     if not _use_triton(x, force_triton):
+        if meta.perm is not None and len(meta.ranges) > 1:
+            _add_lora_sorted(y, x, lora_a_slices, lora_b_slices, meta, offsets)
+            return
         groups = meta.groups if meta.groups else groups_from_slots(meta.token_slots)
         if not groups:
             return

@@ -57,6 +57,10 @@ class LoRAMetadata:
     # Host-side: for the CPU path, (slot, row index tensor) per distinct adapter in the batch.
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     is_decode: bool = False  # every sequence contributes one token
+    # CPU path: rows sorted by adapter (``perm``), each adapter a contiguous range (slot, start, end).
+    perm: torch.Tensor | None = None  # [num_adapter_rows] int64
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    ranks_host: list[int] = field(default_factory=list)  # ``ranks`` as a list (no per-call sync)
 
 
 @dataclass
