@@ -240,19 +240,20 @@ def load_peft(paths: dict[str, Path]) -> Any:
 
 
 def scenarios(a: argparse.Namespace) -> list[Scenario]:
-    out = [Scenario("base (before)", 0, "-", a.requests)]
+    """Adapter scenarios, each between two base-model runs with the same number of requests (the
+    LoRA tax of a scenario is measured against its neighbours, so load drift on a shared machine
+    cancels out)."""
+    out: list[Scenario] = []
     for k in a.counts:
         n = max(a.requests, k)
-        if n != a.requests and not any(s.num_requests == n and s.num_adapters == 0 for s in out):
-            out.append(Scenario(f"base, {n} requests", 0, "-", n))
         pops = ["uniform"] if k == 1 or n == k else ["uniform", "skewed"]
         for pop in pops:
-            out.append(
-                Scenario(
-                    f"{k} adapters, {pop}", k, pop, n, peft_batch=(pop == "uniform" and k in a.peft_counts)
-                )
+            if not out or out[-1].num_requests != n:
+                out.append(Scenario(f"base, {n} requests", 0, "-", n))
+            sc = Scenario(
+                f"{k} adapters, {pop}", k, pop, n, peft_batch=(pop == "uniform" and k in a.peft_counts)
             )
-    out.append(Scenario("base (after)", 0, "-", a.requests))
+            out += [sc, Scenario(f"base, {n} requests", 0, "-", n)]
     return out
 
 
@@ -351,12 +352,19 @@ def main() -> None:
         if row["adapters"] == 0:
             base_by_n.setdefault(row["requests"], []).append(tps(row["lorastar"]))
     base_rate = {n: statistics.mean(v) for n, v in base_by_n.items()}
+    for i, row in enumerate(rows):  # each adapter scenario against its neighbouring base runs
+        near = [
+            tps(rows[j]["lorastar"])
+            for j in (i - 1, i + 1)
+            if 0 <= j < len(rows) and rows[j]["adapters"] == 0
+        ]
+        row["base_tok_s"] = statistics.mean(near) if row["adapters"] and near else base_rate[row["requests"]]
     serial_rate = tps(peft_serial)
     table_rows = []
     for row in rows:
         ls = tps(row["lorastar"])
         pb = tps(row.get("peft_batch"))
-        b = base_rate[row["requests"]]
+        b = row["base_tok_s"]
         row["ratio_vs_base"] = ls / b
         row["ratio_vs_peft_batch"] = ls / pb
         table_rows.append(
@@ -415,8 +423,8 @@ def main() -> None:
         f"Adapters: real PEFT folders, ranks cycling {a.ranks}, targets cycling all-7 / q,v / q,k,v,o / gate,up,down, "
         f"random non-zero lora_B; lorastar with max_loras={max(max_k, 1)} (all of a wave's adapters run in the same steps).",
         "Uniform = round robin; skewed = every adapter once, the rest Zipf(1.2) (top adapter share column).",
-        "LoRA tax = lorastar tok/s / lorastar base tok/s with the same number of requests (base = mean of the runs "
-        "before and after the adapter scenarios).",
+        "LoRA tax = lorastar tok/s / lorastar base tok/s with the same number of requests, base = mean of the base "
+        "runs right before and after that scenario (base rows: against the mean of all base runs).",
         "PEFT mixed batch: one left-padded `generate(adapter_names=...)` over the wave; PEFT 1-at-a-time: "
         f"`set_adapter` + `generate` per request, serial, measured on {a.peft_serial_requests} requests and extrapolated.",
         *targets,
