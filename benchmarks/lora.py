@@ -275,8 +275,10 @@ def main() -> None:
     from lorastar import LLM, SamplingParams
 
     max_req = max([a.requests, *a.counts])
+    # Prefix caching off: every scenario reuses the same prompts, so base runs after the first would
+    # be served from the cache (adapter runs never are: other content hash) and inflate the "tax".
     llm = LLM(device="cpu", max_loras=max(max_k, 1), max_lora_rank=max(a.rank_list), max_cpu_loras=max(64, max_k),
-              max_num_seqs=max(64, max_req))  # fmt: skip
+              max_num_seqs=max(64, max_req), enable_prefix_caching=False)  # fmt: skip
     for n in names:
         llm.load_adapter(n, str(paths[n]))
     tok = llm.tokenizer
