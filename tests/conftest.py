@@ -100,3 +100,21 @@ def tiny_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
         return made[name]
 
     return get
+
+
+def make_peft_adapter(base_dir: str, out, seed: int, *, r: int = 8, alpha: int | None = None,  # noqa: ANN001
+                      targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"), scale: float = 0.3) -> str:
+    """A real PEFT LoRA folder for ``base_dir`` with random non-zero A and B (a visible delta)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=list(targets)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    model.save_pretrained(out, safe_serialization=True)
+    return str(out)

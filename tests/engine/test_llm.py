@@ -6,12 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.errors import AdapterError, AdapterNotFoundError
+from tests.conftest import make_peft_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -104,16 +102,8 @@ def test_chat_uses_template(llm: LLM) -> None:
     assert "hello" in text and "assistant" in text
 
 
-def _make_adapter(base_dir: str, out: Path, seed: int, r: int = 8) -> str:
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    m = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj", "down_proj"]))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    m.save_pretrained(out, safe_serialization=True)
-    return str(out)
+def _make_adapter(base_dir: str, out: Path, seed: int) -> str:
+    return make_peft_adapter(base_dir, out, seed)
 
 
 def test_adapter_load_unload_while_generating(llm: LLM, tiny_model_dir, tmp_path: Path) -> None:  # noqa: ANN001

@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
-
 from lorastar import LLM, SamplingParams
+from tests.conftest import make_peft_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 SYSTEM = list(range(1000, 1100))  # 100 shared tokens: 6 full blocks
 
 
 def _adapter(base_dir: str, out: Path, seed: int) -> str:
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    m = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "v_proj"]))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    m.save_pretrained(out, safe_serialization=True)
-    return str(out)
+    return make_peft_adapter(base_dir, out, seed, r=4, targets=("k_proj", "v_proj"), scale=0.5)
 
 
 def test_outputs_equal_with_and_without_prefix_caching(tiny_model_dir, tmp_path: Path) -> None:
