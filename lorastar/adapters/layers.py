@@ -71,33 +71,23 @@ class LoRADeviceState:
     ) -> None:
         self.max_loras = max_loras
         self.device = device
-        self.layers: dict[tuple[int, str], tuple[LoRASlots, str]] = {}
+        self.slots: list[tuple[int, LoRASlots]] = []  # (layer index, slots of one linear)
         for prefix, lin in linears.items():
-            layer_idx = int(prefix.split(".")[2])
-            slots = LoRASlots(lin, max_loras, max_rank, dtype, device)
-            lin.lora = slots
-            for name in lin.slice_names:
-                self.layers[(layer_idx, name)] = (slots, name)
+            lin.lora = LoRASlots(lin, max_loras, max_rank, dtype, device)
+            self.slots.append((int(prefix.split(".")[2]), lin.lora))
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self.ranks_host = [0] * max_loras
         self.slot_key: list[str | None] = [None] * max_loras
 
     def load_slot(self, slot: int, key: str, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Upload an adapter (``(layer, module) -> (A [r, in], B [out, r] scaled)``) into ``slot``."""
-        per_layer: dict[int, dict[LoRASlots, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
-        for (layer_idx, name), (a, b) in weights.items():
-            slots, _ = self.layers[(layer_idx, name)]
-            per_layer.setdefault(layer_idx, {}).setdefault(slots, {})[name] = (
-                a.to(self.device, self.layers[(layer_idx, name)][0].dtype),
-                b.to(self.device, self.layers[(layer_idx, name)][0].dtype),
-            )
-        seen: set[int] = set()
-        for slots, _ in self.layers.values():
-            if id(slots) in seen:
-                continue
-            seen.add(id(slots))
-            layer_idx = int(slots.layer.prefix.split(".")[2])
-            slots.set_slot(slot, per_layer.get(layer_idx, {}).get(slots, {}))
+        """Upload an adapter (``(layer, module) -> (A [r, in], B [out, r] scaled)``) into ``slot``;
+        linears it does not target get their slot zeroed."""
+        for layer_idx, lora in self.slots:
+            lora.set_slot(slot, {
+                name: (w[0].to(self.device, lora.dtype), w[1].to(self.device, lora.dtype))
+                for name in lora.layer.slice_names
+                if (w := weights.get((layer_idx, name))) is not None
+            })  # fmt: skip
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.ranks_host[slot] = rank
         self.ranks[slot] = rank

@@ -418,7 +418,7 @@ class LLMEngine:
         new_text = seq.detok.add(tok)
         seq.text += new_text
         n_out = seq.num_output_tokens
-        if not p.ignore_eos and tok in self.eos_token_ids and n_out > p.min_tokens - 1:
+        if not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
             seq.text += seq.detok.flush()
             self.scheduler.finish(seq, "stop", None)
             return

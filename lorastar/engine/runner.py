@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lorastar.adapters.layers import LoRADeviceState
 from lorastar.engine.scheduler import SchedulerOutput
 from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata
 from lorastar.models.llama import LlamaForCausalLM
@@ -35,7 +36,7 @@ class ModelRunner:
         *,
         k_scales: list[float] | None = None,
         v_scales: list[float] | None = None,
-        lora_state: object | None = None,
+        lora_state: LoRADeviceState | None = None,
     ) -> None:
         self.model = model
         self.spec = spec
@@ -138,6 +139,8 @@ class ModelRunner:
         if all(s < 0 for s in token_slots):
             return None
         state = self.lora_state
+        if state is None:
+            return None
         dev = self.device
         seg_starts = [0]
         seg_slots: list[int] = []
@@ -154,7 +157,7 @@ class ModelRunner:
         groups = []
         for slot in sorted({s for s in token_slots if s >= 0}):
             groups.append((slot, torch.nonzero(tslots == slot).flatten().to(dev)))
-        ranks_host = state.ranks_host  # type: ignore[attr-defined]
+        ranks_host = state.ranks_host
         ranges, start = [], 0
         for slot, rows in groups:
             ranges.append((slot, start, start + rows.numel()))
@@ -166,7 +169,7 @@ class ModelRunner:
             token_slots=tslots.to(dev),
             seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
             seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),
-            ranks=state.ranks,  # type: ignore[attr-defined]
+            ranks=state.ranks,
             max_rank=max(ranks_host[s] for s, _ in groups),
             groups=groups,
             is_decode=all(q == 1 for q in q_lens),
