@@ -10,6 +10,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANT = (None, "awq", "gptq", "fp8")
+_EMBED_QUANT = (None, "int8")
 
 
 @dataclass
@@ -51,6 +52,11 @@ class EngineConfig:
     """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"`` check it;
     ``"fp8"`` quantizes a 16-bit checkpoint at load time (or checks an FP8 one)."""
 
+    embedding_quantization: str | None = None
+    """``None`` keeps the token embedding and lm_head as loaded (16-bit, as AWQ/GPTQ checkpoints store
+    them); ``"int8"`` quantizes them per row after loading (one shared table when tied), about half
+    the bytes of bf16. Works with or without ``quantization``."""
+
     max_loras: int = 8
     """Distinct adapters in one step (device slots)."""
 
@@ -84,6 +90,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in _QUANT:
             raise ValueError(f"quantization must be one of {_QUANT}, got {self.quantization!r}")
+        if self.embedding_quantization not in _EMBED_QUANT:
+            raise ValueError(
+                f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"
+            )
         for name in ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

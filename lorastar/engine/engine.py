@@ -82,11 +82,13 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})")
 
         from lorastar.quant import get_quant_config
+        from lorastar.quant.embedding import quantize_embeddings
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
         self.model, ckpt_kv_scales = load_model(
             self.model_dir, cfg, dtype=self.dtype, device=self.device, quant=self.quant_config, max_positions=max_len
         )
+        quantize_embeddings(self.model, config.embedding_quantization)  # before the KV cache is sized
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
         self.vocab_size = self.model.vocab_size

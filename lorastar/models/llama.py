@@ -17,6 +17,7 @@ from lorastar.models.attention import attention_forward
 from lorastar.models.context import ForwardContext
 from lorastar.models.linear import Linear
 from lorastar.quant.base import QuantConfig
+from lorastar.quant.embedding import Int8Embedding
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -214,13 +215,17 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        self.embed_tokens = nn.Embedding(self.vocab_size, hidden, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        embed = nn.Embedding(self.vocab_size, hidden, dtype=dtype)
+        embed.weight.requires_grad_(False)
+        # nn.Embedding as loaded; Int8Embedding after quantize_embeddings (embedding_quantization="int8").
+        self.embed_tokens: nn.Embedding | Int8Embedding = embed
         rope = RotaryEmbedding(cfg, self.head_dim, max_positions)
         self.rope = rope
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, quant, rope) for i in range(self.num_layers))
         self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        # None: tied (logits use embed_tokens); Int8Embedding after quantize_embeddings.
+        self.lm_head: nn.Parameter | Int8Embedding | None
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -234,7 +239,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, Int8Embedding):
+            return head.logits(hidden)  # [rows, vocab], no full-precision table
+        w = head.weight if isinstance(head, nn.Embedding) else head
         return F.linear(hidden, w)  # [rows, vocab]
 
     def linears(self) -> dict[str, Linear]:

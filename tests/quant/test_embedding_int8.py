@@ -1,0 +1,204 @@
+"""Opt-in int8 embedding / lm_head (``embedding_quantization="int8"``): the per-row scheme, the
+lookup and logits against the dequantized table, and the engine end to end against a model whose
+tables are replaced by that dequantized table (an exact reference: same weights, float math)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from types import SimpleNamespace
+
+import pytest
+import torch
+from quant_fixtures import fixture_dir, have_fixture, read_config
+
+from lorastar import LLM, EngineConfig, SamplingParams
+from lorastar.models.llama import LlamaForCausalLM
+from lorastar.quant.embedding import Int8Embedding, quantize_embeddings, quantize_rows_int8
+
+# fp32 logits through the int8 head vs x @ dequantized.T: only the summation order differs (the row
+# scale is applied after the int8 matmul), so the gap is float rounding, relative to max |logit|.
+LOGIT_TOL = 1e-5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _table(vocab: int = 1000, hidden: int = 48, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g)  # rows of varied range
+    w[7] = 0.0  # an all-zero row (scale 0)
+    return w
+
+
+def test_round_trip_error_is_at_most_half_a_step_per_row() -> None:
+    w = _table()
+    q, s = quantize_rows_int8(w, chunk_elems=48 * 64)  # several quantization chunks
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (1000,)
+    assert int(q.abs().max()) == 127
+    deq = q.float() * s[:, None]
+    err = (w - deq).abs().amax(dim=1)
+    assert bool((err <= s / 2 * (1 + 1e-6)).all())
+    assert s[7] == 0 and bool((q[7] == 0).all())
+    torch.testing.assert_close(s, w.abs().amax(dim=1) / 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lookup_equals_dequantized_table_rows(dtype: torch.dtype) -> None:
+    emb = Int8Embedding.from_float(_table().to(dtype))
+    deq = emb.dequantize()
+    assert deq.dtype == dtype
+    ids = torch.tensor([[0, 7, 999, 3], [3, 3, 500, 1]])
+    out = emb(ids)
+    assert out.shape == (2, 4, 48) and out.dtype == dtype
+    assert torch.equal(out, deq[ids])
+
+
+@pytest.mark.parametrize("chunk_elems", [48 * 100, 1 << 22])  # 10 blocks of vocab rows / one block
+def test_logits_equal_matmul_with_dequantized_table(chunk_elems: int) -> None:
+    emb = Int8Embedding.from_float(_table(), chunk_elems=chunk_elems)
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(1))
+    ref = x @ emb.dequantize().T
+    got = emb.logits(x)
+    assert got.shape == (5, 1000) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=LOGIT_TOL, atol=LOGIT_TOL * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_follow_the_fp32_reference(dtype: torch.dtype) -> None:
+    # fp16 takes the dequantize-the-block path (x @ q alone could overflow fp16); both round once
+    # more than fp32, so the bound is a few steps of the format at the largest logit.
+    emb = Int8Embedding.from_float(_table().to(dtype), chunk_elems=48 * 100)
+    x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+    ref = x.float() @ emb.dequantize().float().T
+    got = emb.logits(x)
+    assert got.dtype == dtype
+    assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 4 * torch.finfo(dtype).eps
+
+
+def _teacher_forced_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """One prefill of ``ids`` through the engine's runner metadata; fp32 logits of every row."""
+    from lorastar.engine.runner import KVCacheSpec, ModelRunner
+
+    bs = 16
+    nb = -(-len(ids) // bs)
+    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
+    runner = ModelRunner(model, spec, torch.device("cpu"))
+    seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(nb)), adapter_key=None)
+    out = SimpleNamespace(
+        scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
+    )
+    input_ids, positions, ctx, _ = runner.prepare(out)
+    with torch.inference_mode():
+        return model.compute_logits(model(input_ids, positions, ctx)).float()
+
+
+def _dequantized_reference(path: str, int8: LLM) -> LLM:
+    """The same checkpoint with its tables replaced by the int8 engine's dequantized tables."""
+    ref = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    model, qmodel = ref.engine.model, int8.engine.model
+    assert isinstance(qmodel.embed_tokens, Int8Embedding) and isinstance(
+        model.embed_tokens, torch.nn.Embedding
+    )
+    model.embed_tokens.weight.data.copy_(qmodel.embed_tokens.dequantize())
+    if model.lm_head is not None:
+        assert isinstance(qmodel.lm_head, Int8Embedding) and isinstance(model.lm_head, torch.Tensor)
+        model.lm_head.data.copy_(qmodel.lm_head.dequantize())
+    return ref
+
+
+def _embedding_bytes(model: LlamaForCausalLM) -> int:
+    tables = [model.embed_tokens] + ([model.lm_head] if model.lm_head is not None else [])
+    params = {id(p): p for t in tables for p in ([t] if isinstance(t, torch.Tensor) else t.parameters())}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+@pytest.mark.parametrize("name", ["llama-mha-llama3", "llama-gqa"])  # tied, untied
+def test_llm_int8_embedding_matches_dequantized_reference(tiny_model_dir, name: str) -> None:
+    path = tiny_model_dir(name)
+    int8 = LLM(
+        path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False, embedding_quantization="int8"
+    )
+    model = int8.engine.model
+    tied = model.lm_head is None
+    assert isinstance(model.embed_tokens, Int8Embedding)
+    assert tied == (name == "llama-mha-llama3")
+    if not tied:
+        assert isinstance(model.lm_head, Int8Embedding) and model.lm_head is not model.embed_tokens
+    # No float [vocab, hidden] table is left anywhere in the model.
+    vocab, hidden = model.vocab_size, model.embed_tokens.embedding_dim
+    assert not [
+        n for n, p in model.named_parameters() if p.is_floating_point() and p.shape == (vocab, hidden)
+    ]
+
+    ref = _dequantized_reference(path, int8)
+    ids = [int(t) for t in torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(3))]
+    got = _teacher_forced_logits(model, ids)
+    want = _teacher_forced_logits(ref.engine.model, ids)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= LOGIT_TOL, f"max logit error {err:.2e} relative to max |logit|"
+
+    prompts = [ids[:5], ids[10:30], [ids[0]]]
+    outs = int8.generate(prompts, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY)
+    ]
+
+    # fp32 table 4 bytes/element -> int8 1 byte + one fp32 scale per row: (hidden + 4) / (4 hidden).
+    ratio = _embedding_bytes(model) / _embedding_bytes(ref.engine.model)
+    assert ratio == pytest.approx((hidden + 4) / (4 * hidden)) and ratio < 0.27
+
+
+def test_quantize_frees_the_float_tables(tiny_model_dir) -> None:
+    from lorastar.models.loader import load_model, read_hf_config
+
+    path = tiny_model_dir("llama-gqa")  # untied: embedding and lm_head both go
+    model, _ = load_model(
+        path,
+        read_hf_config(path),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        quant=None,
+        max_positions=64,
+    )
+    assert isinstance(model.embed_tokens, torch.nn.Embedding) and isinstance(model.lm_head, torch.Tensor)
+    refs = [weakref.ref(model.embed_tokens.weight), weakref.ref(model.lm_head)]
+    head = model.lm_head.detach().clone()
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    quantize_embeddings(model, "int8")
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    after = sum(p.numel() * p.element_size() for p in model.parameters())
+    v, h = head.shape
+    assert before - after == 2 * (v * h * 4 - (v * h + v * 4))
+    assert "lm_head" not in dict(model.named_parameters())  # the module replaced the parameter
+    assert isinstance(model.lm_head, Int8Embedding)
+    assert bool(((model.lm_head.dequantize() - head).abs() <= model.lm_head.scale[:, None] / 2 + 1e-7).all())
+    quantize_embeddings(model, None)  # a no-op
+    assert isinstance(model.lm_head, Int8Embedding)
+
+
+@pytest.mark.skipif(not have_fixture("awq_g32"), reason="AWQ fixture missing")
+def test_int4_checkpoint_with_int8_embedding() -> None:
+    """AWQ decoder linears + int8 lm_head and embedding (untied fp16 checkpoint)."""
+    path = str(fixture_dir("awq_g32"))
+    assert read_config("awq_g32").get("tie_word_embeddings") is False
+    int8 = LLM(
+        path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False, embedding_quantization="int8"
+    )
+    ref = _dequantized_reference(path, int8)
+    ids = list(range(5, 5 + 37))
+    got = _teacher_forced_logits(int8.engine.model, ids)
+    want = _teacher_forced_logits(ref.engine.model, ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= LOGIT_TOL
+    outs = int8.generate([ids[:9]], GREEDY)
+    assert outs[0].outputs[0].token_ids == ref.generate([ids[:9]], GREEDY)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("bad", ["int4", "fp8", "INT8", 8])
+def test_bad_embedding_quantization_is_rejected(bad: object) -> None:
+    with pytest.raises(ValueError, match="embedding_quantization"):
+        EngineConfig(embedding_quantization=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="embedding_quantization"):
+        LLM(device="cpu", embedding_quantization=bad)  # fails in the config, before any loading
+    with pytest.raises(ValueError, match="embedding_quantization"):
+        quantize_embeddings(SimpleNamespace(), bad)  # type: ignore[arg-type]
