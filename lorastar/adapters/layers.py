@@ -1,9 +1,10 @@
 """LoRA weights on the device: per-linear slot buffers and the per-slot rank table.
 
 Each LoRA-capable ``Linear`` gets a ``LoRASlots``: per slice (q/k/v, gate/up, ...) an A buffer
-``[max_loras, max_rank, in]`` and a B buffer ``[max_loras, out_slice, max_rank]`` (scaling folded
-into B), allocated the first time an adapter targets that slice. Ranks below ``max_rank`` are
-zero-padded in storage but the kernels compute only up to each slot's true rank.
+``[max_loras, max_rank, in]`` (packed across slices on CPU) and a B buffer
+``[max_loras, out_slice, max_rank]`` (scaling folded into B), allocated the first time an adapter
+targets that slice. Ranks below ``max_rank`` are zero-padded in storage but the kernels compute
+only up to each slot's true rank.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.kernels.lora import add_lora
+from lorastar.kernels.lora import add_lora, add_lora_packed
 
 if TYPE_CHECKING:
     from lorastar.models.context import LoRAMetadata
@@ -22,52 +23,87 @@ LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 class LoRASlots:
-    def __init__(self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+    """One linear's adapter slots. GPU: per-slice A ``[S, R, in]`` for the punica kernels. CPU:
+    one packed A per slot (``a_packed [S, P * R, in]``: the slices the slot targets, at the slot's
+    rank, back to back), so each adapter costs one shrink matmul for all of q/k/v or gate/up."""
+
+    def __init__(
+        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.layer = layer
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
+        self.packed = device.type == "cpu"
         n = len(layer.slice_names)
-        self.a: list[torch.Tensor | None] = [None] * n  # per slice [S, R, in]
+        self.a: list[torch.Tensor | None] = [None] * n  # per slice [S, R, in] (GPU layout)
         self.b: list[torch.Tensor | None] = [None] * n  # per slice [S, N_i, R]
+        self.a_packed: torch.Tensor | None = None  # [S, n * R, in] (CPU layout)
+        self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
+        self.slot_ranks = [0] * max_loras  # each slot's rank in this linear
         self.offsets = layer.slice_offsets()[:-1]
 
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write an adapter's A ``[r, in]`` / B ``[out, r]`` per module name into ``slot``."""
-        for i, name in enumerate(self.layer.slice_names):
-            w = weights.get(name)
-            if w is None:
-                if self.a[i] is not None:
-                    self.a[i][slot].zero_()
-                    self.b[i][slot].zero_()  # type: ignore[index]
-                continue
-            if self.a[i] is None:
-                self.a[i] = torch.zeros(
-                    self.max_loras, self.max_rank, self.layer.input_size, dtype=self.dtype, device=self.device
-                )
-                self.b[i] = torch.zeros(
-                    self.max_loras, self.layer.output_sizes[i], self.max_rank, dtype=self.dtype, device=self.device
-                )
-            a, b = w
+        """Write an adapter's A ``[r, in]`` / B ``[out, r]`` per module name into ``slot``
+        (modules of lower rank than the slot's are zero-padded to it)."""
+        names = self.layer.slice_names
+        rank = max((a.shape[0] for a, _ in weights.values()), default=0)
+        slices = [i for i, name in enumerate(names) if name in weights]
+        for i, b in enumerate(self.b):
+            if b is not None:
+                b[slot].zero_()
+                a = self.a[i]
+                if a is not None:
+                    a[slot].zero_()
+        if self.a_packed is not None:
+            self.a_packed[slot].zero_()
+        for j, i in enumerate(slices):
+            a, b = weights[names[i]]
             r = a.shape[0]
-            self.a[i][slot].zero_()
-            self.a[i][slot, :r].copy_(a)
-            self.b[i][slot].zero_()  # type: ignore[index]
+            if self.b[i] is None:
+                self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
+                if not self.packed:
+                    self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
+            if self.packed:
+                if self.a_packed is None:
+                    self.a_packed = self._zeros(
+                        self.max_loras, len(names) * self.max_rank, self.layer.input_size
+                    )
+                self.a_packed[slot, j * rank : j * rank + r].copy_(a)
+            else:
+                self.a[i][slot, :r].copy_(a)  # type: ignore[index]
             self.b[i][slot, :, :r].copy_(b)  # type: ignore[index]
+        self.slot_slices[slot] = slices
+        self.slot_ranks[slot] = rank
 
     def clear_slot(self, slot: int) -> None:
         self.set_slot(slot, {})
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
-        add_lora(y, x, self.a, self.b, meta, self.offsets)
+        if self.a_packed is not None:
+            add_lora_packed(
+                y, x, self.a_packed, self.b, self.slot_slices, self.slot_ranks, meta, self.offsets
+            )
+        elif self.packed:
+            return  # no adapter targets this linear
+        else:
+            add_lora(y, x, self.a, self.b, meta, self.offsets)
 
 
 class LoRADeviceState:
     """All LoRA slot buffers of a model plus which adapter (content hash) sits in which slot."""
 
     def __init__(
-        self, linears: dict[str, Linear], max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+        self,
+        linears: dict[str, Linear],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.max_loras = max_loras
         self.device = device
@@ -79,7 +115,9 @@ class LoRADeviceState:
         self.ranks_host = [0] * max_loras
         self.slot_key: list[str | None] = [None] * max_loras
 
-    def load_slot(self, slot: int, key: str, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def load_slot(
+        self, slot: int, key: str, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         """Upload an adapter (``(layer, module) -> (A [r, in], B [out, r] scaled)``) into ``slot``;
         linears it does not target get their slot zeroed."""
         for layer_idx, lora in self.slots:

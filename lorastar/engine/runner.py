@@ -45,7 +45,10 @@ class ModelRunner:
         shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: masked-out padding positions are still read, and NaN * 0 would poison SDPA.
         self.kv_caches = [
-            (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+            (
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+                torch.zeros(shape, dtype=spec.dtype, device=device),
+            )
             for _ in range(spec.num_layers)
         ]
         self.k_scales = k_scales or [1.0] * spec.num_layers
@@ -71,8 +74,19 @@ class ModelRunner:
         q_lens: list[int] = []
         tables: list[list[int]] = []
         token_slots: list[int] = []
-        last_rows: list[int] = []
-        for s in out.scheduled:
+        seq_slots: list[int] = []
+        scheduled = out.scheduled
+        order = range(len(scheduled))
+        if adapter_slot is not None:
+            # Rows in adapter order: each adapter's tokens are one contiguous range (one segment
+            # for SGMV, plain views on CPU); logits rows are mapped back to schedule order below.
+            seq_slots = [
+                -1 if s.seq.adapter_key is None else adapter_slot[s.seq.adapter_key] for s in scheduled
+            ]
+            order = sorted(order, key=seq_slots.__getitem__)
+        last_row: list[int] = [0] * len(scheduled)
+        for idx in order:
+            s = scheduled[idx]
             seq, start, n = s.seq, s.start, s.num_new_tokens
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
@@ -81,11 +95,10 @@ class ModelRunner:
             seq_lens.append(start + n)
             q_lens.append(n)
             tables.append(seq.block_table)
-            if s.samples:
-                last_rows.append(qsl[-1] - 1)
+            last_row[idx] = qsl[-1] - 1
             if adapter_slot is not None:
-                key = seq.adapter_key
-                token_slots.extend([adapter_slot[key] if key is not None else -1] * n)
+                token_slots.extend([seq_slots[idx]] * n)
+        last_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
 
         dev = self.device
         max_blocks = max(len(t) for t in tables)
@@ -153,25 +166,20 @@ class ModelRunner:
                 seg_slots.append(slot)
                 seg_starts.append(row + n)
             row += n
-        tslots = torch.tensor(token_slots, dtype=torch.int32)
-        groups = []
-        for slot in sorted({s for s in token_slots if s >= 0}):
-            groups.append((slot, torch.nonzero(tslots == slot).flatten().to(dev)))
+        # Rows come sorted by slot (``prepare``), so each adapter is one contiguous range.
+        ranges: list[tuple[int, int, int]] = []
+        for slot, start, end in zip(seg_slots, seg_starts, seg_starts[1:]):
+            if slot >= 0:
+                ranges.append((slot, start, end))
         ranks_host = state.ranks_host
-        ranges, start = [], 0
-        for slot, rows in groups:
-            ranges.append((slot, start, start + rows.numel()))
-            start += rows.numel()
         return LoRAMetadata(
-            perm=torch.cat([rows for _, rows in groups]),
             ranges=ranges,
             ranks_host=list(ranks_host),
-            token_slots=tslots.to(dev),
+            token_slots=torch.tensor(token_slots, dtype=torch.int32, device=dev),
             seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
             seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),
             ranks=state.ranks,
-            max_rank=max(ranks_host[s] for s, _ in groups),
-            groups=groups,
+            max_rank=max(ranks_host[s] for s, _, _ in ranges),
             is_decode=all(q == 1 for q in q_lens),
         )
 

@@ -74,7 +74,9 @@ def groups_from_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> G
     by_slot: dict[int, list[torch.Tensor]] = {}
     for g, s in enumerate(seg_slots.tolist()):
         if s >= 0 and starts[g + 1] > starts[g]:
-            by_slot.setdefault(int(s), []).append(torch.arange(starts[g], starts[g + 1], device=seg_starts.device))
+            by_slot.setdefault(int(s), []).append(
+                torch.arange(starts[g], starts[g + 1], device=seg_starts.device)
+            )
     return [(s, torch.cat(rows)) for s, rows in by_slot.items()]
 
 
@@ -477,7 +479,11 @@ def sgmv_shrink(
     m_tiles = triton.cdiv(max_seg_len if max_seg_len is not None else t, block_m)
     allow = _check_out_atomic(out)
     num_segs = seg_slots.shape[0]
-    split = split_k if (split_k is not None and allow) else _split_k(num_segs * m_tiles, h, block_k, x.device, allow)
+    split = (
+        split_k
+        if (split_k is not None and allow)
+        else _split_k(num_segs * m_tiles, h, block_k, x.device, allow)
+    )
     kps = _k_per_split(h, split, block_k)
     split = triton.cdiv(h, kps)
     _sgmv_shrink_kernel[(num_segs, m_tiles, split)](
@@ -541,6 +547,20 @@ def sgmv_expand(
     )  # fmt: skip
 
 
+def _ranges_and_perm(meta: LoRAMetadata) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
+    """``(slot, start, end)`` per adapter over ``perm``'s rows (``perm`` None: over the batch rows,
+    contiguous because the runner orders sequences by adapter). Derived from the groups when the
+    metadata carries no ranges."""
+    if meta.ranges:
+        return meta.ranges, meta.perm
+    groups = meta.groups or groups_from_slots(meta.token_slots)
+    ranges, start = [], 0
+    for slot, rows in groups:
+        ranges.append((slot, start, start + rows.numel()))
+        start += rows.numel()
+    return ranges, torch.cat([rows for _, rows in groups]) if groups else None
+
+
 def _add_lora_sorted(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -549,24 +569,69 @@ def _add_lora_sorted(
     meta: LoRAMetadata,
     offsets: list[int],
 ) -> None:
-    """CPU path for batches with several adapters: rows gathered once in adapter order, so each
-    adapter is one contiguous range and costs two matmuls per slice, then one scatter-add back.
+    """CPU path when each adapter's rows form one range (``meta.ranges``, over ``meta.perm`` when
+    set): two matmuls per slice and adapter, written straight into ``y``'s views when unpermuted.
 
     Semantics: ``for slot, s, e in ranges: y[perm[s:e], off:off+N] += x[perm[s:e]] @ A[slot,:r].T @ B[slot,:,:r].T``
     """
     perm = meta.perm
-    assert perm is not None
     rank_of = meta.ranks_host if meta.ranks_host else _rank_list(meta.ranks)
-    xp = x.index_select(0, perm)  # [n, H]
+    xp = x if perm is None else x.index_select(0, perm)  # [n, H]
     for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
         if a is None or b is None:
             continue
-        yp = y.new_zeros(perm.numel(), b.shape[1])  # [n, N]
+        n_out = b.shape[1]
+        yp = y[:, off : off + n_out] if perm is None else y.new_zeros(perm.numel(), n_out)  # [n, N]
         for slot, s, e in meta.ranges:
             r = rank_of[slot]
             if r:
                 yp[s:e].addmm_(xp[s:e] @ a[slot, :r].t(), b[slot, :, :r].t())
-        y[:, off : off + b.shape[1]].index_add_(0, perm, yp)
+        if perm is not None:
+            y[:, off : off + n_out].index_add_(0, perm, yp)
+
+
+def add_lora_packed(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_packed: torch.Tensor,
+    lora_b_slices: list[torch.Tensor | None],
+    slot_slices: list[list[int]],
+    slot_ranks: list[int],
+    meta: LoRAMetadata,
+    offsets: list[int],
+) -> None:
+    """CPU path over a fused linear: one shrink per adapter for all its slices, then one expand
+    per slice written into ``y`` (views; gathered and scattered once when ``meta.perm`` is set).
+
+    Semantics: ``for slot, s, e in ranges: t = x[rows] @ Ap[slot, :P*r].T; for j, i in enumerate(slices[slot]): y[rows, off_i:off_i+N_i] += t[:, j*r:(j+1)*r] @ B_i[slot, :, :r].T``
+
+    Args:
+        y: ``[T, Ntot]`` base output, updated in place.
+        x: ``[T, H]`` layer input.
+        a_packed: ``[S, P_max * R, H]``: slot ``s`` holds the A of each slice it targets
+            (``slot_slices[s]``), ``slot_ranks[s]`` rows each, back to back.
+        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in) or ``None``.
+        slot_slices / slot_ranks: per slot, the slices packed in ``a_packed`` and their rank.
+        meta: ``meta.ranges`` (or ``groups``) of contiguous rows per slot, ``meta.perm`` optional.
+        offsets: first column of each slice in ``y``.
+    """
+    if x.shape[0] == 0:
+        return
+    ranges, perm = _ranges_and_perm(meta)
+    xp = x if perm is None else x.index_select(0, perm)  # [n, H]
+    yp = y if perm is None else y.new_zeros(perm.numel(), y.shape[1])  # [n, Ntot]
+    for slot, s, e in ranges:
+        r, slices = slot_ranks[slot], slot_slices[slot]
+        if r == 0 or not slices or e <= s:
+            continue
+        t = xp[s:e] @ a_packed[slot, : len(slices) * r].t()  # [n, P * r]
+        for j, i in enumerate(slices):
+            b, off = lora_b_slices[i], offsets[i]
+            if b is None:  # cannot happen for a packed slice; keeps the types honest
+                continue
+            yp[s:e, off : off + b.shape[1]].addmm_(t[:, j * r : (j + 1) * r], b[slot, :, :r].t())
+    if perm is not None:
+        y.index_add_(0, perm, yp)
 
 
 def add_lora(
@@ -595,7 +660,7 @@ def add_lora(
     if x.shape[0] == 0:
         return
     if not _use_triton(x, force_triton):
-        if meta.perm is not None and len(meta.ranges) > 1:
+        if meta.ranges:
             _add_lora_sorted(y, x, lora_a_slices, lora_b_slices, meta, offsets)
             return
         groups = meta.groups if meta.groups else groups_from_slots(meta.token_slots)
@@ -622,5 +687,9 @@ def add_lora(
             bgmv_shrink(x, a, buf, meta.token_slots, meta.ranks, 1.0, force_triton=force_triton)
             bgmv_expand(buf, b, y, meta.token_slots, meta.ranks, off, force_triton=force_triton)
         else:
-            sgmv_shrink(x, a, buf, meta.seg_starts, meta.seg_slots, meta.ranks, 1.0, force_triton=force_triton)
-            sgmv_expand(buf, b, y, meta.seg_starts, meta.seg_slots, meta.ranks, off, force_triton=force_triton)
+            sgmv_shrink(
+                x, a, buf, meta.seg_starts, meta.seg_slots, meta.ranks, 1.0, force_triton=force_triton
+            )
+            sgmv_expand(
+                buf, b, y, meta.seg_starts, meta.seg_slots, meta.ranks, off, force_triton=force_triton
+            )

@@ -54,10 +54,11 @@ class LoRAMetadata:
     seg_slots: torch.Tensor  # [num_segments] int32
     ranks: torch.Tensor  # [max_loras] int32
     max_rank: int  # largest rank among the slots in this batch
-    # Host-side: for the CPU path, (slot, row index tensor) per distinct adapter in the batch.
+    # Host-side, CPU path: (slot, row index tensor) per distinct adapter (derived when empty).
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     is_decode: bool = False  # every sequence contributes one token
-    # CPU path: rows sorted by adapter (``perm``), each adapter a contiguous range (slot, start, end).
+    # CPU path: each adapter's rows as one range (slot, start, end). The runner orders the batch
+    # by adapter, so ranges index the rows directly; with ``perm`` they index ``x[perm]`` instead.
     perm: torch.Tensor | None = None  # [num_adapter_rows] int64
     ranges: list[tuple[int, int, int]] = field(default_factory=list)
     ranks_host: list[int] = field(default_factory=list)  # ``ranks`` as a list (no per-call sync)

@@ -10,6 +10,7 @@ import torch
 
 from lorastar.kernels.lora import (
     add_lora,
+    add_lora_packed,
     bgmv_expand,
     bgmv_shrink,
     groups_from_segments,
@@ -73,7 +74,9 @@ def _segments(token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(starts, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
 
 
-def _case(rank: int, batch: int, dtype: torch.dtype, popularity: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def _case(
+    rank: int, batch: int, dtype: torch.dtype, popularity: str, seed: int = 0
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed * 1000 + rank * 31 + batch)
     token_slots, num_slots = _token_slots(popularity, batch, gen)
     seg_starts, seg_slots = _segments(token_slots)
@@ -159,7 +162,14 @@ def test_shrink_split_k_atomic(split_k: int) -> None:
             bgmv_shrink(c["x"], c["a"], out, c["token_slots"], c["ranks"], force_triton=True, split_k=split_k)
         else:
             sgmv_shrink(
-                c["x"], c["a"], out, c["seg_starts"], c["seg_slots"], c["ranks"], force_triton=True, split_k=split_k
+                c["x"],
+                c["a"],
+                out,
+                c["seg_starts"],
+                c["seg_slots"],
+                c["ranks"],
+                force_triton=True,
+                split_k=split_k,
             )
         torch.testing.assert_close(out, _ref_shrink(c, 1.0), **_tol(torch.float32))
 
@@ -172,7 +182,16 @@ def test_untouched_rows_and_columns(use_triton: bool) -> None:
     out = torch.full((16, 16), sentinel, device=DEVICE)
     sgmv_out = out.clone()
     bgmv_shrink(c["x"], c["a"], out, c["token_slots"], c["ranks"], force_triton=use_triton, split_k=1)
-    sgmv_shrink(c["x"], c["a"], sgmv_out, c["seg_starts"], c["seg_slots"], c["ranks"], force_triton=use_triton, split_k=1)
+    sgmv_shrink(
+        c["x"],
+        c["a"],
+        sgmv_out,
+        c["seg_starts"],
+        c["seg_slots"],
+        c["ranks"],
+        force_triton=use_triton,
+        split_k=1,
+    )
     ref = _ref_shrink(c, 1.0)
     slots = c["token_slots"].long()
     written = torch.zeros(16, 16, dtype=torch.bool, device=DEVICE)
@@ -207,7 +226,10 @@ def test_all_rows_without_adapter() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_path(rank: int, batch: int, dtype: torch.dtype, popularity: str) -> None:
     c = _case(rank, batch, dtype, popularity, seed=2)
-    for groups in (groups_from_slots(c["token_slots"]), groups_from_segments(c["seg_starts"], c["seg_slots"])):
+    for groups in (
+        groups_from_slots(c["token_slots"]),
+        groups_from_segments(c["seg_starts"], c["seg_slots"]),
+    ):
         out = torch.zeros(batch, rank, dtype=dtype, device=DEVICE)
         lora_shrink_torch(c["x"], c["a"], out, groups, c["ranks"], 0.5)
         torch.testing.assert_close(out, _ref_shrink(c, 0.5), **_tol(dtype))
@@ -285,6 +307,53 @@ def test_add_lora(num_slices: int, is_decode: bool, path: str, dtype: torch.dtyp
         buf = ref_lora_shrink(x.float(), a.float(), c["token_slots"], c["ranks"], 1.0)
         ref = ref_lora_expand(ref.float(), buf, b.float(), c["token_slots"], c["ranks"], off).to(dtype)
     torch.testing.assert_close(y, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("rows", ["sorted", "perm", "groups"])
+@pytest.mark.parametrize("popularity", POPULARITY)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: str, rows: str) -> None:
+    """CPU path: one packed shrink per adapter over its slices (slots target different subsets of
+    q/k/v-like slices, mixed ranks), rows as the runner orders them, permuted, or unordered."""
+    if DEVICE != "cpu":
+        pytest.skip("the packed layout is the CPU path")
+    c = _case(rank, batch, dtype, popularity, seed=5)
+    gen = torch.Generator().manual_seed(11)
+    widths = [32, 16, 24]
+    offsets = [0, 32, 48]
+    ranks = c["ranks"].tolist()
+    num_slots = len(ranks)
+    slot_slices = [[i for i in range(3) if (s + i) % 4 != 3] for s in range(num_slots)]
+    a_slices = [torch.zeros(num_slots, rank, HIDDEN, dtype=dtype) for _ in widths]
+    b_slices: list[torch.Tensor | None] = [torch.zeros(num_slots, n, rank, dtype=dtype) for n in widths]
+    a_packed = torch.zeros(num_slots, 3 * rank, HIDDEN, dtype=dtype)
+    for s in range(num_slots):
+        r = ranks[s]
+        for j, i in enumerate(slot_slices[s]):
+            a = (torch.randn(r, HIDDEN, generator=gen) * 0.1).to(dtype)
+            a_slices[i][s, :r] = a
+            a_packed[s, j * r : (j + 1) * r] = a
+            b_slices[i][s, :, :r] = (torch.randn(widths[i], r, generator=gen) * 0.1).to(dtype)  # type: ignore[index]
+    token_slots, x = c["token_slots"], c["x"]
+    if rows == "sorted":  # what the runner builds: the batch itself in adapter order
+        order = torch.sort(token_slots, stable=True).indices
+        token_slots, x = token_slots[order], x[order]
+    meta = _meta({**c, "token_slots": token_slots, "x": x}, is_decode=True, sorted_rows=rows == "perm")
+    if rows == "sorted":
+        meta.ranges = [(slot, int(r[0]), int(r[-1]) + 1) for slot, r in meta.groups]
+    elif rows == "groups":
+        meta.groups = []
+    y0 = torch.randn(x.shape[0], sum(widths), generator=gen).to(dtype)
+    y = y0.clone()
+    add_lora_packed(y, x, a_packed, b_slices, slot_slices, ranks, meta, offsets)
+
+    ref = y0.clone().float()
+    for a, b, off in zip(a_slices, b_slices, offsets):
+        buf = ref_lora_shrink(x.float(), a.float(), token_slots, c["ranks"], 1.0)
+        ref = ref_lora_expand(ref, buf, b.float(), token_slots, c["ranks"], off)  # type: ignore[union-attr]
+    torch.testing.assert_close(y, ref.to(dtype), **_tol(dtype))
 
 
 @pytest.mark.gpu
