@@ -52,7 +52,7 @@ def test_lookup_equals_dequantized_table_rows(dtype: torch.dtype) -> None:
     assert torch.equal(out, deq[ids])
 
 
-@pytest.mark.parametrize("chunk_elems", [48 * 100, 1 << 22])  # 10 blocks of vocab rows / one block
+@pytest.mark.parametrize("chunk_elems", [48 * 100, 1 << 22])  # 8 blocks of vocab rows / one block
 def test_logits_equal_matmul_with_dequantized_table(chunk_elems: int) -> None:
     emb = Int8Embedding.from_float(_table(), chunk_elems=chunk_elems)
     x = torch.randn(5, 48, generator=torch.Generator().manual_seed(1))
@@ -75,25 +75,26 @@ def test_half_logits_follow_the_fp32_reference(dtype: torch.dtype) -> None:
 
 
 def _teacher_forced_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """One prefill of ``ids`` through the engine's runner metadata; fp32 logits of every row."""
+    """One prefill of ``ids`` through the engine's runner metadata; fp32 logits of every row (CPU)."""
     from lorastar.engine.runner import KVCacheSpec, ModelRunner
 
     bs = 16
     nb = -(-len(ids) // bs)
-    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
-    runner = ModelRunner(model, spec, torch.device("cpu"))
+    norm = model.norm.weight  # a float parameter that every model keeps: its device and dtype
+    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, norm.dtype)
+    runner = ModelRunner(model, spec, norm.device)
     seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(nb)), adapter_key=None)
     out = SimpleNamespace(
         scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
     )
     input_ids, positions, ctx, _ = runner.prepare(out)
     with torch.inference_mode():
-        return model.compute_logits(model(input_ids, positions, ctx)).float()
+        return model.compute_logits(model(input_ids, positions, ctx)).float().cpu()
 
 
-def _dequantized_reference(path: str, int8: LLM) -> LLM:
+def _dequantized_reference(path: str, int8: LLM, **kw: object) -> LLM:
     """The same checkpoint with its tables replaced by the int8 engine's dequantized tables."""
-    ref = LLM(path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False)
+    ref = LLM(path, **{"device": "cpu", "num_kv_blocks": 64, "enable_prefix_caching": False, **kw})
     model, qmodel = ref.engine.model, int8.engine.model
     assert isinstance(qmodel.embed_tokens, Int8Embedding) and isinstance(
         model.embed_tokens, torch.nn.Embedding
@@ -192,6 +193,42 @@ def test_int4_checkpoint_with_int8_embedding() -> None:
     assert ((got - want).abs().max() / want.abs().max()).item() <= LOGIT_TOL
     outs = int8.generate([ids[:9]], GREEDY)
     assert outs[0].outputs[0].token_ids == ref.generate([ids[:9]], GREEDY)[0].outputs[0].token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not have_fixture("awq_g32"), reason="AWQ fixture missing")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_int8_embedding(dtype: str) -> None:
+    """CUDA, 16-bit compute: the float tables' memory is given back, and the logits follow the
+    dequantized reference within the rounding of the 16-bit logits."""
+    from lorastar.models.loader import load_model
+    from lorastar.quant import get_quant_config
+
+    path = str(fixture_dir("awq_g32"))
+    cfg = read_config("awq_g32")
+    tdtype = getattr(torch, dtype)
+    dev = torch.device("cuda")
+    model, _ = load_model(
+        path, cfg, dtype=tdtype, device=dev, quant=get_quant_config(cfg, None, tdtype), max_positions=64
+    )
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(dev)
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
+    quantize_embeddings(model, "int8")
+    freed = before - torch.cuda.memory_allocated(dev)
+    # Two 16-bit tables (untied) out, two int8 tables + fp32 scales in; allocator rounds to 512 B.
+    assert abs(freed - 2 * (v * h * 2 - (v * h + v * 4))) <= 4 * 512
+    del model
+
+    kw = {"device": "cuda", "dtype": dtype, "num_kv_blocks": 64, "enable_prefix_caching": False}
+    int8 = LLM(path, embedding_quantization="int8", **kw)
+    ref = _dequantized_reference(path, int8, **kw)
+    ids = list(range(5, 5 + 37))
+    got = _teacher_forced_logits(int8.engine.model, ids)
+    want = _teacher_forced_logits(ref.engine.model, ids)
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 4 * torch.finfo(tdtype).eps
+    assert int8.generate([ids[:9]], GREEDY)[0].outputs[0].token_ids
+    assert int8.engine.model.embed_tokens.qweight.is_cuda
 
 
 @pytest.mark.parametrize("bad", ["int4", "fp8", "INT8", 8])
