@@ -6,10 +6,14 @@
 Systems: the 16-bit model (bf16 on GPU; fp32 compute on CPU, memory counted at bf16), on-the-fly FP8
 (``quantization="fp8"``), the FP8 KV cache, and the AWQ / GPTQ / compressed-tensors FP8 SmolLM2
 checkpoints made by ``scripts/make_quant_fixtures.py --only smollm2_awq,smollm2_gptq,smollm2_fp8``
-(in ``~/.cache/lorastar/quant``; missing ones are listed and skipped).
+(in ``~/.cache/lorastar/quant``; missing ones are listed and skipped), and the int4 ones again with
+the int8 embedding / lm_head (``embedding_quantization="int8"``; also on the 16-bit model, to show
+its own quality cost).
 
 Quality: mean KL(bf16 || system) of the next-token distributions over a fixed text (teacher forced),
 and greedy agreement with the 16-bit model over a fixed prompt set (the FP8 KV criterion).
+``--no-generate`` keeps the KL and skips the generation (tokens/s, greedy agreement): the slow part
+of the int4 rows on CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "lorastar" / "quant"
+INT4_TARGET = 0.35  # issue #5: int4 SmolLM2 weight memory at most this fraction of bf16
+INT8_EMB = {"embedding_quantization": "int8"}
 TEXT = (
     "The history of the city begins with a small village on the river. Over the centuries the "
     "village grew into a market town, then into a port, and finally into the capital of the region. "
@@ -167,6 +173,7 @@ def run_models(args: argparse.Namespace) -> None:
         ("16-bit", {"model": base}),
         ("fp8 on the fly", {"model": base, "quantization": "fp8"}),
         ("16-bit + fp8 KV", {"model": base, "kv_cache_dtype": "fp8"}),
+        ("16-bit + int8 embedding", {"model": base, **INT8_EMB}),
     ]
     for name, label in (
         ("smollm2_awq", "AWQ int4 g64"),
@@ -174,14 +181,22 @@ def run_models(args: argparse.Namespace) -> None:
         ("smollm2_fp8", "CT FP8 dynamic"),
     ):
         if (CACHE / name / "config.json").is_file():
-            systems.append((label, {"model": str(CACHE / name)}))
+            path = str(CACHE / name)
         elif name == "smollm2_fp8":
             print(f"skipping {label}: {CACHE / name} missing (scripts/make_quant_fixtures.py --only {name})")
+            continue
         else:
             fmt = name.split("_")[1]
             print(f"{label}: no tool-made checkpoint; using an RTN checkpoint in the same layout")
-            rtn = write_rtn_checkpoint(Path(base), CACHE / f"{name}_rtn", fmt)
-            systems.append((f"{fmt.upper()}-layout int4 g64 (RTN)", {"model": str(rtn)}))
+            path = str(write_rtn_checkpoint(Path(base), CACHE / f"{name}_rtn", fmt))
+            label = f"{fmt.upper()}-layout int4 g64 (RTN)"
+        systems.append((label, {"model": path}))
+        if name != "smollm2_fp8":
+            systems.append((f"{label} + int8 embedding", {"model": path, **INT8_EMB}))
+    if args.only:
+        keep = [k.strip().lower() for k in args.only.split(",") if k.strip()]
+        # The first system is the 16-bit reference of the ratios and the KL: always kept.
+        systems = systems[:1] + [s for s in systems[1:] if any(k in s[0].lower() for k in keep)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows, ref_logits, ref_tokens = [], None, None
     for label, kw in systems:
@@ -198,16 +213,19 @@ def run_models(args: argparse.Namespace) -> None:
         if not args.memory_only:
             ids = tok(TEXT)["input_ids"]
             logits = teacher_forced_logits(llm, ids)
+            if ref_logits is None:
+                ref_logits = logits
+            lp_ref = torch.log_softmax(ref_logits, -1)
+            kl = (lp_ref.exp() * (lp_ref - torch.log_softmax(logits, -1))).sum(-1).mean().item()
+        if not args.memory_only and not args.no_generate:
             prompts = [tok(p)["input_ids"] for p in PROMPTS]
             llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             dt = time.perf_counter() - t0
             tokens = [o.outputs[0].token_ids for o in outs]
-            if ref_logits is None:
-                ref_logits, ref_tokens = logits, tokens
-            lp_ref = torch.log_softmax(ref_logits, -1)
-            kl = (lp_ref.exp() * (lp_ref - torch.log_softmax(logits, -1))).sum(-1).mean().item()
+            if ref_tokens is None:
+                ref_tokens = tokens
             pairs = [(a, b) for x, y in zip(ref_tokens, tokens) for a, b in zip(x, y)]
             agree = sum(a == b for a, b in pairs) / len(pairs)
             tps = sum(map(len, tokens)) / dt
@@ -226,6 +244,21 @@ def run_models(args: argparse.Namespace) -> None:
         print(
             f"| {label} | {mib:.1f} | {ratio:.3f} | {lratio:.3f} | {blocks} | {tps:.1f} | {kl:.4f} | {agree:.1%} |"
         )
+    print_int4_target(rows)
+
+
+def print_int4_target(rows: list[tuple]) -> None:
+    """The issue #5 criterion, for the default int4 rows and the int8-embedding ones separately."""
+    int4 = [(r[0], r[2]) for r in rows if "int4" in r[0]]
+    if not int4:
+        return
+    print(f"\ntarget: int4 weight memory <= {INT4_TARGET} of bf16 (whole model)")
+    for variant, emb in (("default (16-bit embedding)", False), ('embedding_quantization="int8"', True)):
+        got = [(label, ratio) for label, ratio in int4 if label.endswith("+ int8 embedding") == emb]
+        if got:
+            figures = ", ".join(f"{label.split(' int4')[0]} {ratio:.3f}" for label, ratio in got)
+            verdict = "met" if all(r <= INT4_TARGET for _, r in got) else "NOT met"
+            print(f"  {variant}: {figures} -> {verdict}")
 
 
 def run_gemm(args: argparse.Namespace) -> None:
@@ -258,6 +291,14 @@ def main() -> None:
     ap.add_argument("--gemm", action="store_true", help="GPU int4 GEMM timing only")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--memory-only", action="store_true", help="weights and KV capacity only (fast)")
+    ap.add_argument(
+        "--no-generate", action="store_true", help="mean KL but no generation (no tokens/s, greedy agreement)"
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated label substrings of the systems to run (the 16-bit reference always runs)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(2)
     if args.gemm:
