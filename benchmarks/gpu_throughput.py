@@ -3,7 +3,8 @@
 The embedded SmolLM2 can't be converted on the GPU box (no gguf there), so this builds a random
 1.1B Llama (TinyLlama's shape) in bf16 plus SmolLM2's tokenizer (--tokenizer folder) and runs
 B requests of 128 prompt tokens + 64 new tokens (greedy, ignore_eos), measured side by side:
-  lorastar base | lorastar with 16 distinct rank-16 adapters | HF static batch (no padding needed).
+  lorastar base | the same with eager steps (no CUDA graphs) | lorastar with 16 distinct rank-16
+  adapters (graphs, eager) | HF static batch (no padding needed). Every run is warmed up on its batch.
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR]
 """
 
@@ -65,18 +66,21 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
     return out
 
 
-def run_lorastar(path: Path, prompts: list[list[int]], adapters: list[Path] | None) -> float:
+def run_lorastar(
+    path: Path, prompts: list[list[int]], adapters: list[Path] | None, eager: bool = False
+) -> float:
     from lorastar import LLM, SamplingParams
 
     llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=256, max_loras=16, max_lora_rank=16,
-              kv_cache_memory=8 << 30)  # fmt: skip
+              kv_cache_memory=8 << 30, enforce_eager=eager)  # fmt: skip
     names = None
     if adapters:
         for i, a in enumerate(adapters):
             llm.load_adapter(f"a{i}", str(a))
         names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate(prompts[:4], sp, adapter=names[:4] if names else None)  # warm-up: compile kernels
+    # Warm-up on the same batch: compiles the kernels and captures this batch size's CUDA graphs.
+    llm.generate(prompts, sp, adapter=names)
     torch.cuda.synchronize()
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, adapter=names)
@@ -93,7 +97,7 @@ def run_hf(path: Path, prompts: list[list[int]]) -> float:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(prompts, device="cuda")
     kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
-    model.generate(ids[:4], attention_mask=torch.ones_like(ids[:4]), **kw)
+    model.generate(ids, attention_mask=torch.ones_like(ids), **kw)  # warm-up on the same batch
     torch.cuda.synchronize()
     t = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
@@ -118,19 +122,22 @@ def main() -> None:
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = torch.randint(3, 49152, (b, 128), generator=g).tolist()
         base = run_lorastar(path, prompts, None)
-        print(f"B={b}: lorastar {base:.0f} tok/s", flush=True)
+        eager = run_lorastar(path, prompts, None, eager=True)
         lora = run_lorastar(path, prompts, adapters[: min(16, b)])
-        print(f"B={b}: lorastar + adapters {lora:.0f} tok/s", flush=True)
+        lora_eager = run_lorastar(path, prompts, adapters[: min(16, b)], eager=True)
         hf = run_hf(path, prompts)
-        rows.append({"batch": b, "lorastar": base, "lorastar_16_lora": lora, "hf_static": hf})
-        print(f"B={b}: lorastar {base:.0f} tok/s | +{min(16, b)} adapters {lora:.0f} tok/s | HF static {hf:.0f} tok/s",
-              flush=True)  # fmt: skip
+        rows.append({"batch": b, "lorastar": base, "lorastar_eager": eager, "lorastar_16_lora": lora,
+                     "lorastar_16_lora_eager": lora_eager, "hf_static": hf})  # fmt: skip
+        print(f"B={b}: lorastar {base:.0f} (eager {eager:.0f}) tok/s | +{min(16, b)} adapters {lora:.0f} "
+              f"(eager {lora_eager:.0f}) tok/s | HF static {hf:.0f} tok/s", flush=True)  # fmt: skip
     lines = [f"GPU: {torch.cuda.get_device_name()}, random 1.1B Llama (TinyLlama shape), bf16, 128+64 tokens", "",
-             "| requests | lorastar tok/s | lorastar, 16 adapters (r=16) | HF generate static batch | lorastar / HF | LoRA tax |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "| requests | lorastar tok/s | eager steps | lorastar, 16 adapters (r=16) | eager steps | "
+             "HF generate static batch | lorastar / HF | CUDA graphs / eager | LoRA tax |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['lorastar']:.0f} | {r['lorastar_16_lora']:.0f} | {r['hf_static']:.0f} | "
-                     f"{r['lorastar'] / r['hf_static']:.2f}x | {r['lorastar_16_lora'] / r['lorastar']:.2f} |")  # fmt: skip
+        lines.append(f"| {r['batch']} | {r['lorastar']:.0f} | {r['lorastar_eager']:.0f} | {r['lorastar_16_lora']:.0f} | "
+                     f"{r['lorastar_16_lora_eager']:.0f} | {r['hf_static']:.0f} | {r['lorastar'] / r['hf_static']:.2f}x | "
+                     f"{r['lorastar'] / r['lorastar_eager']:.2f}x | {r['lorastar_16_lora'] / r['lorastar']:.2f} |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Share the KV blocks of identical prompt prefixes (hash chain of tokens + adapter content)."""
 
+    enforce_eager: bool = False
+    """Run every step eagerly. ``False``: on CUDA, decode steps of up to ``min(max_num_seqs, 256)``
+    sequences replay captured CUDA graphs (at small batches kernel launches, not the GPU, set the
+    step time); captured lazily per padded batch size."""
+
     seed: int = 0
     """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""
 
@@ -94,18 +99,25 @@ class EngineConfig:
             raise ValueError(
                 f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"
             )
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_model_len",
+            "num_kv_blocks",
+            "kv_cache_memory",
+            "max_waiting",
+        ):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if self.max_cpu_loras < self.max_loras:
-            raise ValueError(
-                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
-            )
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -113,6 +113,10 @@ class LoRADeviceState:
             self.slots.append((int(prefix.split(".")[2]), lin.lora))
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self.ranks_host = [0] * max_loras
+        self.max_rank = max_rank
+        # Bumped when an upload allocates a slice buffer: captured CUDA graphs that skipped the
+        # slice (no buffer then) are stale.
+        self.layout_version = 0
         self.slot_key: list[str | None] = [None] * max_loras
 
     def load_slot(
@@ -120,6 +124,7 @@ class LoRADeviceState:
     ) -> None:
         """Upload an adapter (``(layer, module) -> (A [r, in], B [out, r] scaled)``) into ``slot``;
         linears it does not target get their slot zeroed."""
+        allocated = self._num_buffers()
         for layer_idx, lora in self.slots:
             lora.set_slot(slot, {
                 name: (w[0].to(self.device, lora.dtype), w[1].to(self.device, lora.dtype))
@@ -130,6 +135,11 @@ class LoRADeviceState:
         self.ranks_host[slot] = rank
         self.ranks[slot] = rank
         self.slot_key[slot] = key
+        if self._num_buffers() != allocated:
+            self.layout_version += 1
+
+    def _num_buffers(self) -> int:
+        return sum(b is not None for _, lora in self.slots for b in lora.b)
 
     def clear_slot(self, slot: int) -> None:
         self.load_slot(slot, "", {})

@@ -76,17 +76,28 @@ class LLMEngine:
         cfg = self.hf_config
         max_pos = int(cfg.get("max_position_embeddings", 8192))
         max_len = config.max_model_len or min(max_pos, 8192)
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", True) and cfg["model_type"] == "mistral":
+        if (
+            cfg.get("sliding_window")
+            and cfg.get("use_sliding_window", True)
+            and cfg["model_type"] == "mistral"
+        ):
             max_len = min(max_len, int(cfg["sliding_window"]))  # no sliding-window attention: stay inside it
         if max_len > max_pos:
-            raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})")
+            raise ValueError(
+                f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
+            )
 
         from lorastar.quant import get_quant_config
         from lorastar.quant.embedding import quantize_embeddings
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
         self.model, ckpt_kv_scales = load_model(
-            self.model_dir, cfg, dtype=self.dtype, device=self.device, quant=self.quant_config, max_positions=max_len
+            self.model_dir,
+            cfg,
+            dtype=self.dtype,
+            device=self.device,
+            quant=self.quant_config,
+            max_positions=max_len,
         )
         quantize_embeddings(self.model, config.embedding_quantization)  # before the KV cache is sized
         self.tokenizer = _load_tokenizer(self.model_dir)
@@ -95,7 +106,14 @@ class LLMEngine:
 
         # ---- KV cache ----
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
-        spec = KVCacheSpec(0, config.block_size, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, kv_dtype)
+        spec = KVCacheSpec(
+            0,
+            config.block_size,
+            self.model.num_layers,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            kv_dtype,
+        )
         spec.num_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
         n = self.model.num_layers
         k_scales = [ckpt_kv_scales.get((i, "k"), 1.0) for i in range(n)]
@@ -112,11 +130,13 @@ class LLMEngine:
             loader=self._read_adapter,
             on_slot_assigned=lambda slot, w: self.lora_state.load_slot(slot, w.content_hash, w.weights),
         )
-        self.runner = ModelRunner(
-            self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state
-        )
         self.kv_spec = spec
         self.max_model_len = min(max_len, spec.num_blocks * spec.block_size)
+        self.runner = ModelRunner(
+            self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
+            cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 256),
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
         salt = f"{self.model_dir.resolve()}|{self.dtype}|{kv_dtype}|{config.quantization}"
         self.block_manager = BlockManager(
             spec.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, salt=salt
@@ -175,7 +195,9 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise ValueError("messages must be a list of {'role', 'content'} objects")
         if not messages:
@@ -318,7 +340,9 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if rows:
             idx = torch.tensor(logit_rows, device=logits.device)
-            sampled = self.sampler(logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits, rows)
+            sampled = self.sampler(
+                logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits, rows
+            )
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
             targets: list[Sequence] = []
@@ -326,7 +350,9 @@ class LLMEngine:
                 if k == 0:
                     targets.append(seq)
                     continue
-                child = Sequence(seq.request, k, seq.token_ids[: seq.num_prompt_tokens], seq.num_prompt_tokens)
+                child = Sequence(
+                    seq.request, k, seq.token_ids[: seq.num_prompt_tokens], seq.num_prompt_tokens
+                )
                 child.generator = seq.generator
                 self.scheduler.add_forked(seq, child)
                 self._init_seq(child)
@@ -354,7 +380,9 @@ class LLMEngine:
         vals, toks = vals.tolist(), toks.tolist()
         for (seq, _), v, t in zip(rows, vals, toks):
             w = 2 * seq.request.beam.width
-            seq.request.beam.pending[seq.seq_id] = [(seq.cumulative_logprob + a, b) for a, b in zip(v[:w], t[:w])]
+            seq.request.beam.pending[seq.seq_id] = [
+                (seq.cumulative_logprob + a, b) for a, b in zip(v[:w], t[:w])
+            ]
             touched[seq.request.request_id] = seq.request
         for req in {seq.request.request_id: seq.request for seq, _ in rows}.values():
             live = [s for s in req.sequences if not s.is_finished]
@@ -466,8 +494,13 @@ class LLMEngine:
             finished=req.is_finished,
             adapter=req.adapter_name,
             num_cached_tokens=req.num_cached_tokens,
-            metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                   req.last_token_time, req.finished_time),  # fmt: skip
+            metrics=RequestMetrics(
+                req.arrival_time,
+                req.first_scheduled_time,
+                req.first_token_time,
+                req.last_token_time,
+                req.finished_time,
+            ),  # fmt: skip
         )
 
     def _beam_output(self, req: Request) -> RequestOutput:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lorastar.adapters.layers import LoRADeviceState
+from lorastar.engine.cuda_graphs import DecodeGraphs
 from lorastar.engine.scheduler import SchedulerOutput
 from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata
 from lorastar.models.llama import LlamaForCausalLM
@@ -37,12 +38,17 @@ class ModelRunner:
         k_scales: list[float] | None = None,
         v_scales: list[float] | None = None,
         lora_state: LoRADeviceState | None = None,
+        cuda_graph_max_batch: int = 0,
+        max_model_len: int = 0,
     ) -> None:
         self.model = model
         self.spec = spec
         self.device = device
         self.block_size = spec.block_size
-        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        use_graphs = cuda_graph_max_batch > 0 and device.type == "cuda"
+        # With CUDA graphs one extra block, owned by no sequence, takes the padding rows' K/V.
+        num_blocks = spec.num_blocks + (1 if use_graphs else 0)
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: masked-out padding positions are still read, and NaN * 0 would poison SDPA.
         self.kv_caches = [
             (
@@ -55,6 +61,13 @@ class ModelRunner:
         self.v_scales = v_scales or [1.0] * spec.num_layers
         self.lora_state = lora_state
         self.use_triton = device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(
+                model, self.kv_caches, self.k_scales, self.v_scales,
+                block_size=spec.block_size, max_model_len=max_model_len, scratch_block=spec.num_blocks,
+                max_batch=cuda_graph_max_batch, lora_state=lora_state,
+            )  # fmt: skip
 
     # ---- step metadata --------------------------------------------------------------------
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
@@ -199,7 +212,35 @@ class ModelRunner:
         """Run one step; returns fp32 logits ``[num_sampling, vocab]``: one row per scheduled
         sequence that samples this step (its last chunk), in schedule order."""
         self.copy_blocks(out.copies)
+        if self.graphs is not None and all(s.num_new_tokens == 1 for s in out.scheduled):
+            logits = self._execute_graph(self.graphs, out, adapter_slot)
+            if logits is not None:
+                return logits
         input_ids, positions, ctx, last_rows = self.prepare(out, adapter_slot)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()  # [B, vocab]
+
+    def _execute_graph(
+        self, graphs: DecodeGraphs, out: SchedulerOutput, adapter_slot: dict[str, int] | None
+    ) -> torch.Tensor | None:
+        """A pure-decode step through a captured CUDA graph (rows in schedule order)."""
+        bs = self.block_size
+        ids, pos, slots, seq_lens, tables = [], [], [], [], []
+        for s in out.scheduled:
+            seq, p = s.seq, s.start
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            seq_lens.append(p + 1)
+            tables.append(seq.block_table)
+        token_slots = None
+        if adapter_slot is not None:
+            keys = [s.seq.adapter_key for s in out.scheduled]
+            token_slots = [-1 if k is None else adapter_slot[k] for k in keys]
+        logits = graphs.run(ids, pos, slots, seq_lens, tables, token_slots)
+        if logits is None:
+            return None
+        if not all(s.samples for s in out.scheduled):  # a one-token prefill chunk that is not the last
+            logits = logits[[i for i, s in enumerate(out.scheduled) if s.samples]]
+        return logits

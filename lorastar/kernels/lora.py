@@ -677,7 +677,7 @@ def add_lora(
     # Decode rows sorted by adapter form few long segments: SGMV's tensor-core tiles then beat
     # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
     num_segments = meta.seg_slots.shape[0]
-    use_bgmv = meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0])
+    use_bgmv = meta.force_bgmv or (meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0]))
     for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
         if a is None or b is None:
             continue

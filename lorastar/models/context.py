@@ -57,6 +57,7 @@ class LoRAMetadata:
     # Host-side, CPU path: (slot, row index tensor) per distinct adapter (derived when empty).
     groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     is_decode: bool = False  # every sequence contributes one token
+    force_bgmv: bool = False  # CUDA graphs: the gather form whatever the batch (no segment data)
     # CPU path: each adapter's rows as one range (slot, start, end). The runner orders the batch
     # by adapter, so ranges index the rows directly; with ``perm`` they index ``x[perm]`` instead.
     perm: torch.Tensor | None = None  # [num_adapter_rows] int64

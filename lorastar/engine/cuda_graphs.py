@@ -1,0 +1,182 @@
+"""CUDA graphs for decode steps: one captured forward (logits included) per padded batch size.
+
+A decode step launches ~20 kernels per layer from Python; at small batches that launch overhead,
+not the GPU, sets the step time. A pure-decode step (every sequence one new token) of ``b``
+sequences instead replays the graph captured for the next size up (1, 2, 4, 8, 16, 24, ...) on
+static input buffers. Padding rows write their K/V into a scratch block no sequence owns, read
+only that block, carry no adapter, and their logits are dropped.
+
+Graphs are captured lazily, the first time a size is needed, after an eager warm-up run on the
+same buffers (Triton compiles outside the capture). Attention is captured for ``max_model_len``
+contexts (the kernels stop at each row's ``seq_lens`` on the device), LoRA in the gather form
+(BGMV) whatever the batch; adapter weights and ranks are read from the slot buffers at replay,
+so hot-loading an adapter needs no recapture unless it allocates a new slice buffer
+(``LoRADeviceState.layout_version``), which drops the LoRA graphs. If a capture fails (an op that
+cannot be captured), decode falls back to eager for good, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata
+
+if TYPE_CHECKING:
+    from lorastar.adapters.layers import LoRADeviceState
+    from lorastar.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes with a graph: 1, 2, 4, then multiples of 8 up to the first size that
+    holds ``max_batch`` (padding wastes at most 7 rows)."""
+    sizes = [1, 2, 4, *range(8, max_batch + 8, 8)]
+    top = next(s for s in sizes if s >= max_batch)
+    return [s for s in sizes if s <= top]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        k_scales: list[float],
+        v_scales: list[float],
+        *,
+        block_size: int,
+        max_model_len: int,
+        scratch_block: int,
+        max_batch: int,
+        lora_state: LoRADeviceState | None,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.k_scales = k_scales
+        self.v_scales = v_scales
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.lora_state = lora_state
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        dev = kv_caches[0][0].device
+        n = self.max_batch
+        max_blocks = -(-max_model_len // block_size)
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * block_size
+        # Static inputs; rows past the live batch always hold the padding values.
+        self.i64 = torch.zeros(3, n, dtype=torch.int64, device=dev)  # input_ids, positions, slot_mapping
+        self.i64[2] = self.scratch_slot
+        self.i32 = torch.zeros(2, n, dtype=torch.int32, device=dev)  # seq_lens, token_slots
+        self.i32[0] = 1
+        self.i32[1] = -1
+        self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.no_segments = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: tuple[int, int] | None = None
+        self.lora_version = lora_state.layout_version if lora_state is not None else 0
+        self.prev_batch = n  # rows [0, prev_batch) may hold a previous step's values
+        self.disabled = False
+
+    def padded_size(self, batch: int) -> int | None:
+        for s in self.sizes:
+            if s >= batch:
+                return s
+        return None
+
+    # ---- one forward on the static buffers -------------------------------------------------------
+    def _context(self, n: int, with_lora: bool) -> ForwardContext:
+        md = AttentionMetadata(
+            slot_mapping=self.i64[2, :n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            seq_lens=self.i32[0, :n],
+            block_tables=self.block_tables[:n],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            block_size=self.block_size,
+        )
+        lora = None
+        if with_lora and self.lora_state is not None:
+            lora = LoRAMetadata(
+                token_slots=self.i32[1, :n],
+                seg_starts=self.no_segments,
+                seg_slots=self.no_segments,
+                ranks=self.lora_state.ranks,
+                max_rank=self.lora_state.max_rank,
+                is_decode=True,
+                force_bgmv=True,
+            )
+        return ForwardContext(
+            attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
+            use_triton=True,
+        )  # fmt: skip
+
+    def _forward(self, n: int, with_lora: bool) -> torch.Tensor:
+        ctx = self._context(n, with_lora)
+        hidden = self.model(self.i64[0, :n], self.i64[1, :n], ctx)  # [n, hidden]
+        return self.model.compute_logits(hidden)  # [n, vocab]
+
+    def _capture(self, n: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._forward(n, with_lora)  # warm-up (compiles kernels); the replay rewrites the same K/V
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._forward(n, with_lora)
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize()
+        return graph, out
+
+    # ---- a step -------------------------------------------------------------------------------
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        token_slots: list[int] | None,
+    ) -> torch.Tensor | None:
+        """Logits ``[b, vocab]`` of one decode step of ``b = len(ids)`` sequences, or ``None``
+        when graphs cannot serve it (too many sequences, or disabled after a failed capture)."""
+        b = len(ids)
+        n = self.padded_size(b)
+        if self.disabled or n is None:
+            return None
+        with_lora = token_slots is not None and self.lora_state is not None
+        if with_lora and self.lora_state.layout_version != self.lora_version:  # type: ignore[union-attr]
+            self.graphs = {k: v for k, v in self.graphs.items() if not k[1]}
+            self.lora_version = self.lora_state.layout_version  # type: ignore[union-attr]
+        # Rows [b, prev_batch) held live values last time: back to padding before the copy.
+        if self.prev_batch > b:
+            self.i64[:2, b : self.prev_batch] = 0
+            self.i64[2, b : self.prev_batch] = self.scratch_slot
+            self.i32[0, b : self.prev_batch] = 1
+            self.i32[1, b : self.prev_batch] = -1
+            self.block_tables[b : self.prev_batch, 0] = self.scratch_block
+        self.prev_batch = b
+        width = max(len(t) for t in tables)
+        bt = torch.full((b, width), self.scratch_block, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.i64[:, :b].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64))
+        self.i32[:, :b].copy_(torch.tensor([seq_lens, token_slots or [-1] * b], dtype=torch.int32))
+        self.block_tables[:b, :width].copy_(bt)
+        key = (n, with_lora)
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(n, with_lora)
+            except RuntimeError as e:  # an op in the forward cannot be captured: stay eager
+                logger.warning("CUDA graph capture failed (%s); decode steps run eagerly from now on", e)
+                self.disabled = True
+                self.graphs.clear()
+                return None
+            self.graphs[key] = entry
+        graph, out = entry
+        graph.replay()
+        return out[:b].float().clone()  # the next replay overwrites ``out``
