@@ -1,10 +1,10 @@
-"""CUDA graphs for decode steps: one captured forward (logits included) per padded batch size.
+"""CUDA graphs for decode steps: one captured forward (up to the final norm) per padded batch size.
 
 A decode step launches ~20 kernels per layer from Python; at small batches that launch overhead,
 not the GPU, sets the step time. A pure-decode step (every sequence one new token) of ``b``
 sequences instead replays the graph captured for the next size up (1, 2, 4, 8, 16, 24, ...) on
 static input buffers. Padding rows write their K/V into a scratch block no sequence owns, read
-only that block, carry no adapter, and their logits are dropped.
+only that block, carry no adapter, and their outputs are dropped.
 
 Graphs are captured lazily, the first time a size is needed, after an eager warm-up run on the
 same buffers (Triton compiles outside the capture). Attention is captured for ``max_model_len``
@@ -117,8 +117,7 @@ class DecodeGraphs:
 
     def _forward(self, n: int, with_lora: bool) -> torch.Tensor:
         ctx = self._context(n, with_lora)
-        hidden = self.model(self.i64[0, :n], self.i64[1, :n], ctx)  # [n, hidden]
-        return self.model.compute_logits(hidden)  # [n, vocab]
+        return self.model(self.i64[0, :n], self.i64[1, :n], ctx)  # [n, hidden]
 
     def _capture(self, n: int, with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._forward(n, with_lora)  # warm-up (compiles kernels); the replay rewrites the same K/V
@@ -177,6 +176,8 @@ class DecodeGraphs:
                 self.graphs.clear()
                 return None
             self.graphs[key] = entry
-        graph, out = entry
+        graph, hidden = entry
         graph.replay()
-        return out[:b].float().clone()  # the next replay overwrites ``out``
+        # The lm_head runs outside the graph, on the live rows only: each graph keeps just its
+        # [n, hidden] output alive, not [n, vocab] logits.
+        return self.model.compute_logits(hidden[:b]).float()
