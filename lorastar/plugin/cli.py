@@ -154,6 +154,20 @@ main.add_command(make_lora_group())
 @click.option("--max-num-seqs", default=64, show_default=True, type=int)
 @click.option("--num-kv-blocks", default=None, type=int)
 @click.option("--max-loras", default=8, show_default=True, type=int)
+@click.option("--max-lora-rank", default=64, show_default=True, type=int)
+@click.option(
+    "--quantization",
+    default=None,
+    type=click.Choice(["awq", "gptq", "fp8"]),
+    help="Force or check the method.",
+)
+@click.option(
+    "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp8", "fp8_e5m2"])
+)
+@click.option(
+    "--embedding-quantization", default=None, type=click.Choice(["int8"]), help="int8 embedding / lm_head."
+)
+@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
 @click.option("--log-level", default="info", show_default=True)
 def serve(
@@ -173,6 +187,11 @@ def serve(
     max_num_seqs: int,
     num_kv_blocks: int | None,
     max_loras: int,
+    max_lora_rank: int,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    embedding_quantization: str | None,
+    enforce_eager: bool,
     max_waiting: int | None,
     log_level: str,
 ) -> None:
@@ -191,6 +210,11 @@ def serve(
             num_kv_blocks=num_kv_blocks,
             max_loras=max_loras,
             max_cpu_loras=max(64, max_loras),
+            max_lora_rank=max_lora_rank,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            embedding_quantization=embedding_quantization,
+            enforce_eager=enforce_eager,
         )
         config = LoraStarConfig(
             model=model,

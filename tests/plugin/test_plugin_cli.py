@@ -121,13 +121,23 @@ def test_lorastar_serve_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path
             "5",
             "--device",
             "cpu",
+            "--kv-cache-dtype",
+            "fp8",
+            "--embedding-quantization",
+            "int8",
+            "--max-lora-rank",
+            "32",
+            "--enforce-eager",
         ],
     )
     assert r.exit_code == 0, r.output
     assert seen["port"] == 9123 and seen["host"] == "127.0.0.1"
     cfg = seen["app"].plugins.get("LoraStarPlugin").config
     assert cfg.model == str(tmp_path) and cfg.adapters == {"a": str(tmp_path), "b": "/x"}
-    assert cfg.engine_config().max_waiting == 5 and cfg.admin_token == "t"
+    eng = cfg.engine_config()
+    assert eng.max_waiting == 5 and cfg.admin_token == "t"
+    assert (eng.kv_cache_dtype, eng.embedding_quantization, eng.max_lora_rank) == ("fp8", "int8", 32)
+    assert eng.enforce_eager and eng.quantization is None
     bad = CliRunner().invoke(main, ["serve", "--adapter", "no-equals-sign"])
     assert bad.exit_code == 2 and "NAME=PATH" in bad.output
 
