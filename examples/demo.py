@@ -34,7 +34,9 @@ def main() -> None:
     outs = llm.chat(convs, greedy, adapter=which)  # base and every adapter decode in one batch
     dt = time.perf_counter() - t
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\n{len(outs)} chats ({len(names)} models) in one batch: {ntok} tokens in {dt:.1f}s ({ntok / dt:.0f} tok/s)")
+    print(
+        f"\n{len(outs)} chats ({len(names)} models) in one batch: {ntok} tokens in {dt:.1f}s ({ntok / dt:.0f} tok/s)"
+    )
     for i, q in enumerate(QUESTIONS):
         print(f"\nQ: {q}")
         for j, n in enumerate(names):
@@ -44,7 +46,9 @@ def main() -> None:
 
     client_demo = HERE / "client_demo.py"
     if client_demo.is_file():
-        print("\n--- OpenAI-compatible server (examples/app.py) with the official openai client ---", flush=True)
+        print(
+            "\n--- OpenAI-compatible server (examples/app.py) with the official openai client ---", flush=True
+        )
         del llm
         sys.exit(subprocess.call([sys.executable, str(client_demo)]))
 

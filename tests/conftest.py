@@ -35,15 +35,29 @@ TINY_CONFIGS: dict[str, dict] = {
     "llama-gqa": dict(arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     # MHA, tied embeddings, llama3 rope scaling
     "llama-mha-llama3": dict(
-        arch="llama", num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        arch="llama",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
     # Qwen2: q/k/v bias, GQA, tied
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     # Mistral: GQA, untied, sliding window wider than any test sequence
-    "mistral": dict(arch="mistral", num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
-                    sliding_window=4096),
+    "mistral": dict(
+        arch="mistral",
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+        sliding_window=4096,
+    ),
 }
 
 
@@ -66,8 +80,16 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
 
     spec = dict(TINY_CONFIGS[name])
     arch = spec.pop("arch")
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=49152,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=49152,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common, **spec))
@@ -102,8 +124,16 @@ def tiny_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
     return get
 
 
-def make_peft_adapter(base_dir: str, out, seed: int, *, r: int = 8, alpha: int | None = None,  # noqa: ANN001
-                      targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"), scale: float = 0.3) -> str:
+def make_peft_adapter(
+    base_dir: str,
+    out,
+    seed: int,
+    *,
+    r: int = 8,
+    alpha: int | None = None,  # noqa: ANN001
+    targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"),
+    scale: float = 0.3,
+) -> str:
     """A real PEFT LoRA folder for ``base_dir`` with random non-zero A and B (a visible delta)."""
     import torch
     from peft import LoraConfig, get_peft_model

@@ -143,7 +143,9 @@ class AsyncLLM:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
         add = asyncio.ensure_future(
-            asyncio.to_thread(self.engine.add_request, prompt, sampling_params, adapter=adapter, request_id=rid)
+            asyncio.to_thread(
+                self.engine.add_request, prompt, sampling_params, adapter=adapter, request_id=rid
+            )
         )
         try:
             # Shielded: if we are cancelled mid-add, the add still completes and is aborted below,
@@ -152,7 +154,9 @@ class AsyncLLM:
         except asyncio.CancelledError:
             with self._streams_lock:
                 self._streams.pop(rid, None)
-            add.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self._queue_abort(rid))
+            add.add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None or self._queue_abort(rid)
+            )
             raise
         except BaseException:
             with self._streams_lock:
@@ -204,7 +208,9 @@ class AsyncLLM:
         """Token ids of ``prompt`` as ``generate`` would see them (special tokens added)."""
         return self.engine.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         return self.engine.apply_chat_template(messages, add_generation_prompt)
 
     def stats(self) -> EngineStats:

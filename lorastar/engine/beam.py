@@ -38,9 +38,7 @@ class BeamState:
         self.finished.sort(key=lambda h: h.score, reverse=True)
         del self.finished[self.width :]
 
-    def select(
-        self, beams: list[tuple[int, list[int], float]]
-    ) -> list[tuple[int, int, float]]:
+    def select(self, beams: list[tuple[int, list[int], float]]) -> list[tuple[int, int, float]]:
         """Choose the next beams. ``beams``: live (seq_id, generated tokens, sum_logprob) in beam
         order, each with its proposals in ``pending``. Returns ``[(parent seq_id, token, new sum)]``
         (at most ``width``; empty when the search is done)."""

@@ -145,7 +145,10 @@ class BlockManager:
         return 0
 
     def allocate(
-        self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()  # type: ignore[assignment]
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached: list[int] = (),  # type: ignore[assignment]
     ) -> list[tuple[int, int]] | None:
         """Give ``seq`` blocks for ``num_new_tokens`` more tokens. ``cached`` are prefix-cache hits
         from ``lookup`` (only at admission). Returns the copy-on-write copies to perform
@@ -242,4 +245,6 @@ class BlockManager:
                 raise RuntimeError(f"block {b} holds a hash the prefix cache does not map to it")
         for s in seqs:
             if s.num_computed_tokens > len(s.block_table) * self.block_size:
-                raise RuntimeError(f"seq {s.seq_id}: {s.num_computed_tokens} computed tokens exceed its blocks")
+                raise RuntimeError(
+                    f"seq {s.seq_id}: {s.num_computed_tokens} computed tokens exceed its blocks"
+                )

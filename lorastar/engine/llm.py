@@ -75,7 +75,8 @@ class LLM:
         """Generate replies to one conversation or a list of them, with the model's chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         prompts: list[Prompt] = [
-            self.engine.apply_chat_template(c, add_generation_prompt) for c in convs  # type: ignore[arg-type]
+            self.engine.apply_chat_template(c, add_generation_prompt)
+            for c in convs  # type: ignore[arg-type]
         ]
         n = len(prompts)
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)

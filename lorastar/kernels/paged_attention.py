@@ -187,7 +187,10 @@ if _HAS_TRITON:
         if NUM_SPLITS == 1:
             out = acc / l_i[:, None]
             tl.store(
-                out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                out_ptr
+                + q_row.to(tl.int64) * stride_ot
+                + heads[:, None] * stride_oh
+                + offs_d[None, :] * stride_od,
                 out.to(out_ptr.dtype.element_ty),
                 mask=mask_g[:, None] & mask_d[None, :],
             )
@@ -223,7 +226,11 @@ if _HAS_TRITON:
         m = tl.load(tmp_m_ptr + row, mask=mask_s, other=float("-inf"))
         l = tl.load(tmp_l_ptr + row, mask=mask_s, other=0.0)  # noqa: E741
         offs_d = tl.arange(0, BLOCK_D)
-        acc = tl.load(tmp_acc_ptr + row[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+        acc = tl.load(
+            tmp_acc_ptr + row[:, None].to(tl.int64) * BLOCK_D + offs_d[None, :],
+            mask=mask_s[:, None],
+            other=0.0,
+        )
         w = tl.exp2(m - tl.max(m, axis=0))  # [BS]; 0 for masked splits
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(
@@ -260,7 +267,10 @@ if _HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
         q = tl.load(
-            q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+            q_ptr
+            + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt
+            + h * stride_qh
+            + offs_d[None, :] * stride_qd,
             mask=mask_m[:, None] & mask_d[None, :],
             other=0.0,
         )  # [BM, BD]
@@ -304,7 +314,10 @@ if _HAS_TRITON:
             m_i = m_new
         out = acc * v_scale / l_i[:, None]
         tl.store(
-            out_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+            out_ptr
+            + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot
+            + h * stride_oh
+            + offs_d[None, :] * stride_od,
             out.to(out_ptr.dtype.element_ty),
             mask=mask_m[:, None] & mask_d[None, :],
         )
@@ -322,7 +335,9 @@ def _num_sms(device: torch.device) -> int:
     return 1
 
 
-def _decode_splits(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device) -> int:
+def _decode_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
+) -> int:
     """Split the context only when (seq, kv head) programs alone cannot fill the GPU."""
     if device.type != "cuda":
         return 1

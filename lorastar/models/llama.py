@@ -43,7 +43,9 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE:
-        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE)}")
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE)}"
+        )
     params["rope_type"] = rope_type
     return params
 
@@ -120,7 +122,12 @@ def _linear_method(quant: QuantConfig | None, prefix: str):  # noqa: ANN202
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None, rope: RotaryEmbedding
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        rope: RotaryEmbedding,
     ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
@@ -158,7 +165,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None) -> None:
+    def __init__(
+        self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None
+    ) -> None:
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         prefix = f"model.layers.{layer_idx}.mlp"
@@ -185,7 +194,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: dict[str, Any], layer_idx: int, dtype: torch.dtype, quant: QuantConfig | None, rope: RotaryEmbedding
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        rope: RotaryEmbedding,
     ) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
@@ -229,7 +243,9 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Parameter(torch.empty(self.vocab_size, hidden, dtype=dtype), requires_grad=False)
+            self.lm_head = nn.Parameter(
+                torch.empty(self.vocab_size, hidden, dtype=dtype), requires_grad=False
+            )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]

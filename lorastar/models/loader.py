@@ -105,7 +105,9 @@ class WeightLoader:
         if param is None:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
         if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(param.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(param.shape)}"
+            )
         param.data.copy_(tensor.to(param.dtype))
         self._loaded_plain.add(target)
 
@@ -117,7 +119,9 @@ class WeightLoader:
             offs = layer.slice_offsets()
             target = target[offs[shard] : offs[shard + 1]]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(target.shape)}")
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(target.shape)}"
+            )
         target.copy_(tensor.to(target.dtype))
         layer.bias.loaded_shards = getattr(layer.bias, "loaded_shards", set()) | {shard}  # type: ignore[attr-defined]
 

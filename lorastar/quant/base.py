@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from lorastar.models.linear import Linear
 
 
-def set_param_meta(param: nn.Parameter, *, output_dim: int | None, output_pack: int = 1, **extra: Any) -> None:
+def set_param_meta(
+    param: nn.Parameter, *, output_dim: int | None, output_pack: int = 1, **extra: Any
+) -> None:
     param.output_dim = output_dim  # type: ignore[attr-defined]
     param.output_pack = output_pack  # type: ignore[attr-defined]
     for k, v in extra.items():
@@ -42,7 +44,9 @@ class QuantMethod(ABC):
     ) -> None:
         """Register the layer's parameters (empty, with metadata) on ``layer``."""
 
-    def load_weight(self, layer: Linear, name: str, loaded: torch.Tensor, shard: int | None, source: str) -> None:
+    def load_weight(
+        self, layer: Linear, name: str, loaded: torch.Tensor, shard: int | None, source: str
+    ) -> None:
         """Copy checkpoint tensor ``loaded`` (called ``source`` in the checkpoint) into parameter ``name``.
 
         ``shard`` is the index in ``layer.output_sizes`` for fused layers, ``None`` for whole tensors.
@@ -64,7 +68,10 @@ class QuantMethod(ABC):
             raise ValueError(
                 f"{source}: shape {tuple(loaded.shape)} does not match expected {tuple(target.shape)}"
             )
-        if target.dtype in (torch.int32, torch.int8, torch.uint8, torch.int64) or loaded.dtype == target.dtype:
+        if (
+            target.dtype in (torch.int32, torch.int8, torch.uint8, torch.int64)
+            or loaded.dtype == target.dtype
+        ):
             target.copy_(loaded)
         elif target.dtype.is_floating_point and target.element_size() == 1:
             target.copy_(loaded.to(target.dtype))

@@ -88,7 +88,9 @@ def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> 
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), adapter=order)
     for p, a, o in zip(prompts, order, outs):
         assert o.outputs[0].token_ids == peft_greedy(ref, p, a, 8), f"adapter {a}"
-    same_prompt = llm.generate([prompts[0]] * 5, SamplingParams(temperature=0, max_tokens=8), adapter=order[:5])
+    same_prompt = llm.generate(
+        [prompts[0]] * 5, SamplingParams(temperature=0, max_tokens=8), adapter=order[:5]
+    )
     assert len({tuple(o.outputs[0].token_ids) for o in same_prompt}) > 1  # adapters change outputs
     eng.check_invariants()
     assert llm.kv_cache_usage()["num_used_blocks"] == 0

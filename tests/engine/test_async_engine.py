@@ -44,7 +44,9 @@ async def test_streams_match_offline_and_abort_frees(tiny_model_dir) -> None:  #
             pass
     # Cancelled while the request is being added: it is added, then aborted (nothing runs on).
     for _ in range(5):
-        task = asyncio.create_task(_collect(engine, [4] * 30, SamplingParams(max_tokens=400, ignore_eos=True)))
+        task = asyncio.create_task(
+            _collect(engine, [4] * 30, SamplingParams(max_tokens=400, ignore_eos=True))
+        )
         await asyncio.sleep(0)  # let it reach the add
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

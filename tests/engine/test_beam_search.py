@@ -9,13 +9,17 @@ from transformers import AutoModelForCausalLM
 from lorastar import LLM, SamplingParams
 
 
-@pytest.mark.parametrize(("name", "width", "length_penalty"), [("llama-gqa", 2, 1.0), ("llama-gqa", 4, 0.5), ("qwen2", 3, 1.0)])
+@pytest.mark.parametrize(
+    ("name", "width", "length_penalty"), [("llama-gqa", 2, 1.0), ("llama-gqa", 4, 0.5), ("qwen2", 3, 1.0)]
+)
 def test_beam_search_matches_hf(tiny_model_dir, name: str, width: int, length_penalty: float) -> None:
     path = tiny_model_dir(name)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, num_kv_blocks=256)
     prompts = [[11, 22, 33, 44, 55], [7] * 19, list(range(100, 140))]
-    sp = SamplingParams(n=width, use_beam_search=True, max_tokens=10, length_penalty=length_penalty, temperature=0)
+    sp = SamplingParams(
+        n=width, use_beam_search=True, max_tokens=10, length_penalty=length_penalty, temperature=0
+    )
     outs = llm.generate(prompts, sp)
     for p, out in zip(prompts, outs):
         ids = torch.tensor([p])

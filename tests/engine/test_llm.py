@@ -16,7 +16,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir) -> LLM:  # noqa: ANN001
-    return LLM(tiny_model_dir("llama-gqa"), num_kv_blocks=128, max_model_len=256, max_loras=2, max_lora_rank=16)
+    return LLM(
+        tiny_model_dir("llama-gqa"), num_kv_blocks=128, max_model_len=256, max_loras=2, max_lora_rank=16
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +80,9 @@ def test_n_samples_seed_logprobs_stop(llm: LLM) -> None:
     full = llm.generate([5, 6, 7, 8], GREEDY)[0].outputs[0]
     stop = full.text[3:7]
     if stop and stop.strip():
-        cut = llm.generate([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, stop=[stop]))[0].outputs[0]
+        cut = llm.generate([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8, stop=[stop]))[0].outputs[
+            0
+        ]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop
         assert cut.text == full.text[: full.text.index(stop)]
     tid = full.token_ids[2]
@@ -112,7 +116,9 @@ def test_adapter_load_unload_while_generating(llm: LLM, tiny_model_dir, tmp_path
     p2 = _make_adapter(base_dir, tmp_path / "two", 2)
     eng = llm.engine
     llm.load_adapter("one", p1)
-    ref_one = llm.generate([4, 5, 6], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), adapter="one")[0]
+    ref_one = llm.generate(
+        [4, 5, 6], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), adapter="one"
+    )[0]
     # In flight on "one" while "two" is loaded and "one" unloaded.
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     req = eng.add_request([4, 5, 6], sp, adapter="one")

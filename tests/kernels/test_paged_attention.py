@@ -56,7 +56,13 @@ def _build(
         seq_lens.append(total)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
     reshape_and_cache(
-        torch.cat(keys).to(dtype), torch.cat(values).to(dtype), k_cache, v_cache, slot_mapping, k_scale, v_scale
+        torch.cat(keys).to(dtype),
+        torch.cat(values).to(dtype),
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
     )
     d = {
         "q": torch.cat(qs).to(dtype),
@@ -217,6 +223,8 @@ def test_paged_attention_gpu(kind: str, head_dim: int, dtype: torch.dtype) -> No
 
 @pytest.mark.gpu
 def test_fp8_cache_gpu() -> None:
-    d = _build(DECODE, 32, 8, 128, 16, torch.bfloat16, cache_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5)
+    d = _build(
+        DECODE, 32, 8, 128, 16, torch.bfloat16, cache_dtype=torch.float8_e4m3fn, k_scale=0.5, v_scale=0.5
+    )
     got, ref = _run(d, k_scale=0.5, v_scale=0.5)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -50,7 +50,9 @@ def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path) -> N
     logits = eng.runner.execute(out, eng._adapter_slots(out))
     for row, (p, a) in enumerate(zip(prompts, order)):
         with torch.no_grad():
-            want = ref(input_ids=torch.tensor([p], device="cuda"), adapter_names=[a or "__base__"]).logits[0, -1]
+            want = ref(input_ids=torch.tensor([p], device="cuda"), adapter_names=[a or "__base__"]).logits[
+                0, -1
+            ]
         torch.testing.assert_close(logits[row], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     for rid in list(eng.requests):
         eng.abort_request(rid)
@@ -68,6 +70,10 @@ def test_cuda_bf16_and_fp8_kv_run(tiny_model_dir) -> None:
     prompts = [[5 + i] * (10 + 7 * i) for i in range(6)]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     bf16 = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=128).generate(prompts, sp)
-    fp8 = LLM(path, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=128).generate(prompts, sp)
-    agree = sum(a == b for x, y in zip(bf16, fp8) for a, b in zip(x.outputs[0].token_ids, y.outputs[0].token_ids))
+    fp8 = LLM(path, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=128).generate(
+        prompts, sp
+    )
+    agree = sum(
+        a == b for x, y in zip(bf16, fp8) for a, b in zip(x.outputs[0].token_ids, y.outputs[0].token_ids)
+    )
     assert agree / (16 * len(prompts)) >= 0.8

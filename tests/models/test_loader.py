@@ -54,7 +54,9 @@ def test_unsupported_architecture_names_it(tiny_model_dir, tmp_path: Path) -> No
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"
+    ):
         LLM(str(d))
 
 
