@@ -4,7 +4,8 @@ The embedded SmolLM2 can't be converted on the GPU box (no gguf there), so this 
 1.1B Llama (TinyLlama's shape) in bf16 plus SmolLM2's tokenizer (--tokenizer folder) and runs
 B requests of 128 prompt tokens + 64 new tokens (greedy, ignore_eos), measured side by side:
   lorastar base | the same with eager steps (no CUDA graphs) | lorastar with 16 distinct rank-16
-  adapters (graphs, eager) | HF static batch (no padding needed). Every run is warmed up on its batch.
+  adapters (graphs, eager) | HF static batch (no padding needed) | PEFT's mixed-adapter batch
+  (``generate(adapter_names=...)``) over the same adapters. Every run is warmed up on its batch.
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR]
 """
 
@@ -108,6 +109,33 @@ def run_hf(path: Path, prompts: list[list[int]]) -> float:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
 
 
+def run_peft_mixed(path: Path, prompts: list[list[int]], adapters: list[Path]) -> float:
+    """PEFT's mixed-adapter batch: one ``generate(adapter_names=...)`` over all requests."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = PeftModel.from_pretrained(base, str(adapters[0]), adapter_name="a0")
+    for i, a in enumerate(adapters[1:], start=1):
+        model.load_adapter(str(a), adapter_name=f"a{i}")
+    model.eval()
+    names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
+    ids = torch.tensor(prompts, device="cuda")
+    kw = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names, **kw
+        )  # warm-up
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names, **kw)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del model, base
+    torch.cuda.empty_cache()
+    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", type=Path, required=True)
@@ -126,18 +154,21 @@ def main() -> None:
         lora = run_lorastar(path, prompts, adapters[: min(16, b)])
         lora_eager = run_lorastar(path, prompts, adapters[: min(16, b)], eager=True)
         hf = run_hf(path, prompts)
+        peft = run_peft_mixed(path, prompts, adapters[: min(16, b)])
         rows.append({"batch": b, "lorastar": base, "lorastar_eager": eager, "lorastar_16_lora": lora,
-                     "lorastar_16_lora_eager": lora_eager, "hf_static": hf})  # fmt: skip
+                     "lorastar_16_lora_eager": lora_eager, "hf_static": hf, "peft_mixed": peft})  # fmt: skip
         print(f"B={b}: lorastar {base:.0f} (eager {eager:.0f}) tok/s | +{min(16, b)} adapters {lora:.0f} "
-              f"(eager {lora_eager:.0f}) tok/s | HF static {hf:.0f} tok/s", flush=True)  # fmt: skip
+              f"(eager {lora_eager:.0f}) tok/s | HF static {hf:.0f} | PEFT mixed {peft:.0f} tok/s", flush=True)  # fmt: skip
     lines = [f"GPU: {torch.cuda.get_device_name()}, random 1.1B Llama (TinyLlama shape), bf16, 128+64 tokens", "",
              "| requests | lorastar tok/s | eager steps | lorastar, 16 adapters (r=16) | eager steps | "
-             "HF generate static batch | lorastar / HF | CUDA graphs / eager | LoRA tax |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "HF generate static batch | PEFT mixed batch, same adapters | lorastar / HF | "
+             "CUDA graphs / eager | LoRA tax | lorastar / PEFT mixed (adapters) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['batch']} | {r['lorastar']:.0f} | {r['lorastar_eager']:.0f} | {r['lorastar_16_lora']:.0f} | "
-                     f"{r['lorastar_16_lora_eager']:.0f} | {r['hf_static']:.0f} | {r['lorastar'] / r['hf_static']:.2f}x | "
-                     f"{r['lorastar'] / r['lorastar_eager']:.2f}x | {r['lorastar_16_lora'] / r['lorastar']:.2f} |")  # fmt: skip
+                     f"{r['lorastar_16_lora_eager']:.0f} | {r['hf_static']:.0f} | {r['peft_mixed']:.0f} | "
+                     f"{r['lorastar'] / r['hf_static']:.2f}x | {r['lorastar'] / r['lorastar_eager']:.2f}x | "
+                     f"{r['lorastar_16_lora'] / r['lorastar']:.2f} | {r['lorastar_16_lora'] / r['peft_mixed']:.2f}x |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
