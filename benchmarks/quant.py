@@ -172,7 +172,8 @@ def run_models(args: argparse.Namespace) -> None:
     systems: list[tuple[str, dict]] = [
         ("16-bit", {"model": base}),
         ("fp8 on the fly", {"model": base, "quantization": "fp8"}),
-        ("16-bit + fp8 KV", {"model": base, "kv_cache_dtype": "fp8"}),
+        ("16-bit + fp8 KV (e4m3)", {"model": base, "kv_cache_dtype": "fp8"}),
+        ("16-bit + fp8 KV (e5m2)", {"model": base, "kv_cache_dtype": "fp8_e5m2"}),
         ("16-bit + int8 embedding", {"model": base, **INT8_EMB}),
     ]
     for name, label in (

@@ -46,7 +46,8 @@ class EngineConfig:
     """Bytes for the KV cache when ``num_kv_blocks`` is unset. ``None``: 1 GiB on CPU, 80% of free on GPU."""
 
     kv_cache_dtype: str = "auto"
-    """``"auto"`` (the model dtype), ``"fp8"`` (e4m3) or ``"fp8_e5m2"``."""
+    """``"auto"`` (the model dtype), ``"fp8"`` (e4m3) or ``"fp8_e5m2"``. FP8 uses the checkpoint's
+    per-layer K/V scales, else scales computed at load from one calibration forward."""
 
     quantization: str | None = None
     """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"`` check it;

@@ -20,6 +20,7 @@ from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
 from lorastar.engine.errors import AdapterNotFoundError, EngineOverloadedError
+from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorastar.engine.request import Request, Sequence
@@ -116,8 +117,22 @@ class LLMEngine:
         )
         spec.num_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
         n = self.model.num_layers
+        if config.kv_cache_dtype != "auto" and ckpt_kv_scales:  # a partial set is a broken checkpoint
+            for i in range(n):
+                for which in ("k", "v"):
+                    if (i, which) not in ckpt_kv_scales:
+                        raise ValueError(
+                            f"model.layers.{i}.self_attn.{which}_scale: missing from the checkpoint"
+                        )
         k_scales = [ckpt_kv_scales.get((i, "k"), 1.0) for i in range(n)]
         v_scales = [ckpt_kv_scales.get((i, "v"), 1.0) for i in range(n)]
+        if config.kv_cache_dtype != "auto" and not ckpt_kv_scales:  # fp8 cache, no scales shipped
+            k_scales, v_scales = calibrate_kv_scales(
+                self.model, self.tokenizer.encode(CALIBRATION_TEXT)[:max_len], dtype=self.dtype, device=self.device,
+                block_size=config.block_size,
+                cache_dtype=kv_dtype,
+            )  # fmt: skip
+        self.kv_scales = (k_scales, v_scales)
 
         # ---- adapters ----
         self.model_spec = ModelSpec.from_hf_config(cfg)
