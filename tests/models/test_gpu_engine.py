@@ -66,14 +66,18 @@ def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path) -> N
 
 
 def test_cuda_bf16_and_fp8_kv_run(tiny_model_dir) -> None:
+    """FP8 caches (computed scales, CUDA graphs) follow the bf16 cache until a near tie of the
+    bf16 run; a random tiny model has many, so a raw agreement ratio would measure luck."""
     path = tiny_model_dir("llama-gqa")
     prompts = [[5 + i] * (10 + 7 * i) for i in range(6)]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     bf16 = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=128).generate(prompts, sp)
-    fp8 = LLM(path, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_kv_blocks=128).generate(
-        prompts, sp
-    )
-    agree = sum(
-        a == b for x, y in zip(bf16, fp8) for a, b in zip(x.outputs[0].token_ids, y.outputs[0].token_ids)
-    )
-    assert agree / (16 * len(prompts)) >= 0.8
+    for kv in ("fp8", "fp8_e5m2"):
+        llm = LLM(path, device="cuda", dtype="bfloat16", kv_cache_dtype=kv, num_kv_blocks=128)
+        assert all(s != 1.0 for s in llm.engine.kv_scales[0])  # computed, not the unit default
+        for base, got in zip(bf16, llm.generate(prompts, sp)):
+            a, b = base.outputs[0], got.outputs[0]
+            diverged = [i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y]
+            if diverged:
+                top = sorted((lp.logprob for lp in a.logprobs[diverged[0]].values()), reverse=True)
+                assert top[0] - top[1] < 0.25, f"{kv}: diverged at a clear choice ({top[0] - top[1]:.3f})"
