@@ -245,12 +245,13 @@ def model_flops() -> dict[str, float]:
     }
 
 
-def gemm_gflops(seconds: float = 2.0) -> float:
-    """Sustained fp32 GEMM rate of this machine at the thread count set, on the model's shapes
-    (a 256-token batch through a 576 x 1536 projection): the compute roof for prefill and batches."""
+def gemm_gflops(seconds: float = 2.0, rows: int = 256) -> float:
+    """Sustained fp32 GEMM rate of this machine at the thread count set, on the model's shapes:
+    ``rows`` tokens through a 576 x 1536 projection. 256 rows: the roof for prefill and large
+    batches; a decode step of B sequences has only B rows, and small-row GEMMs run slower."""
     import torch
 
-    x = torch.randn(256, 576)
+    x = torch.randn(rows, 576)
     w = torch.randn(1536, 576)
     for _ in range(5):
         x @ w.T
@@ -259,4 +260,4 @@ def gemm_gflops(seconds: float = 2.0) -> float:
     while time.perf_counter() - t0 < seconds:
         x @ w.T
         n += 1
-    return n * 2.0 * 256 * 576 * 1536 / (time.perf_counter() - t0) / 1e9
+    return n * 2.0 * rows * 576 * 1536 / (time.perf_counter() - t0) / 1e9

@@ -306,6 +306,21 @@ def main() -> None:
     )
     if "hf_serial" in a.sys:
         roof_note += f" = {roof / rate('hf_serial', a.conc[0]):.1f}x HF one-at-a-time."
+    # Tighter: decode steps of c sequences are c-row GEMMs, which this machine runs slower.
+    c_max = max(a.conc)
+    dec_gflops = gemm_gflops(rows=c_max)
+    t_tok = (p_len * mf["layers"] + attn) / (gflops * 1e9) + n_new * (mf["layers"] + mf["head"]) / (
+        dec_gflops * 1e9
+    )
+    dec_roof = n_new / t_tok
+    roof_note += (
+        f" With decode steps at the {c_max}-row GEMM rate ({dec_gflops:.1f} GFLOP/s): at most {dec_roof:.0f} tok/s "
+        f"at {c_max} concurrent"
+    )
+    if "hf_serial" in a.sys:
+        roof_note += f" = {dec_roof / rate('hf_serial', a.conc[0]):.1f}x HF one-at-a-time"
+    if "lorastar" in a.sys:
+        roof_note += f"; lorastar reaches {rate('lorastar', c_max) / dec_roof:.0%} of it."
     print(roof_note)
     notes = [
         f"SmolLM2-135M-Instruct fp32 on CPU, {a.threads} torch threads; prompts {min(lengths)}-{max(lengths)} tokens "
