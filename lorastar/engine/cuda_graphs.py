@@ -40,6 +40,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """The captured decode graphs of one runner, keyed by (padded batch size, with LoRA), and the
+    static input buffers they read."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
