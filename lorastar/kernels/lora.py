@@ -11,6 +11,7 @@ with a rank-64 one costs rank-8 work. Two index forms (see ``LoRAMetadata``):
 Each op runs its Triton kernel when the tensors are on CUDA (or when ``force_triton=True`` / the
 module flag ``FORCE_TRITON`` is set, for tests under ``TRITON_INTERPRET=1``); otherwise a
 vectorized torch path that groups rows by slot (``lora_shrink_torch`` / ``lora_expand_torch``).
+The engine's CPU path is ``add_lora_packed``: rows ordered by adapter and A packed across slices.
 """
 
 from __future__ import annotations
@@ -561,35 +562,6 @@ def _ranges_and_perm(meta: LoRAMetadata) -> tuple[list[tuple[int, int, int]], to
     return ranges, torch.cat([rows for _, rows in groups]) if groups else None
 
 
-def _add_lora_sorted(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a_slices: list[torch.Tensor | None],
-    lora_b_slices: list[torch.Tensor | None],
-    meta: LoRAMetadata,
-    offsets: list[int],
-) -> None:
-    """CPU path when each adapter's rows form one range (``meta.ranges``, over ``meta.perm`` when
-    set): two matmuls per slice and adapter, written straight into ``y``'s views when unpermuted.
-
-    Semantics: ``for slot, s, e in ranges: y[perm[s:e], off:off+N] += x[perm[s:e]] @ A[slot,:r].T @ B[slot,:,:r].T``
-    """
-    perm = meta.perm
-    rank_of = meta.ranks_host if meta.ranks_host else _rank_list(meta.ranks)
-    xp = x if perm is None else x.index_select(0, perm)  # [n, H]
-    for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
-        if a is None or b is None:
-            continue
-        n_out = b.shape[1]
-        yp = y[:, off : off + n_out] if perm is None else y.new_zeros(perm.numel(), n_out)  # [n, N]
-        for slot, s, e in meta.ranges:
-            r = rank_of[slot]
-            if r:
-                yp[s:e].addmm_(xp[s:e] @ a[slot, :r].t(), b[slot, :, :r].t())
-        if perm is not None:
-            y[:, off : off + n_out].index_add_(0, perm, yp)
-
-
 def add_lora_packed(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -660,9 +632,6 @@ def add_lora(
     if x.shape[0] == 0:
         return
     if not _use_triton(x, force_triton):
-        if meta.ranges:
-            _add_lora_sorted(y, x, lora_a_slices, lora_b_slices, meta, offsets)
-            return
         groups = meta.groups if meta.groups else groups_from_slots(meta.token_slots)
         if not groups:
             return
