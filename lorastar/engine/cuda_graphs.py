@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata
+from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
 
 if TYPE_CHECKING:
     from lorastar.adapters.layers import LoRADeviceState
@@ -161,10 +161,8 @@ class DecodeGraphs:
             self.i32[1, b : self.prev_batch] = -1
             self.block_tables[b : self.prev_batch, 0] = self.scratch_block
         self.prev_batch = b
-        width = max(len(t) for t in tables)
-        bt = torch.full((b, width), self.scratch_block, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        bt = padded_block_tables(tables, self.scratch_block)  # [b, width]
+        width = bt.shape[1]
         self.i64[:, :b].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64))
         self.i32[:, :b].copy_(torch.tensor([seq_lens, token_slots or [-1] * b], dtype=torch.int32))
         self.block_tables[:b, :width].copy_(bt)

@@ -9,7 +9,7 @@ import torch
 from lorastar.adapters.layers import LoRADeviceState
 from lorastar.engine.cuda_graphs import DecodeGraphs
 from lorastar.engine.scheduler import SchedulerOutput
-from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata
+from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
 from lorastar.models.llama import LlamaForCausalLM
 
 
@@ -114,10 +114,7 @@ class ModelRunner:
         last_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
 
         dev = self.device
-        max_blocks = max(len(t) for t in tables)
-        bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        bt = padded_block_tables(tables)  # [B, max_blocks]
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
