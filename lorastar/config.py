@@ -79,7 +79,27 @@ class EngineConfig:
     """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""
 
     max_waiting: int | None = None
-    """Bound on the waiting queue; past it new requests are refused (the server answers 503)."""
+    """Most requests queued and not yet started; past it new requests are refused with
+    ``EngineOverloadedError`` (the server answers 503 + ``Retry-After``). Preempted sequences of
+    admitted requests do not count. ``None``: unbounded (offline ``LLM.generate`` queues all its
+    prompts at once); the plugin defaults to 256."""
+
+    max_n: int = 128
+    """Largest ``n`` (samples, or beams with ``use_beam_search``) of one request. A beam search
+    whose beams cannot all fit the KV cache at once is refused whatever this says."""
+
+    max_stop_strings: int = 64
+    """Most ``stop`` strings in one request (each is matched against new text every step)."""
+
+    max_stop_string_length: int = 256
+    """Longest ``stop`` string, in characters."""
+
+    max_stop_token_ids: int = 256
+    """Most ``stop_token_ids`` in one request."""
+
+    max_prompt_bytes: int | None = None
+    """Largest text prompt (UTF-8 bytes; chat: all message contents together), checked before
+    tokenizing. ``None``: 64 bytes per token of ``max_model_len``, far above real text."""
 
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form options for experiments (ignored by the engine core)."""
@@ -103,7 +123,17 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("block_size", "max_num_seqs", "max_loras", "max_lora_rank", "max_cpu_loras"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
+            "max_n",
+            "max_stop_strings",
+            "max_stop_string_length",
+            "max_stop_token_ids",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -113,6 +143,7 @@ class EngineConfig:
             "num_kv_blocks",
             "kv_cache_memory",
             "max_waiting",
+            "max_prompt_bytes",
         ):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

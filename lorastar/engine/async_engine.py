@@ -3,11 +3,18 @@
 The loop thread owns stepping; callers on any event loop get cumulative ``RequestOutput``s
 through an ``asyncio.Queue``. Aborts (explicit, or a consumer that goes away) are queued and
 applied between steps, so a disconnected client's blocks are freed at the next step boundary.
+
+A step that raises does not end the service: the requests that had started get a
+``RequestFailedError`` (one of them may be the cause, so none is retried), the engine is rebuilt
+from its config (weights reloaded, adapters re-registered from the registry's record of names and
+paths) with a capped exponential backoff, and requests still queued move to the new engine
+unchanged. While it rebuilds, new work gets ``EngineUnavailableError`` (HTTP 503 + Retry-After).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -19,7 +26,11 @@ from typing import Any
 from lorastar.adapters.registry import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
-from lorastar.engine.errors import EngineDeadError
+from lorastar.engine.errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    RequestFailedError,
+)
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import SamplingParams
@@ -30,9 +41,24 @@ _Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseEx
 
 
 class AsyncLLM:
+    # Rebuild backoff: first wait, cap (seconds); the wait doubles per failed rebuild and resets
+    # after a step succeeds. Rebuilds are retried until one works or shutdown() is called.
+    restart_backoff: tuple[float, float] = (0.5, 30.0)
+
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        self.config = config
         self.engine = LLMEngine(config)
+        # Read by the HTTP layer while a rebuild swaps the engine: fixed for the model.
+        self._tokenizer = self.engine.tokenizer
+        self._model_name = self.engine.model_name
+        self._max_model_len = self.engine.max_model_len
+        # Held while a request is added and while the engine is swapped: an add never lands
+        # in an engine that is being thrown away.
+        self._swap_lock = threading.Lock()
+        self._restarting = False
+        self._retry_after = self.restart_backoff[0]
+        self.num_restarts = 0
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._aborts: deque[str] = deque()
@@ -44,19 +70,38 @@ class AsyncLLM:
     # ---- properties -------------------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self._tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self._model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._max_model_len
 
     @property
     def errored(self) -> bool:
+        """The loop ended for good (it only does on a non-``Exception`` error)."""
         return self._error is not None
+
+    @property
+    def restarting(self) -> bool:
+        """A step failed and the engine is being rebuilt; new work is refused meanwhile."""
+        return self._restarting
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds a client should wait before retrying while ``restarting``."""
+        return self._retry_after
+
+    def _check_available(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError("The engine has stopped and cannot serve requests.")
+        if self._restarting:
+            raise EngineUnavailableError(
+                "The engine is restarting after a failure; retry shortly.", self._retry_after
+            )
 
     @property
     def is_running(self) -> bool:
@@ -87,8 +132,8 @@ class AsyncLLM:
         self._thread = None
 
     def _loop(self) -> None:
-        eng = self.engine
         while not self._stop.is_set():
+            eng = self.engine
             try:
                 while self._aborts:
                     out = eng.abort_request(self._aborts.popleft())
@@ -100,15 +145,84 @@ class AsyncLLM:
                     continue
                 for out in eng.step():
                     self._dispatch(out)
-            except BaseException as e:  # the engine is broken: fail every stream, refuse new work
-                logger.exception("engine step loop died")
+                self._retry_after = self.restart_backoff[0]
+            except Exception as e:
+                logger.exception("lorastar: engine step failed; rebuilding the engine")
+                self._recover(e)
+            except BaseException as e:  # KeyboardInterrupt, SystemExit: stop for good
+                logger.exception("lorastar: engine step loop stopped")
                 self._error = e
-                with self._streams_lock:
-                    streams = list(self._streams.values())
-                    self._streams.clear()
-                for loop, q in streams:
-                    loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine died: {e!r}"))
+                self._fail_all(EngineDeadError("The engine has stopped."))
                 return
+
+    def _recover(self, cause: Exception) -> None:
+        """Fail the started requests, rebuild the engine, move queued requests to it."""
+        old = self.engine
+        with self._swap_lock, old.lock:
+            self._restarting = True
+            started = [r for r in old.requests.values() if r.first_scheduled_time is not None or r.forked]
+            queued = [r for r in old.requests.values() if r not in started]
+            adapters = [(a.name, a.path) for a in old.list_adapters()]
+        failure = RequestFailedError(
+            "The engine failed while running this request and is restarting; retry the request."
+        )
+        for req in started:
+            self._fail(req.request_id, failure)
+        self._aborts.clear()  # ids of the old engine; their streams are gone or failed
+        old.close()
+        del old
+        gc.collect()
+        delay = self._retry_after
+        while not self._stop.is_set():
+            try:
+                new = LLMEngine(self.config)
+                for name, path in adapters:
+                    try:
+                        new.load_adapter(name, path)
+                    except Exception:  # the folder changed or vanished since it was loaded
+                        logger.exception("lorastar: adapter %r (%s) not re-registered", name, path)
+                break
+            except Exception:
+                logger.exception("lorastar: engine rebuild failed; retrying in %.1f s", delay)
+                self._retry_after = delay
+                self._stop.wait(delay)
+                delay = min(2 * delay, self.restart_backoff[1])
+        else:
+            self._fail_all(EngineDeadError("The engine was shut down while restarting."))
+            return
+        with self._swap_lock:
+            for req in queued:  # never scheduled: the same request, unchanged, on the new engine
+                try:
+                    new.add_request(
+                        req.prompt_token_ids, req.params, adapter=req.adapter_name, request_id=req.request_id
+                    )
+                except Exception as exc:
+                    self._fail(req.request_id, exc)
+            self.engine = new
+            self.num_restarts += 1
+            self._restarting = False
+        logger.warning("lorastar: engine rebuilt after a failed step (%s)", type(cause).__name__)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._put(stream, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._streams_lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            self._put(stream, exc)
+
+    @staticmethod
+    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+        loop, q = stream
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
 
     def _dispatch(self, out: RequestOutput) -> None:
         with self._streams_lock:
@@ -116,11 +230,7 @@ class AsyncLLM:
             if stream is not None and out.finished:
                 del self._streams[out.request_id]
         if stream is not None:
-            loop, q = stream
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                pass
+            self._put(stream, out)
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
@@ -133,8 +243,7 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs; the last has ``finished=True``. Closing the iterator early
         (or cancelling its task) aborts the request."""
-        if self._error is not None:
-            raise EngineDeadError(f"engine died: {self._error!r}")
+        self._check_available()
         await self.start()
         rid = request_id or uuid.uuid4().hex
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -143,9 +252,7 @@ class AsyncLLM:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
         add = asyncio.ensure_future(
-            asyncio.to_thread(
-                self.engine.add_request, prompt, sampling_params, adapter=adapter, request_id=rid
-            )
+            asyncio.to_thread(self._add_request, prompt, sampling_params, adapter, rid)
         )
         try:
             # Shielded: if we are cancelled mid-add, the add still completes and is aborted below,
@@ -185,6 +292,13 @@ class AsyncLLM:
                     self._streams.pop(rid, None)
                 self._queue_abort(rid)
 
+    def _add_request(
+        self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str
+    ) -> None:
+        with self._swap_lock:
+            self._check_available()
+            self.engine.add_request(prompt, params, adapter=adapter, request_id=rid)
+
     def _queue_abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         self._wake.set()
@@ -195,9 +309,11 @@ class AsyncLLM:
     # ---- adapters ------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
         # Reading + validating runs off the event loop and outside the step lock.
+        self._check_available()
         return await asyncio.to_thread(self.engine.load_adapter, name, path)
 
     async def unload_adapter(self, name: str) -> None:
+        self._check_available()
         await asyncio.to_thread(self.engine.unload_adapter, name)
 
     def list_adapters(self) -> list[AdapterInfo]:
@@ -205,7 +321,9 @@ class AsyncLLM:
 
     # ---- misc ------------------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added)."""
+        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added).
+        Blocking (the HTTP layer calls it from a worker thread); refuses text over
+        ``max_prompt_bytes`` before tokenizing."""
         return self.engine.tokenize(prompt)
 
     def apply_chat_template(
@@ -213,7 +331,10 @@ class AsyncLLM:
     ) -> list[int]:
         return self.engine.apply_chat_template(messages, add_generation_prompt)
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> EngineStats | None:
+        """The engine's counters; ``None`` while it is being rebuilt (its gauges are gone)."""
+        if self._restarting:
+            return None
         return self.engine.stats()
 
     def kv_cache_usage(self) -> dict[str, float | int]:

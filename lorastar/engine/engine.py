@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from collections.abc import Sequence as Sequence_
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
-from lorastar.engine.errors import AdapterNotFoundError, EngineOverloadedError
+from lorastar.engine.errors import (
+    AdapterNotFoundError,
+    EngineOverloadedError,
+    InvalidParamError,
+    LimitExceededError,
+)
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -147,6 +153,7 @@ class LLMEngine:
         )
         self.kv_spec = spec
         self.max_model_len = min(max_len, spec.num_blocks * spec.block_size)
+        self.max_prompt_bytes = config.max_prompt_bytes or 64 * self.max_model_len
         self.runner = ModelRunner(
             self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 256),
@@ -208,46 +215,106 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
+        self.check_prompt_size(prompt)
         return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def check_prompt_size(self, text: str | Sequence_[str], param: str = "prompt") -> None:
+        """Refuse text over ``max_prompt_bytes`` before any tokenizing (a 9 MB prompt would hold
+        a tokenizer thread for seconds only to be refused for its length)."""
+        texts = [text] if isinstance(text, str) else text
+        limit = self.max_prompt_bytes
+        size = 0
+        for t in texts:
+            if len(t) > limit:  # characters <= bytes: no need to encode a huge string
+                size = len(t)
+                break
+            size += len(t.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise LimitExceededError(
+                param, f"{param} is over {limit} bytes (max_prompt_bytes); shorten the input."
+            )
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-            raise ValueError("messages must be a list of {'role', 'content'} objects")
+            raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
         if not messages:
-            raise ValueError("messages must not be empty")
+            raise InvalidParamError("messages", "messages must not be empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"model {self.model_name!r} has no chat template")
+            raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
+        self.check_prompt_size([c for m in messages if isinstance(c := m.get("content"), str)], "messages")
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def check_limits(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """The configured per-request limits, and whether the request can ever fit the KV cache."""
+        cfg = self.config
+        if params.n > cfg.max_n:
+            raise LimitExceededError("n", f"n must be at most {cfg.max_n} (max_n), got {params.n}.")
+        stops = params.stop or []
+        if len(stops) > cfg.max_stop_strings:
+            raise LimitExceededError(
+                "stop", f"stop has {len(stops)} strings; at most {cfg.max_stop_strings} are allowed."
+            )
+        if any(len(st) > cfg.max_stop_string_length for st in stops):
+            raise LimitExceededError(
+                "stop", f"stop strings must be at most {cfg.max_stop_string_length} characters long."
+            )
+        if len(params.stop_token_ids or []) > cfg.max_stop_token_ids:
+            raise LimitExceededError(
+                "stop_token_ids", f"stop_token_ids may hold at most {cfg.max_stop_token_ids} ids."
+            )
+        if params.use_beam_search:
+            # Beams advance in lockstep: all of them must hold their blocks at once, or the
+            # scheduler preempts one to grow another forever. Full prompt blocks are shared.
+            bs = self.kv_spec.block_size
+            total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
+            shared = num_prompt_tokens // bs
+            need = shared + params.n * (-(-total // bs) - shared)
+            if need > self.kv_spec.num_blocks:
+                raise LimitExceededError(
+                    "n",
+                    f"beam search with n={params.n} needs up to {need} KV cache blocks for this prompt "
+                    f"and max_tokens, but the cache has {self.kv_spec.num_blocks}: lower n or max_tokens.",
+                )
+
+    def num_queued_requests(self) -> int:
+        """Requests waiting for their first step (preempted sequences of started ones excluded)."""
+        return sum(
+            1 for s in self.scheduler.waiting if s.index == 0 and s.request.first_scheduled_time is None
+        )
+
     def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidParamError("prompt", "prompt must not be empty")
             text, ids = prompt, self.tokenize(prompt)
         elif isinstance(prompt, (list, tuple)):
             if not prompt:
-                raise ValueError("prompt must not be empty")
+                raise InvalidParamError("prompt", "prompt must not be empty")
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise ValueError("prompt_token_ids must be a list of integers")
+                raise InvalidParamError("prompt", "prompt_token_ids must be a list of integers")
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
-                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
+                raise InvalidParamError(
+                    "prompt",
+                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
                 )
             text, ids = None, list(prompt)
         else:
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidParamError(
+                "prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise InvalidParamError("prompt", "prompt must not be empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise InvalidParamError(
+                "prompt",
                 f"prompt is {len(ids)} tokens, over the limit: max_model_len is {self.max_model_len} "
-                "(prompt + at least one generated token)"
+                "(prompt + at least one generated token)",
             )
         return text, ids
 
@@ -267,15 +334,17 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams or a dict, got {type(params).__name__}")
         if params.use_beam_search and params.stop:
-            raise ValueError("stop: stop strings are not supported with use_beam_search")
+            raise InvalidParamError("stop", "stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
+        self.check_limits(params, len(ids))
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            if self.config.max_waiting is not None and len(self.scheduler.waiting) >= self.config.max_waiting:
+            max_waiting = self.config.max_waiting
+            if max_waiting is not None and (queued := self.num_queued_requests()) >= max_waiting:
                 raise EngineOverloadedError(
-                    f"{len(self.scheduler.waiting)} requests are waiting (max_waiting={self.config.max_waiting})"
+                    f"{queued} requests are waiting (max_waiting={max_waiting}); retry later"
                 )
             entry = self.registry.acquire(adapter) if adapter is not None else None
             req = Request(rid, text, ids, params, adapter_name=adapter, adapter_entry=entry,
@@ -315,6 +384,10 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return []
+            now = time.monotonic()
+            for sch in out.scheduled:  # before running: a failed step knows whom it involved
+                if sch.seq.request.first_scheduled_time is None:
+                    sch.seq.request.first_scheduled_time = now
             logits = self.runner.execute(out, self._adapter_slots(out))
             self.scheduler.update(out)
             return self._process(out, logits)
@@ -337,8 +410,6 @@ class LLMEngine:
         for s in out.scheduled:
             seq = s.seq
             req = seq.request
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
             if not s.samples:
                 continue
             if req.beam is not None:
@@ -536,6 +607,15 @@ class LLMEngine:
             req.adapter_entry = None
         self.prompt_tokens_total += req.num_prompt_tokens
         return self._output(req)
+
+    def close(self) -> None:
+        """Drop the weights, adapter slots and KV cache (a rebuilt engine replaces this one).
+        Request bookkeeping stays readable; stepping a closed engine raises."""
+        with self.lock:
+            for name in ("runner", "model", "lora_state"):
+                self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- introspection ------------------------------------------------------------------------
     def kv_cache_usage(self) -> KVCacheUsage:

@@ -7,6 +7,19 @@ class LoraStarError(Exception):
     """Base class of lorastar's own errors."""
 
 
+class InvalidParamError(LoraStarError, ValueError):
+    """A request field is invalid. ``param`` names the field (as the caller spelled it, when
+    known): the HTTP layer reports it as the OpenAI error's ``param`` without parsing messages."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class LimitExceededError(InvalidParamError):
+    """A request is over one of the server's configured limits (``EngineConfig``'s ``max_*``)."""
+
+
 class AdapterError(LoraStarError, ValueError):
     """An adapter could not be loaded or validated; the registry is unchanged."""
 
@@ -23,4 +36,17 @@ class EngineOverloadedError(LoraStarError):
 
 
 class EngineDeadError(LoraStarError):
-    """The engine's step loop has died; no new request can be served."""
+    """The engine's step loop has died and could not be rebuilt; no new request can be served."""
+
+
+class EngineUnavailableError(LoraStarError):
+    """The engine is restarting after a failed step; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestFailedError(LoraStarError):
+    """A step that included this request failed; the engine restarts without it (the request
+    is not retried: it may be the cause). Streams get it as an in-band error."""

@@ -8,6 +8,9 @@ else is in the batch.
 
 Logprobs are taken from ``log_softmax`` of the raw logits (before penalties and
 temperature), as vLLM v1 does by default.
+
+Invariant, whatever the logits (NaN, +-inf, all masked) and parameters: every sampled id is in
+``[0, V)`` and every logprob is finite, so no row can poison the next step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from torch import Tensor
 from lorastar.engine.sampling import SamplingParams
 
 # A row's logprobs: {token_id: (logprob, rank)}, rank 1-based (vLLM's Logprob.rank).
+# Logprobs are clamped to this (vLLM's API clamps -inf the same way), so they are always finite.
+MIN_LOGPROB = -9999.0
+_NEG_INF = float("-inf")
 RowLogprobs = dict[int, tuple[float, int]]
 
 
@@ -78,19 +84,15 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         dev = logits.device
-        # Work in fp32 (low-precision softmax loses the tail); copy only if masks/penalties
-        # will write into it, so the caller's logits are never modified.
-        writes = any(
-            len(r.output_token_ids) < r.params.min_tokens
-            or r.params.repetition_penalty != 1.0
-            or r.params.frequency_penalty != 0.0
-            or r.params.presence_penalty != 0.0
-            for r in rows
-        )
-        x = logits.to(torch.float32, copy=writes)  # [R, V]
+        # fp32 (low-precision softmax loses the tail), in a tensor of our own (masks and penalties
+        # write into it; the caller's logits are never modified), NaN logits as -inf: a broken
+        # row must not make an invalid token or poison the batch.
+        x = torch.nan_to_num(logits.float(), nan=_NEG_INF)  # [R, V]
 
         want_lp = [r.params.logprobs is not None for r in rows]
-        raw_logprobs = torch.log_softmax(x, dim=-1) if any(want_lp) else None  # [R, V]
+        raw_logprobs = None
+        if any(want_lp):  # [R, V], finite whatever the logits (an all -inf row has NaN softmax)
+            raw_logprobs = torch.log_softmax(x, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
 
         self._apply_min_tokens(x, rows, vocab)
         self._apply_penalties(x, rows, vocab)
@@ -102,14 +104,13 @@ class Sampler:
         if not random_idx:
             token_ids = x.argmax(dim=-1)
         elif not greedy_idx:
-            token_ids = self._draw(self._probs(x, [r.params for r in rows]), rows)
+            token_ids = self._sample(x, rows)
         else:
             gi = torch.tensor(greedy_idx, device=dev)
             token_ids[gi] = x[gi].argmax(dim=-1)
             ri = torch.tensor(random_idx, device=dev)
-            sub_rows = [rows[i] for i in random_idx]
-            probs = self._probs(x[ri], [r.params for r in sub_rows])  # [Rr, V]
-            token_ids[ri] = self._draw(probs, sub_rows)
+            token_ids[ri] = self._sample(x[ri], [rows[i] for i in random_idx])
+        token_ids.clamp_(0, vocab - 1)  # argmax and the draw already are; a cheap guarantee
 
         token_list: list[int] = token_ids.tolist()
         lps: list[RowLogprobs | None] = [None] * num_rows
@@ -194,11 +195,18 @@ class Sampler:
             probs = probs.masked_fill(probs < thresh, 0.0)
         return probs
 
-    def _draw(self, probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    def _sample(self, x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """Random rows: a draw from the truncated distribution; a row whose distribution is
+        degenerate (no finite positive mass: NaN or all masked) falls back to its argmax."""
+        tok, ok = self._draw(self._probs(x, [r.params for r in rows]), rows)  # [R] each
+        return torch.where(ok, tok, x.argmax(dim=-1))
+
+    def _draw(self, probs: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """Inverse-CDF sampling, one uniform per row: token = first i with cdf[i] > u * total.
 
         Exact like an exponential race, but one random number per row instead of V (a full
-        exponential draw dominates the CPU step at V=49k). Returns token ids [R].
+        exponential draw dominates the CPU step at V=49k). Returns token ids [R] and whether
+        each row had positive, finite mass [R] (where not, its id is meaningless but in range).
         """
         num_rows, vocab = probs.shape
         dev = probs.device
@@ -220,13 +228,15 @@ class Sampler:
                 torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(dev) for _, g in seeded
             ]
             u[torch.tensor([i for i, _ in seeded], device=dev)] = torch.cat(draws).unsqueeze(1)
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [R, V]; fp64 so the tail keeps its mass
+        # fp64 so the tail keeps its mass; NaN (inf - inf in a softmax) counts as no mass.
+        cdf = probs.to(torch.float64).nan_to_num_(nan=0.0).cumsum_(dim=-1)  # [R, V]
         total = cdf[:, -1:]  # [R, 1]
+        ok = (total > 0) & torch.isfinite(total)  # [R, 1]
         # u * total can round up to total: cap just below it, so the first cdf entry above the
         # target always belongs to a token with mass (no host sync needed for the edge case).
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1]
         tok = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [R]
-        return tok
+        return tok.clamp_(max=vocab - 1), ok.squeeze(1)
 
     # ------------------------------------------------------------------ logprobs
 

@@ -1,22 +1,50 @@
 """Per-request sampling parameters (vLLM's ``SamplingParams`` names and meanings).
 
 Torch-free: the scheduler, the request objects and the plugin's schema layer import it.
-Every validation error is a ``ValueError`` whose message starts with the field's name,
-so the HTTP layer can report it as ``param``.
+Every validation error is an ``InvalidParamError`` (a ``ValueError``) whose ``param`` names the
+field, and whose message starts with it. Every numeric field has a finite range.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from lorastar.engine.errors import InvalidParamError
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
 # vLLM's OpenAI server caps top-logprobs at 20.
 MAX_LOGPROBS = 20
+
+
+# Finite ranges of the float fields. vLLM's where it has one (top_p, min_p, presence and
+# frequency penalties); the others are bounded so float32 sampler arithmetic stays finite:
+# beyond temperature 100 the distribution is uniform to float32 precision anyway, and a
+# repetition penalty outside [0.01, 100] divides logits into overflow.
+_FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),  # 0 itself refused below: (0, 1]
+    "min_p": (0.0, 1.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.01, 100.0),
+    "length_penalty": (-10.0, 10.0),  # an exponent of the generated length in beam scores
+}
+_MAX_INT = 2**63 - 1  # counts and token ids fit an int64 tensor
+# torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
+_MIN_SEED, _MAX_SEED = -(2**63), 2**64 - 1
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    if not _is_int(value) or value < lo:  # type: ignore[operator]
+        raise InvalidParamError(name, f"{name} must be an integer >= {lo}, got {value!r}.")
+    if value > hi:  # type: ignore[operator]
+        raise InvalidParamError(name, f"{name} must be an integer <= {hi}, got {value!r}.")
 
 
 def _is_int(x: object) -> bool:
@@ -54,57 +82,44 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # --- counts ---
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}.")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}.")
+        _check_int("n", self.n, 1, _MAX_INT)
+        _check_int("max_tokens", self.max_tokens, 1, _MAX_INT)
+        _check_int("min_tokens", self.min_tokens, 0, _MAX_INT)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}.")
+            raise InvalidParamError(
+                "min_tokens", f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
 
-        # --- floats: accept ints, store floats ---
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "length_penalty",
-        ):
+        # --- floats: accept ints, store floats; every range is finite (float32 arithmetic in the
+        # sampler must stay finite: 1e-300 is a positive float64 but 0.0 in float32) ---
+        for name, (lo, hi) in _FLOAT_RANGES.items():
             value = getattr(self, name)
-            if not _is_number(value) or value != value:  # value != value: NaN
-                raise ValueError(f"{name} must be a number, got {value!r}.")
+            if not _is_number(value) or not math.isfinite(value):
+                raise InvalidParamError(name, f"{name} must be a finite number, got {value!r}.")
+            if not lo <= value <= hi:
+                raise InvalidParamError(name, f"{name} must be in [{lo:g}, {hi:g}], got {value!r}.")
             setattr(self, name, float(value))
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if self.repetition_penalty <= 0.0:  # current vLLM: any positive value (1.0 = off)
-            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if self.top_p <= 0.0:
+            raise InvalidParamError("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
 
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}."
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _MAX_INT:
+            raise InvalidParamError(
+                "top_k", f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k!r}."
             )
         if self.top_k == -1:
             self.top_k = 0
 
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}.")
+        if self.seed is not None and (not _is_int(self.seed) or not _MIN_SEED <= self.seed <= _MAX_SEED):
+            raise InvalidParamError(
+                "seed", f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] or None, got {self.seed!r}."
+            )
 
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            raise ValueError(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}."
+            raise InvalidParamError(
+                "logprobs",
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}.",
             )
 
         # --- stops ---
@@ -116,10 +131,12 @@ class SamplingParams:
         elif isinstance(stop, (list, tuple)):
             stop = list(stop)
         else:
-            raise ValueError(f"stop must be a string or a list of strings, got {type(stop).__name__}.")
+            raise InvalidParamError(
+                "stop", f"stop must be a string or a list of strings, got {type(stop).__name__}."
+            )
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must contain only non-empty strings, got {s!r}.")
+                raise InvalidParamError("stop", f"stop must contain only non-empty strings, got {s!r}.")
         self.stop = stop
 
         ids = self.stop_token_ids
@@ -128,16 +145,20 @@ class SamplingParams:
         elif isinstance(ids, (list, tuple)):
             ids = list(ids)
         else:
-            raise ValueError(f"stop_token_ids must be a list of integers, got {type(ids).__name__}.")
+            raise InvalidParamError(
+                "stop_token_ids", f"stop_token_ids must be a list of integers, got {type(ids).__name__}."
+            )
         for t in ids:
-            if not _is_int(t) or t < 0:
-                raise ValueError(f"stop_token_ids must contain only non-negative integers, got {t!r}.")
+            if not _is_int(t) or not 0 <= t <= _MAX_INT:
+                raise InvalidParamError(
+                    "stop_token_ids", f"stop_token_ids must contain only non-negative integers, got {t!r}."
+                )
         self.stop_token_ids = ids
 
         for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a boolean, got {value!r}.")
+                raise InvalidParamError(name, f"{name} must be a boolean, got {value!r}.")
 
     # ------------------------------------------------------------------ helpers
 
@@ -158,7 +179,7 @@ class SamplingParams:
         names = set(cls.field_names())
         for key in d:
             if key not in names:
-                raise ValueError(f"unknown sampling field {key!r}")
+                raise InvalidParamError(None, f"unknown sampling field {key!r}")
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:

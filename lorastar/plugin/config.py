@@ -12,6 +12,8 @@ from typing import Any
 from lorastar.config import EngineConfig
 
 ADMIN_TOKEN_ENV = "LORASTAR_ADMIN_TOKEN"
+# A server's default bound on queued requests (offline LLM.generate queues without bound).
+DEFAULT_MAX_WAITING = 256
 
 
 @dataclass
@@ -57,12 +59,16 @@ class LoraStarConfig:
     metrics_path: str | None = "/metrics"
     """Prometheus route (vLLM's metric names). ``None``: not mounted."""
 
+    metrics_require_api_key: bool = False
+    """Guard the metrics route with ``api_keys`` too (scrapers then send ``Authorization: Bearer``).
+    ``False``: open, as vLLM's is, for Prometheus and gateways scraping inside the cluster."""
+
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine settings (device, dtype, KV cache, max_loras, ...)."""
 
     max_waiting: int | None = None
-    """Bound on the engine's waiting queue; past it requests get 503 + ``Retry-After``.
-    ``None`` keeps ``engine.max_waiting``."""
+    """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``.
+    ``None``: ``engine.max_waiting`` when set, else ``DEFAULT_MAX_WAITING`` (256)."""
 
     retry_after_seconds: int = 1
     """Value of the ``Retry-After`` header on 503 answers."""
@@ -115,6 +121,8 @@ class LoraStarConfig:
             overrides["model"] = str(self.model)
         if self.max_waiting is not None:
             overrides["max_waiting"] = self.max_waiting
+        elif self.engine.max_waiting is None:  # a server queue is always bounded
+            overrides["max_waiting"] = DEFAULT_MAX_WAITING
         return dataclasses.replace(self.engine, **overrides) if overrides else self.engine
 
     def resolved_admin_token(self) -> str | None:

@@ -6,13 +6,17 @@ traceback. Engine exceptions map to statuses once, in :func:`to_api_error`.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import re
 from typing import Any
 
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions.responses import create_exception_response
+from litestar.openapi import ResponseSpec
 from litestar.status_codes import (
     HTTP_400_BAD_REQUEST,
     HTTP_401_UNAUTHORIZED,
@@ -22,7 +26,15 @@ from litestar.status_codes import (
     HTTP_503_SERVICE_UNAVAILABLE,
 )
 
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
+from lorastar.engine.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    InvalidParamError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger("lorastar.plugin")
 
@@ -101,7 +113,12 @@ def param_from_message(message: str, known: set[str] | frozenset[str] | None = N
     return name
 
 
-def _validation_param(exc: ValidationException) -> tuple[str, str | None]:
+def _validation_param(exc: ValidationException, body: bytes | None = None) -> tuple[str, str | None]:
+    if "Number out of range" in f"{exc.detail} {exc.extra}":  # msgspec stops before it knows the field: find it ourselves
+        field = _non_finite_field(body)
+        return (
+            f"{field} must be a finite number." if field else "A number in the body is out of range."
+        ), field
     extra = exc.extra
     if isinstance(extra, list) and extra:
         first = extra[0] if isinstance(extra[0], dict) else {}
@@ -114,16 +131,54 @@ def _validation_param(exc: ValidationException) -> tuple[str, str | None]:
             key = key[len("data.") :]
         if key:
             return f"{msg} (field '{key}')" if key not in str(msg) else str(msg), str(key)
+        if msg in ("'data'", "data", ""):  # no body, or not a JSON object at all
+            return "The request body must be a JSON object.", None
         return str(msg), None
     return str(exc.detail), None
 
 
+def _non_finite_field(body: bytes | None) -> str | None:
+    """The top-level key holding a number JSON cannot represent as a float (``1e999``)."""
+    if not body:
+        return None
+    try:
+        obj = json.loads(body)  # Python's parser reads 1e999 as inf
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if _has_non_finite(value):
+                return str(key)
+    return None
+
+
+def _has_non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_has_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_non_finite(v) for v in value)
+    return False
+
+
 def to_api_error(
-    exc: BaseException, *, retry_after: int = 1, known_params: frozenset[str] | None = None
+    exc: BaseException,
+    *,
+    retry_after: int = 1,
+    known_params: frozenset[str] | None = None,
+    body: bytes | None = None,
 ) -> APIError:
     """Map any exception to the API error it should be answered with."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, InvalidParamError):
+        return APIError(str(exc), HTTP_400_BAD_REQUEST, param=exc.param)
+    if isinstance(exc, (EngineUnavailableError, RequestFailedError)):
+        wait = max(retry_after, math.ceil(getattr(exc, "retry_after", 0)))
+        return APIError(str(exc), HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": str(wait)})
+    if isinstance(exc, RecursionError):  # e.g. JSON nested thousands deep
+        return APIError("The request body is nested too deeply.", HTTP_400_BAD_REQUEST)
     if isinstance(exc, AdapterNotFoundError):
         return APIError(str(exc), HTTP_404_NOT_FOUND, param="model")
     if isinstance(exc, EngineOverloadedError):
@@ -137,12 +192,16 @@ def to_api_error(
     if isinstance(exc, AdapterError):
         return APIError(str(exc), HTTP_400_BAD_REQUEST, param=param_from_message(str(exc), known_params))
     if isinstance(exc, ValidationException):
-        message, param = _validation_param(exc)
+        message, param = _validation_param(exc, body)
         return APIError(message, HTTP_400_BAD_REQUEST, param=param)
     if isinstance(exc, HTTPException):
         status = exc.status_code
         if status >= 500:
             return APIError("Internal server error.", status, headers=dict(exc.headers or {}))
+        if "Number out of range" in str(exc.detail):  # JSON parsing stops before it knows the field
+            field = _non_finite_field(body)
+            message = f"{field} must be a finite number." if field else "A number in the body is out of range."
+            return APIError(message, status, param=field)
         return APIError(str(exc.detail), status, headers=dict(exc.headers or {}))
     if isinstance(exc, ValueError):
         return APIError(str(exc), HTTP_400_BAD_REQUEST, param=param_from_message(str(exc), known_params))
@@ -152,9 +211,47 @@ def to_api_error(
 
 def make_exception_handler(retry_after: int, known_params: frozenset[str] | None = None) -> Any:
     def handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-        return to_api_error(exc, retry_after=retry_after, known_params=known_params).to_response()
+        body = None
+        if isinstance(exc, HTTPException) and exc.status_code == 400:  # the body was read to parse it
+            cached = getattr(getattr(request, "_connection_state", None), "body", None)
+            body = cached if isinstance(cached, bytes) else None
+        return to_api_error(exc, retry_after=retry_after, known_params=known_params, body=body).to_response()
 
     return handler
+
+
+def scoped_handler(prefixes: tuple[str, ...], handler: Any, fallback: Any) -> Any:
+    """An app-level handler for 404/405: OpenAI errors under the plugin's paths (unknown routes
+    and wrong methods never reach a route, so the router's handlers do not see them); the
+    app's own handling (``fallback``, else Litestar's default) everywhere else."""
+
+    def scoped(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+        path = request.url.path
+        if any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes):
+            return handler(request, exc)  # type: ignore[no-any-return]
+        if fallback is not None:
+            return fallback(request, exc)  # type: ignore[no-any-return]
+        return create_exception_response(request, exc)
+
+    return scoped
+
+
+def error_responses(*statuses: int) -> dict[int, ResponseSpec]:
+    """OpenAPI entries for the error statuses a route can answer, all in the OpenAI shape."""
+    return {
+        s: ResponseSpec(data_container=ErrorResponse, description=_DESCRIPTIONS.get(s, _TYPES.get(s, "")))
+        for s in statuses
+    }
+
+
+_DESCRIPTIONS = {
+    400: "Invalid request: `error.param` names the field",
+    401: "Missing or wrong bearer token",
+    403: "Path outside the adapter root, or runtime loading disabled",
+    404: "Unknown model (base or adapter) or route",
+    413: "Request body too large",
+    503: "Engine overloaded or restarting (see Retry-After)",
+}
 
 
 def unauthorized(message: str = "Unauthorized") -> APIError:

@@ -8,12 +8,17 @@ from typing import TYPE_CHECKING, Any
 
 from litestar import Litestar, Router
 from litestar.di import Provide
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import (
+    HTTPException,
+    MethodNotAllowedException,
+    NotFoundException,
+    ValidationException,
+)
 from litestar.plugins import CLIPlugin, InitPlugin
 
 from lorastar.engine.errors import LoraStarError
 from lorastar.plugin.config import LoraStarConfig
-from lorastar.plugin.errors import APIError, make_exception_handler, unauthorized
+from lorastar.plugin.errors import APIError, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
@@ -81,7 +86,10 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         if cfg.health_path:
             system.append(build_health_handler(service, cfg.health_path, cfg.include_in_schema))
         if cfg.metrics_path:
-            system.append(build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema))
+            metrics_guards = api_guards if cfg.metrics_require_api_key else []
+            system.append(
+                build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema, metrics_guards)
+            )
         if system:
             app_config.route_handlers.append(
                 Router(path="/", route_handlers=system, exception_handlers=own_handlers, tags=["lorastar"])
@@ -96,6 +104,12 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         )
         app_config.exception_handlers.setdefault(LoraStarError, handler)
         app_config.exception_handlers.setdefault(APIError, handler)
+        prefixes = tuple(p for p in (cfg.path, cfg.health_path, cfg.metrics_path) if p)
+        for status in (404, 405):
+            fallback = app_config.exception_handlers.get(status) or _class_handler(
+                app_config.exception_handlers, status
+            )
+            app_config.exception_handlers[status] = scoped_handler(prefixes, handler, fallback)
         app_config.lifespan.append(self._lifespan)
         return app_config
 
@@ -113,6 +127,15 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         from lorastar.plugin.cli import make_lora_group
 
         cli.add_command(make_lora_group(default_url=f"http://127.0.0.1:8000{self.config.path.rstrip('/')}"))
+
+
+def _class_handler(handlers: dict[Any, Any], status: int) -> Any:
+    """The app's own handler for the exception Litestar raises with ``status``, if it has one."""
+    exc_type = NotFoundException if status == 404 else MethodNotAllowedException
+    for cls in exc_type.__mro__:
+        if cls in handlers:
+            return handlers[cls]
+    return None
 
 
 def _api_key_guard(keys: list[str]) -> Any:

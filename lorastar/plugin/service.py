@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from lorastar.engine.errors import EngineDeadError
+from lorastar.engine.errors import AdapterError, EngineDeadError, EngineUnavailableError
 from lorastar.engine.outputs import RequestOutput
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, forbidden, not_found
@@ -26,7 +26,8 @@ logger = logging.getLogger("lorastar.plugin")
 
 
 def confine(root: Path | None, path: str, *, param: str = "lora_path") -> Path:
-    """``path`` resolved (relative paths are taken under ``root``); 403 unless it stays inside ``root``.
+    """``path`` resolved (relative paths are taken under ``root``): 403 unless it stays inside
+    ``root``, 400 unless it is a folder.
 
     ``resolve()`` follows symlinks and folds ``..``, so both escapes end outside the root.
     """
@@ -34,13 +35,29 @@ def confine(root: Path | None, path: str, *, param: str = "lora_path") -> Path:
         raise forbidden("Runtime adapter loading needs adapter_root to be configured.", param)
     if not path or "\x00" in path:
         raise APIError(f"{param} must be a non-empty path.", param=param)
-    p = Path(path).expanduser()
-    if not p.is_absolute():
-        p = root / p
-    resolved = p.resolve()
-    if not resolved.is_relative_to(root):
+    try:
+        p = Path(path).expanduser()
+        if not p.is_absolute():
+            p = root / p
+        resolved = p.resolve()
+        inside = resolved.is_relative_to(root)
+        is_dir = inside and resolved.is_dir()
+    except (OSError, RuntimeError, ValueError) as exc:  # name too long, symlink loop: the client's input
+        raise APIError(f"{param} cannot be resolved ({type(exc).__name__}).", param=param) from exc
+    if not inside:
         raise forbidden(f"{param} must be inside the adapter root.", param)
+    if not is_dir:
+        raise APIError(f"{param} does not name an adapter folder: {path}", param=param)
     return resolved
+
+
+def relative_to_root(root: Path | None, path: str | Path) -> str:
+    """``path`` as API users may see it: relative to ``root`` when under it, else its folder name
+    (absolute server paths are never shown)."""
+    p = Path(path)
+    if root is not None and p.is_absolute() and p.is_relative_to(root):
+        return p.relative_to(root).as_posix()
+    return p.name
 
 
 def build_engine(config: Any) -> Any:
@@ -130,11 +147,21 @@ class LoraStarService:
             )
             await self.start()
         if getattr(self.engine, "errored", False):
-            raise EngineDeadError("The engine has died; the server cannot serve requests.")
+            raise EngineDeadError("The engine has stopped; the server cannot serve requests.")
+        if getattr(self.engine, "restarting", False):
+            raise EngineUnavailableError(
+                "The engine is restarting after a failure; retry shortly.",
+                getattr(self.engine, "retry_after", 1.0),
+            )
         return self.engine
 
     def healthy(self) -> bool:
-        return self._started and self.engine is not None and not getattr(self.engine, "errored", False)
+        return (
+            self._started
+            and self.engine is not None
+            and not getattr(self.engine, "errored", False)
+            and not getattr(self.engine, "restarting", False)
+        )
 
     def _stats(self) -> Any:
         if not self._started or self.engine is None:
@@ -147,6 +174,14 @@ class LoraStarService:
 
     def _max_loras(self) -> int:
         return int(self.config.engine.max_loras)
+
+    def scrub_paths(self, message: str) -> str:
+        """``message`` with the server's adapter root cut from file paths (clients see paths
+        relative to the root, as they send them)."""
+        root = self.adapter_root
+        if root is None:
+            return message
+        return message.replace(f"{root}/", "").replace(str(root), ".")
 
     # ------------------------------------------------------------------ model names
 
@@ -170,14 +205,23 @@ class LoraStarService:
             return False
         root = self.adapter_root
         assert root is not None
-        candidate = (root / name).resolve()
-        if not candidate.is_relative_to(root) or not (candidate / "adapter_config.json").is_file():
+        try:
+            candidate = (root / name).resolve()
+            if not candidate.is_relative_to(root) or not (candidate / "adapter_config.json").is_file():
+                return False
+        except (OSError, RuntimeError):  # name too long for the filesystem, symlink loop
             return False
         lock = self._resolver_locks.setdefault(name, asyncio.Lock())
         async with lock:  # concurrent first requests load once
             if name in self.adapter_names():
                 return True
-            await self.engine.load_adapter(name, str(candidate))
+            try:
+                await self.engine.load_adapter(name, str(candidate))
+            except AdapterError as exc:
+                raise APIError(
+                    f"The adapter folder `{name}` could not be loaded: {self.scrub_paths(str(exc))}",
+                    param="model",
+                ) from exc
             self.adapter_created[name] = int(time.time())
             logger.info("lorastar: resolver loaded adapter %r from %s", name, candidate)
         return True

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, Schema
 from litestar.response import Stream
 
 from lorastar.plugin.errors import to_api_error
@@ -45,3 +47,19 @@ def sse_response(events: AsyncIterator[Any], *, retry_after: int = 1) -> Stream:
         status_code=200,
         headers=SSE_HEADERS,
     )
+
+
+@dataclass
+class StreamingOperation(Operation):
+    """OpenAPI operation of a route that answers JSON, or server-sent events with ``stream: true``."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        content = getattr(ok, "content", None)
+        if content is not None:
+            content["text/event-stream"] = OpenAPIMediaType(
+                schema=Schema(
+                    type=OpenAPIType.STRING,
+                    description="`data: {chunk JSON}` frames (the stream response schema), then `data: [DONE]`",
+                )
+            )

@@ -56,9 +56,9 @@ def test_models_list(client: openai.OpenAI, adapter_root: Path) -> None:
     base, alpha = models[0], models[1]
     assert base.object == "model" and getattr(base, "parent", None) is None
     assert getattr(base, "max_model_len", None) == 256
-    assert getattr(alpha, "parent", None) == "tiny" and getattr(alpha, "root", None) == str(
-        adapter_root / "alpha"
-    )
+    # root: the adapter's path relative to the adapter root, never a server path (issue #10)
+    assert getattr(alpha, "parent", None) == "tiny" and getattr(alpha, "root", None) == "alpha"
+    assert str(adapter_root) not in str(getattr(base, "root", ""))
 
 
 @pytest.mark.parametrize("model", ["tiny", "alpha", "beta"])
@@ -322,15 +322,29 @@ def test_metrics_and_health_on_real_engine(real_server: ServerThread, client: op
     assert re.search(r'^vllm:lora_requests_info\{max_lora="4",', text, re.M)
 
 
-def test_engine_death_health_503_and_in_band_stream_error(tiny_model_dir: Path) -> None:
+def test_failed_step_rebuilds_engine_and_serves_again(
+    tiny_model_dir: Path, adapter_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises fails the requests in it (in-band 503 frame), the engine is rebuilt with
+    its adapters (503 + Retry-After on /health meanwhile), then serves the same greedy output."""
     from litestar import Litestar
 
+    import lorastar.engine.async_engine as async_engine
     from lorastar.plugin import LoraStarConfig, LoraStarPlugin
 
-    plugin = LoraStarPlugin(LoraStarConfig(engine=engine_config(tiny_model_dir)))
+    plugin = LoraStarPlugin(
+        LoraStarConfig(
+            engine=engine_config(tiny_model_dir),
+            served_model_name="tiny",
+            adapters={"alpha": str(adapter_root / "alpha")},
+        )
+    )
+    body = {"model": "alpha", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     with ServerThread(Litestar(plugins=[plugin])) as srv:
-        assert httpx.get(srv.url + "/health").status_code == 200
-        inner = plugin.engine.engine  # the synchronous LLMEngine behind AsyncLLM
+        before = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        llm = plugin.engine
+        llm.restart_backoff = (0.5, 1.0)
+        inner = llm.engine  # the synchronous LLMEngine behind AsyncLLM
         real_step = inner.step
         steps = {"n": 0}
 
@@ -341,6 +355,18 @@ def test_engine_death_health_503_and_in_band_stream_error(tiny_model_dir: Path) 
             return real_step()
 
         inner.step = dying_step
+        # The first rebuild fails too (as a device still in trouble would): the 503 window lasts
+        # one backoff, long enough to observe.
+        real_engine_cls = async_engine.LLMEngine
+        builds = {"n": 0}
+
+        def flaky_engine(config: Any) -> Any:
+            builds["n"] += 1
+            if builds["n"] == 1:
+                raise RuntimeError("simulated rebuild failure")
+            return real_engine_cls(config)
+
+        monkeypatch.setattr(async_engine, "LLMEngine", flaky_engine)
         r = httpx.post(
             srv.url + "/v1/completions",
             timeout=30,
@@ -350,10 +376,19 @@ def test_engine_death_health_503_and_in_band_stream_error(tiny_model_dir: Path) 
         frames = r.text.split("\n\n")
         assert frames[-2] == "data: [DONE]"
         err = json.loads(frames[-3][6:])["error"]
-        assert err["code"] == 503 and "Traceback" not in r.text
-        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
-        dead = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MESSAGES})
-        assert dead.status_code == 503 and dead.json()["error"]["type"] == "ServiceUnavailableError"
+        assert err["code"] == 503 and "Traceback" not in r.text and "simulated" not in r.text
+        down = httpx.get(srv.url + "/health")
+        assert down.status_code == 503 and int(down.headers["retry-after"]) >= 1
+        busy = httpx.post(srv.url + "/v1/completions", json=body)
+        assert busy.status_code == 503 and "retry-after" in busy.headers
+        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 200, timeout=60)
+        assert llm.num_restarts == 1 and builds["n"] == 2
+        after = httpx.post(srv.url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+        assert after == before  # the adapter was re-registered: same weights, same greedy text
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics
+        llm.engine.check_invariants()
+        assert llm.engine.kv_cache_usage().num_used_blocks == 0
 
 
 def test_shutdown_lets_in_flight_streams_finish(tiny_model_dir: Path) -> None:

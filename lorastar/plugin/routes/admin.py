@@ -16,7 +16,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.errors import AdapterError, AdapterNotFoundError
-from lorastar.plugin.errors import APIError, not_found, unauthorized
+from lorastar.plugin.errors import APIError, error_responses, not_found, unauthorized
 from lorastar.plugin.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lorastar.plugin.service import LoraStarService, confine
 
@@ -56,7 +56,13 @@ def _text(message: str) -> Response[str]:
 def build_admin_handlers(service: LoraStarService) -> list[Any]:
     guards = [admin_guard(service)]
 
-    @post("/load_lora_adapter", status_code=HTTP_200_OK, guards=guards, summary="Load a LoRA adapter")
+    @post(
+        "/load_lora_adapter",
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary="Load a LoRA adapter",
+        responses=error_responses(400, 401, 403, 503),
+    )
     async def load_lora_adapter(data: LoadLoRAAdapterRequest) -> Response[str]:
         engine = await service.ready()
         name, path = data.lora_name, data.lora_path
@@ -74,16 +80,21 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
             raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         # load_inplace: the engine re-registers the name atomically (in-flight requests keep the old
         # weights; a failed load leaves the old adapter in place).
-        if not resolved.is_dir():
-            raise APIError(f"lora_path does not name an adapter folder: {path}", param="lora_path")
         try:
             await engine.load_adapter(name, str(resolved))
         except AdapterError as exc:
-            raise APIError(f"Failed to load the lora adapter '{name}': {exc}", param="lora_path") from exc
+            reason = service.scrub_paths(str(exc))
+            raise APIError(f"Failed to load the lora adapter '{name}': {reason}", param="lora_path") from exc
         service.adapter_created[name] = int(time.time())
         return _text(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @post("/unload_lora_adapter", status_code=HTTP_200_OK, guards=guards, summary="Unload a LoRA adapter")
+    @post(
+        "/unload_lora_adapter",
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary="Unload a LoRA adapter",
+        responses=error_responses(400, 401, 404, 503),
+    )
     async def unload_lora_adapter(data: UnloadLoRAAdapterRequest) -> Response[str]:
         engine = await service.ready()
         name = data.lora_name

@@ -6,17 +6,20 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
+import anyio
 from litestar import Request, Response, get, post
+from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
-from lorastar.engine.errors import AdapterNotFoundError
+from lorastar.engine.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
-from lorastar.plugin.errors import APIError, param_from_message
+from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.schemas import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
@@ -40,8 +43,8 @@ from lorastar.plugin.schemas import (
     PromptTokensDetails,
     UsageInfo,
 )
-from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
-from lorastar.plugin.sse import sse_response
+from lorastar.plugin.service import LoraStarService, merge_streams, relative_to_root, run_until_disconnect
+from lorastar.plugin.sse import StreamingOperation, sse_response
 
 _SAMPLING_FIELDS = (
     "temperature",
@@ -70,7 +73,11 @@ def _random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _sampling_params(req: Any, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling_params(
+    req: Any, *, max_tokens: int, logprobs: int | None, aliases: dict[str, str] | None = None
+) -> SamplingParams:
+    """The engine's parameters from a request body. ``aliases`` renames engine fields to the
+    wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
     kw: dict[str, Any] = {
         "n": req.n,
         "max_tokens": max_tokens,
@@ -84,13 +91,12 @@ def _sampling_params(req: Any, *, max_tokens: int, logprobs: int | None) -> Samp
         raise APIError("logit_bias is not supported.", param="logit_bias")
     try:
         return SamplingParams.from_dict(kw)
-    except ValueError as exc:
-        raise _bad_request(exc) from exc
-
-
-def _bad_request(exc: ValueError) -> APIError:
-    msg = str(exc)
-    return APIError(msg, param=param_from_message(msg))
+    except InvalidParamError as exc:
+        message, param = str(exc), exc.param
+        wire = (aliases or {}).get(param or "")
+        if param and wire:  # name the field the client sent, in the message too
+            message, param = message.replace(param, wire, 1), wire
+        raise APIError(message, param=param) from exc
 
 
 def _lp(value: float) -> float:
@@ -173,7 +179,7 @@ def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         role = m.get("role")
-        if role not in _CHAT_ROLES:
+        if not isinstance(role, str) or role not in _CHAT_ROLES:
             raise APIError(
                 f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.", param="messages"
             )
@@ -307,7 +313,8 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         engine = await service.ready()
         base = service.served_model_name
         now = int(time.time())
-        root = str(service.config.model or service.config.engine.model or base)
+        model_path = service.config.model or service.config.engine.model
+        root = Path(model_path).name if model_path else base  # never a server path
         cards = [
             ModelCard(
                 id=base,
@@ -323,18 +330,30 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
                 ModelCard(
                     id=a.name,
                     created=service.adapter_created.get(a.name, service.created),
-                    root=str(a.path),
+                    root=relative_to_root(service.adapter_root, a.path),
                     parent=base,
                     permission=[ModelPermission(id=_random_id("modelperm"), created=now)],
                 )
             )
         return cards
 
-    @get("/models", guards=guards, summary="List the base model and its adapters")
+    auth = (401,) if guards else ()
+
+    @get(
+        "/models",
+        guards=guards,
+        summary="List the base model and its adapters",
+        responses=error_responses(*auth, 503),
+    )
     async def list_models() -> ModelList:
         return ModelList(data=await model_cards())
 
-    @get("/models/{model_id:str}", guards=guards, summary="One model (OpenAI's retrieve)")
+    @get(
+        "/models/{model_id:str}",
+        guards=guards,
+        summary="One model (OpenAI's retrieve)",
+        responses=error_responses(*auth, 404, 503),
+    )
     async def retrieve_model(model_id: str) -> ModelCard:
         for card in await model_cards():
             if card.id == model_id:
@@ -343,7 +362,17 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
 
     # ------------------------------------------------------------------ completions
 
-    @post("/completions", status_code=HTTP_200_OK, guards=guards, summary="OpenAI completions")
+    @post(
+        "/completions",
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary="OpenAI completions",
+        responses={
+            200: ResponseSpec(CompletionResponse, description="The completion (JSON), or a stream"),
+            **error_responses(400, *auth, 404, 413, 503),
+        },
+        operation_class=StreamingOperation,
+    )
     async def create_completion(
         data: CompletionRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
@@ -359,16 +388,19 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         max_tokens = data.max_tokens
         if max_tokens is not None and max_tokens < 1:
             raise APIError(f"max_tokens must be an integer >= 1, got {max_tokens}.", param="max_tokens")
-        lengths = [len(p) if isinstance(p, list) else len(_tokenize(engine, p)) for p in prompts]
+        # Tokenized once, off the event loop (the engine refuses text over max_prompt_bytes first).
+        token_ids = [p if isinstance(p, list) else await _in_thread(_tokenize, engine, p) for p in prompts]
         if max_tokens is None:  # the default 16, shortened when a prompt leaves less room
-            max_tokens = max(1, min([16, *(max_model_len - n for n in lengths)]))
-        for n_prompt in lengths:
-            _check_length(max_model_len, n_prompt, max_tokens, chat=False)
+            max_tokens = max(1, min([16, *(max_model_len - len(ids) for ids in token_ids)]))
+        for ids in token_ids:
+            _check_length(max_model_len, len(ids), max_tokens, chat=False)
         params = _sampling_params(data, max_tokens=max_tokens, logprobs=data.logprobs)
         request_id = _random_id("cmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
-        streams = [service.generate(p, params, adapter, f"{request_id}-{i}") for i, p in enumerate(prompts)]
+        streams = [
+            service.generate(ids, params, adapter, f"{request_id}-{i}") for i, ids in enumerate(token_ids)
+        ]
         n = params.n
         num_top = data.logprobs or 0
         echo = bool(data.echo)
@@ -477,7 +509,17 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
 
     # ------------------------------------------------------------------ chat
 
-    @post("/chat/completions", status_code=HTTP_200_OK, guards=guards, summary="OpenAI chat completions")
+    @post(
+        "/chat/completions",
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary="OpenAI chat completions",
+        responses={
+            200: ResponseSpec(ChatCompletionResponse, description="The chat completion (JSON), or a stream"),
+            **error_responses(400, *auth, 404, 413, 503),
+        },
+        operation_class=StreamingOperation,
+    )
     async def create_chat_completion(
         data: ChatCompletionRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
@@ -492,9 +534,9 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         messages = _normalize_messages(data.messages)
         try:
             prompt_ids = list(
-                engine.apply_chat_template(messages, add_generation_prompt=data.add_generation_prompt)
+                await _in_thread(engine.apply_chat_template, messages, data.add_generation_prompt)
             )
-        except APIError:
+        except (APIError, InvalidParamError):
             raise
         except Exception as exc:  # jinja TemplateError ("roles must alternate", ...) is the client's input
             raise APIError(
@@ -505,7 +547,12 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
             raise APIError(f"max_tokens must be an integer >= 1, got {requested}.", param="max_tokens")
         max_tokens = _check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
         num_top = data.top_logprobs or 0
-        params = _sampling_params(data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None)
+        aliases = {"logprobs": "top_logprobs"}
+        if data.max_completion_tokens is not None:
+            aliases["max_tokens"] = "max_completion_tokens"
+        params = _sampling_params(
+            data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None, aliases=aliases
+        )
         request_id = _random_id("chatcmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
@@ -597,6 +644,11 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         )
 
     return [list_models, retrieve_model, create_completion, create_chat_completion]
+
+
+async def _in_thread(fn: Any, *args: Any) -> Any:
+    """Run blocking work (tokenizing, chat templates) on a worker thread, not the event loop."""
+    return await anyio.to_thread.run_sync(fn, *args)
 
 
 def _tokenize(engine: Any, prompt: str) -> list[int]:

@@ -2,30 +2,54 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from litestar import Response, get
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from lorastar.plugin.errors import APIError
+from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.metrics import CONTENT_TYPE
 from lorastar.plugin.service import LoraStarService
 
 
 def build_health_handler(service: LoraStarService, path: str, include_in_schema: bool) -> Any:
-    @get(path, sync_to_thread=False, include_in_schema=include_in_schema, summary="Engine liveness")
+    @get(
+        path,
+        sync_to_thread=False,
+        include_in_schema=include_in_schema,
+        summary="Engine liveness",
+        responses=error_responses(503),
+    )
     def health() -> Response[Any]:
         # vLLM answers 200 with an empty body; 503 once the engine loop died (or before it started).
         if service.healthy():
             return Response(b"", status_code=HTTP_200_OK, media_type="text/plain")
-        message = "The engine is dead." if service.started else "The engine is not running."
+        engine = service.engine
+        if service.started and getattr(engine, "restarting", False):
+            wait = math.ceil(max(float(getattr(engine, "retry_after", 1.0)), 1.0))
+            return APIError(
+                "The engine is restarting after a failure.",
+                HTTP_503_SERVICE_UNAVAILABLE,
+                headers={"Retry-After": str(wait)},
+            ).to_response()
+        message = "The engine has stopped." if service.started else "The engine is not running."
         return APIError(message, HTTP_503_SERVICE_UNAVAILABLE).to_response()
 
     return health
 
 
-def build_metrics_handler(service: LoraStarService, path: str, include_in_schema: bool) -> Any:
-    @get(path, sync_to_thread=False, include_in_schema=include_in_schema, summary="Prometheus metrics")
+def build_metrics_handler(
+    service: LoraStarService, path: str, include_in_schema: bool, guards: list[Any] | None = None
+) -> Any:
+    @get(
+        path,
+        sync_to_thread=False,
+        include_in_schema=include_in_schema,
+        guards=guards or [],
+        summary="Prometheus metrics",
+        responses=error_responses(401) if guards else None,
+    )
     def metrics() -> Response[bytes]:
         return Response(service.metrics.render(), status_code=HTTP_200_OK, media_type=CONTENT_TYPE)
 
