@@ -114,7 +114,9 @@ def param_from_message(message: str, known: set[str] | frozenset[str] | None = N
 
 
 def _validation_param(exc: ValidationException, body: bytes | None = None) -> tuple[str, str | None]:
-    if "Number out of range" in f"{exc.detail} {exc.extra}":  # msgspec stops before it knows the field: find it ourselves
+    if (
+        "Number out of range" in f"{exc.detail} {exc.extra}"
+    ):  # msgspec stops before it knows the field: find it ourselves
         field = _non_finite_field(body)
         return (
             f"{field} must be a finite number." if field else "A number in the body is out of range."
@@ -200,7 +202,9 @@ def to_api_error(
             return APIError("Internal server error.", status, headers=dict(exc.headers or {}))
         if "Number out of range" in str(exc.detail):  # JSON parsing stops before it knows the field
             field = _non_finite_field(body)
-            message = f"{field} must be a finite number." if field else "A number in the body is out of range."
+            message = (
+                f"{field} must be a finite number." if field else "A number in the body is out of range."
+            )
             return APIError(message, status, param=field)
         return APIError(str(exc.detail), status, headers=dict(exc.headers or {}))
     if isinstance(exc, ValueError):

@@ -166,7 +166,10 @@ def test_completion_validation_errors_name_the_field(
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1000}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
+            "top_logprobs",
+        ),
         ({"messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ],
