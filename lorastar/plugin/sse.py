@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, Schema
+from litestar.openapi.spec import OpenAPIMediaType, Operation
 from litestar.response import Stream
 
 from lorastar.plugin.errors import to_api_error
@@ -49,17 +49,22 @@ def sse_response(events: AsyncIterator[Any], *, retry_after: int = 1) -> Stream:
     )
 
 
+# Key of a placeholder response entry that carries a route's stream-chunk model through
+# Litestar's schema generation (so the chunk becomes a named component); StreamingOperation
+# moves it under 200's ``text/event-stream``.
+STREAM_CHUNK = 299
+
+
 @dataclass
 class StreamingOperation(Operation):
-    """OpenAPI operation of a route that answers JSON, or server-sent events with ``stream: true``."""
+    """OpenAPI operation of a route that answers JSON, or server-sent events with ``stream: true``
+    (each ``data:`` frame one chunk model, then ``data: [DONE]``)."""
 
     def __post_init__(self) -> None:
-        ok = (self.responses or {}).get("200")
+        responses = self.responses or {}
+        chunk = responses.pop(str(STREAM_CHUNK), None)
+        ok = responses.get("200")
         content = getattr(ok, "content", None)
-        if content is not None:
-            content["text/event-stream"] = OpenAPIMediaType(
-                schema=Schema(
-                    type=OpenAPIType.STRING,
-                    description="`data: {chunk JSON}` frames (the stream response schema), then `data: [DONE]`",
-                )
-            )
+        chunk_content = getattr(chunk, "content", None)
+        if content is not None and chunk_content:
+            content["text/event-stream"] = OpenAPIMediaType(schema=next(iter(chunk_content.values())).schema)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -63,3 +64,39 @@ async def test_streams_match_offline_and_abort_frees(tiny_model_dir) -> None:  #
     out = await task
     assert out[-1].finished and out[-1].outputs[0].finish_reason == "length"
     engine.engine.check_invariants()
+
+
+async def test_failed_step_fails_its_request_and_moves_queued_ones(tiny_model_dir) -> None:  # noqa: ANN001
+    """The request in the failing step gets RequestFailedError; a request still queued runs on the
+    rebuilt engine to the same greedy output as a clean run; nothing is held afterwards."""
+    from lorastar.engine.errors import RequestFailedError
+
+    path = tiny_model_dir("llama-gqa")
+    queued_prompt = [7] * 9
+    want = LLM(path, num_kv_blocks=64).generate([queued_prompt], GREEDY)[0].outputs[0].token_ids
+    engine = AsyncLLM(model=path, num_kv_blocks=64, max_num_seqs=1)  # the second request must wait
+    engine.restart_backoff = (0.05, 0.1)
+    await engine.start()
+    inner = engine.engine
+    real_step, failed = inner.step, []
+
+    def failing_step() -> list:  # noqa: ANN401
+        time.sleep(0.002)  # a model slower than this tiny one: lets the other thread take the lock
+        if len(inner.requests) == 2 and not failed:  # once the second request is queued
+            failed.append(True)
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    inner.step = failing_step
+    first = engine.generate([5] * 20, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    await first.__anext__()  # running (and holding the only seat) before the second arrives
+    second = asyncio.ensure_future(_collect(engine, queued_prompt))
+    with pytest.raises(RequestFailedError):
+        async for _ in first:
+            pass
+    outs = await second
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == want
+    assert engine.num_restarts == 1 and engine.engine is not inner and not engine.restarting
+    engine.engine.check_invariants()
+    assert engine.kv_cache_usage()["num_used_blocks"] == 0
+    await engine.shutdown(drain_timeout=0)

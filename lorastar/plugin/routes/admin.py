@@ -10,7 +10,7 @@ import hmac
 import time
 from typing import Any
 
-from litestar import Response, post
+from litestar import MediaType, Response, post
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.status_codes import HTTP_200_OK
@@ -61,6 +61,7 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
         status_code=HTTP_200_OK,
         guards=guards,
         summary="Load a LoRA adapter",
+        media_type=MediaType.TEXT,
         responses=error_responses(400, 401, 403, 503),
     )
     async def load_lora_adapter(data: LoadLoRAAdapterRequest) -> Response[str]:
@@ -93,6 +94,7 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
         status_code=HTTP_200_OK,
         guards=guards,
         summary="Unload a LoRA adapter",
+        media_type=MediaType.TEXT,
         responses=error_responses(400, 401, 404, 503),
     )
     async def unload_lora_adapter(data: UnloadLoRAAdapterRequest) -> Response[str]:

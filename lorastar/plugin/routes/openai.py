@@ -44,7 +44,7 @@ from lorastar.plugin.schemas import (
     UsageInfo,
 )
 from lorastar.plugin.service import LoraStarService, merge_streams, relative_to_root, run_until_disconnect
-from lorastar.plugin.sse import StreamingOperation, sse_response
+from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, sse_response
 
 _SAMPLING_FIELDS = (
     "temperature",
@@ -64,6 +64,10 @@ _SAMPLING_FIELDS = (
 )
 _CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
+_OK_DOC = (
+    "The whole answer as JSON; with `stream: true`, server-sent events: `data: {chunk}` frames "
+    "(an error after the stream started is one `data: {error}` frame), then `data: [DONE]`"
+)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -368,7 +372,8 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         guards=guards,
         summary="OpenAI completions",
         responses={
-            200: ResponseSpec(CompletionResponse, description="The completion (JSON), or a stream"),
+            200: ResponseSpec(CompletionResponse, description=_OK_DOC),
+            STREAM_CHUNK: ResponseSpec(CompletionStreamResponse, description="stream chunk"),
             **error_responses(400, *auth, 404, 413, 503),
         },
         operation_class=StreamingOperation,
@@ -515,7 +520,8 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         guards=guards,
         summary="OpenAI chat completions",
         responses={
-            200: ResponseSpec(ChatCompletionResponse, description="The chat completion (JSON), or a stream"),
+            200: ResponseSpec(ChatCompletionResponse, description=_OK_DOC),
+            STREAM_CHUNK: ResponseSpec(ChatCompletionStreamResponse, description="stream chunk"),
             **error_responses(400, *auth, 404, 413, 503),
         },
         operation_class=StreamingOperation,
@@ -544,7 +550,8 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
             ) from exc
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         if requested is not None and requested < 1:
-            raise APIError(f"max_tokens must be an integer >= 1, got {requested}.", param="max_tokens")
+            field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
+            raise APIError(f"{field} must be an integer >= 1, got {requested}.", param=field)
         max_tokens = _check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
         num_top = data.top_logprobs or 0
         aliases = {"logprobs": "top_logprobs"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from litestar import Response, get
+from litestar import MediaType, Response, get
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from lorastar.plugin.errors import APIError, error_responses
@@ -19,6 +19,7 @@ def build_health_handler(service: LoraStarService, path: str, include_in_schema:
         sync_to_thread=False,
         include_in_schema=include_in_schema,
         summary="Engine liveness",
+        media_type=MediaType.TEXT,
         responses=error_responses(503),
     )
     def health() -> Response[Any]:
@@ -48,6 +49,7 @@ def build_metrics_handler(
         include_in_schema=include_in_schema,
         guards=guards or [],
         summary="Prometheus metrics",
+        media_type=CONTENT_TYPE,
         responses=error_responses(401) if guards else None,
     )
     def metrics() -> Response[bytes]:
