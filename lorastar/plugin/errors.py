@@ -132,7 +132,8 @@ def _validation_param(exc: ValidationException, body: bytes | None = None) -> tu
         elif isinstance(key, str) and key.startswith("data."):
             key = key[len("data.") :]
         if key:
-            return f"{msg} (field '{key}')" if key not in str(msg) else str(msg), str(key)
+            field = re.split(r"[.\[]", str(key), maxsplit=1)[0]  # param: the top-level field
+            return f"{msg} (field '{key}')" if key not in str(msg) else str(msg), field
         if msg in ("'data'", "data", ""):  # no body, or not a JSON object at all
             return "The request body must be a JSON object.", None
         return str(msg), None

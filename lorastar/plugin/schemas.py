@@ -6,7 +6,7 @@ unions may hold only one array type; its list forms are checked in the route.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -55,8 +55,26 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+class ChatContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageParam(msgspec.Struct, kw_only=True):
+    """One chat message. Fields beyond these (tool calls) are ignored: tools are not supported."""
+
+    role: ChatRole
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessageParam]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from litestar.openapi.spec import OpenAPIMediaType, Operation
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, Reference, Schema
 from litestar.response import Stream
 
 from lorastar.plugin.errors import to_api_error
@@ -67,4 +67,18 @@ class StreamingOperation(Operation):
         content = getattr(ok, "content", None)
         chunk_content = getattr(chunk, "content", None)
         if content is not None and chunk_content:
-            content["text/event-stream"] = OpenAPIMediaType(schema=next(iter(chunk_content.values())).schema)
+            chunk = next(iter(chunk_content.values())).schema
+            error = Reference(ref="#/components/schemas/ErrorResponse")
+            json_frame = Schema(
+                type=OpenAPIType.STRING,
+                content_media_type="application/json",
+                content_schema=Schema(any_of=[chunk, error]),  # type: ignore[list-item]
+            )
+            done = Schema(type=OpenAPIType.STRING, const="[DONE]")
+            # One SSE event per frame: its `data` is a chunk (or an error) as JSON, or [DONE].
+            event = Schema(
+                type=OpenAPIType.OBJECT,
+                required=["data"],
+                properties={"data": Schema(any_of=[json_frame, done])},
+            )
+            content["text/event-stream"] = OpenAPIMediaType(schema=event)

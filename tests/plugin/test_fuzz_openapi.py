@@ -12,8 +12,10 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis.errors import Unsatisfiable  # noqa: E402
 from plugin_support import ServerThread, engine_config  # noqa: E402
 from schemathesis import checks  # noqa: E402
+from schemathesis.generation.modes import GenerationMode  # noqa: E402
 
 ADMIN = "fuzz-admin"
 CHECKS = [
@@ -53,15 +55,20 @@ def api_schema(fuzz_server: Any) -> Any:
 
 def test_every_route_answers_as_documented(api_schema: Any) -> None:
     # Driven with hypothesis directly (schemathesis' pytest plugin does not load under this pytest).
+    # Positive cases follow the schema (they reach the engine); negative ones break it on purpose.
     failures: list[str] = []
     operations = [r.ok() for r in api_schema.get_all_operations()]
     assert len(operations) >= 8  # models, model, completions, chat, load, unload, health, metrics
+    served: dict[str, int] = {}
 
-    for op in operations:
+    for op, mode in [(op, mode) for op in operations for mode in GenerationMode]:
+        if mode is GenerationMode.NEGATIVE and not op.body:
+            continue  # nothing to break but the path: covered by positive cases
+        generating = op.path.endswith("completions")
 
-        @given(case=op.as_strategy())
+        @given(case=op.as_strategy(generation_mode=mode))
         @settings(
-            max_examples=30,
+            max_examples=150 if generating else 25,
             deadline=None,
             derandomize=True,  # the same cases every run: a CI failure reproduces
             phases=[Phase.explicit, Phase.generate],
@@ -69,13 +76,23 @@ def test_every_route_answers_as_documented(api_schema: Any) -> None:
             database=None,
         )
         def run(case: Any) -> None:
-            case.call_and_validate(headers={"Authorization": f"Bearer {ADMIN}"}, checks=CHECKS, timeout=60)
+            response = case.call_and_validate(
+                headers={"Authorization": f"Bearer {ADMIN}"}, checks=CHECKS, timeout=60
+            )
+            if response.status_code == 200:
+                served[case.operation.label] = served.get(case.operation.label, 0) + 1
 
         try:
             run()
+        except Unsatisfiable:  # an operation without inputs: its one case ran
+            pass
         except Exception as exc:  # one report per operation, all operations fuzzed
-            failures.append(f"{op.label}: {exc}")
+            failures.append(f"{op.label} ({mode}): {exc}")
     assert not failures, "\n\n".join(failures)
+    # The fuzzing reached the engine: schema-valid requests were served on both generating routes.
+    assert served.get("POST /v1/completions", 0) >= 10 and served.get("POST /v1/chat/completions", 0) >= 10, (
+        served
+    )
 
 
 def test_engine_is_sound_after_fuzzing(fuzz_server: Any) -> None:

@@ -26,8 +26,10 @@ from lorastar.plugin.schemas import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionStreamResponse,
+    ChatContentPart,
     ChatLogprobToken,
     ChatMessage,
+    ChatMessageParam,
     ChatStreamChoice,
     ChatTopLogprob,
     CompletionLogProbs,
@@ -62,7 +64,6 @@ _SAMPLING_FIELDS = (
     "use_beam_search",
     "length_penalty",
 )
-_CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
 _OK_DOC = (
     "The whole answer as JSON; with `stream: true`, server-sent events: `data: {chunk}` frames "
@@ -163,32 +164,26 @@ def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]
     return prompts
 
 
-def _message_text(content: Any, index: int) -> str | None:
+def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
     if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            else:
-                raise APIError(f"messages[{index}].content: only text parts are supported.", param="messages")
-        return "\n".join(parts)
-    raise APIError(f"messages[{index}].content must be a string or a list of text parts.", param="messages")
+        return content or ""
+    parts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(f"messages[{index}].content: only text parts are supported.", param="messages")
+        parts.append(part.text)
+    return "\n".join(parts)
 
 
-def _normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: ``{"role", "content"[, "name"]}``, text only."""
     if not messages:
         raise APIError("messages must not be empty.", param="messages")
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        role = m.get("role")
-        if not isinstance(role, str) or role not in _CHAT_ROLES:
-            raise APIError(
-                f"messages[{i}].role must be one of {sorted(_CHAT_ROLES)}, got {role!r}.", param="messages"
-            )
-        msg = dict(m)
-        msg["content"] = _message_text(m.get("content"), i) or ""
+        msg: dict[str, Any] = {"role": m.role, "content": _message_text(m.content, i)}
+        if m.name is not None:
+            msg["name"] = m.name
         out.append(msg)
     return out
 
