@@ -160,15 +160,15 @@ class AsyncLLM:
         old = self.engine
         with self._swap_lock, old.lock:
             self._restarting = True
-            started = [r for r in old.requests.values() if r.first_scheduled_time is not None or r.forked]
-            queued = [r for r in old.requests.values() if r not in started]
+            started, queued = [], []
+            for r in old.requests.values():
+                (started if r.first_scheduled_time is not None or r.forked else queued).append(r)
             adapters = [(a.name, a.path) for a in old.list_adapters()]
         failure = RequestFailedError(
             "The engine failed while running this request and is restarting; retry the request."
         )
         for req in started:
             self._fail(req.request_id, failure)
-        self._aborts.clear()  # ids of the old engine; their streams are gone or failed
         old.close()
         del old
         gc.collect()
