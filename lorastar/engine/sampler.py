@@ -84,10 +84,16 @@ class Sampler:
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         dev = logits.device
-        # fp32 (low-precision softmax loses the tail), in a tensor of our own (masks and penalties
-        # write into it; the caller's logits are never modified), NaN logits as -inf: a broken
-        # row must not make an invalid token or poison the batch.
-        x = torch.nan_to_num(logits.float(), nan=_NEG_INF)  # [R, V]
+        # Work in fp32 (low-precision softmax loses the tail); copy only if masks/penalties
+        # will write into it, so the caller's logits are never modified.
+        writes = any(
+            len(r.output_token_ids) < r.params.min_tokens
+            or r.params.repetition_penalty != 1.0
+            or r.params.frequency_penalty != 0.0
+            or r.params.presence_penalty != 0.0
+            for r in rows
+        )
+        x = logits.to(torch.float32, copy=writes)  # [R, V]
 
         want_lp = [r.params.logprobs is not None for r in rows]
         raw_logprobs = None
@@ -102,12 +108,12 @@ class Sampler:
         greedy_idx = [i for i, g in enumerate(greedy) if g]
         random_idx = [i for i, g in enumerate(greedy) if not g]
         if not random_idx:
-            token_ids = x.argmax(dim=-1)
+            token_ids = _argmax(x)
         elif not greedy_idx:
             token_ids = self._sample(x, rows)
         else:
             gi = torch.tensor(greedy_idx, device=dev)
-            token_ids[gi] = x[gi].argmax(dim=-1)
+            token_ids[gi] = _argmax(x[gi])
             ri = torch.tensor(random_idx, device=dev)
             token_ids[ri] = self._sample(x[ri], [rows[i] for i in random_idx])
         token_ids.clamp_(0, vocab - 1)  # argmax and the draw already are; a cheap guarantee
@@ -199,7 +205,9 @@ class Sampler:
         """Random rows: a draw from the truncated distribution; a row whose distribution is
         degenerate (no finite positive mass: NaN or all masked) falls back to its argmax."""
         tok, ok = self._draw(self._probs(x, [r.params for r in rows]), rows)  # [R] each
-        return torch.where(ok, tok, x.argmax(dim=-1))
+        if not bool(ok.all()):  # rare; the caller syncs on the ids right after anyway
+            tok = torch.where(ok, tok, _argmax(x))
+        return tok
 
     def _draw(self, probs: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """Inverse-CDF sampling, one uniform per row: token = first i with cdf[i] > u * total.
@@ -228,10 +236,9 @@ class Sampler:
                 torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(dev) for _, g in seeded
             ]
             u[torch.tensor([i for i, _ in seeded], device=dev)] = torch.cat(draws).unsqueeze(1)
-        # fp64 so the tail keeps its mass; NaN (inf - inf in a softmax) counts as no mass.
-        cdf = probs.to(torch.float64).nan_to_num_(nan=0.0).cumsum_(dim=-1)  # [R, V]
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)  # [R, V]; fp64 so the tail keeps its mass
         total = cdf[:, -1:]  # [R, 1]
-        ok = (total > 0) & torch.isfinite(total)  # [R, 1]
+        ok = (total > 0) & torch.isfinite(total)  # [R, 1]: a NaN anywhere in the row makes it NaN
         # u * total can round up to total: cap just below it, so the first cdf entry above the
         # target always belongs to a token with mass (no host sync needed for the edge case).
         target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [R, 1]
@@ -270,6 +277,16 @@ class Sampler:
                     d.setdefault(t, (v, rank))
             out[i] = d
         return out
+
+
+def _argmax(x: Tensor) -> Tensor:
+    """Row-wise argmax [R] of x [R, V] that never picks a NaN over a real value (torch's argmax
+    propagates NaN); the NaN-free pass runs only for rows that need it."""
+    tok = x.argmax(dim=-1)
+    nan = x.gather(1, tok.unsqueeze(1)).squeeze(1).isnan()  # [R]
+    if bool(nan.any()):
+        tok = torch.where(nan, torch.nan_to_num(x, nan=_NEG_INF).argmax(dim=-1), tok)
+    return tok
 
 
 def _flat_indices(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:

@@ -1,0 +1,201 @@
+"""Host time per engine step, by part, on a model that costs almost nothing (issue #12's table).
+
+A 1-layer random Llama with hidden size 32 and SmolLM2's tokenizer (real detokenization), N
+sequences decoding at once; each step is timed whole and by part: schedule, prepare (input
+tensors), forward (model + logits), sample, output (append, detokenize, stop checks, outputs)
+and update (scheduler bookkeeping). Per-part times come from wrapping the engine's own methods,
+so they cost the same in any checkout that has those methods.
+
+``--other PATH`` runs the same measurement on a second checkout (``git worktree add /tmp/base
+<rev>``) in alternation with this one, each size in a fresh process, and prints both side by
+side with the ratio: run-to-run drift on this shared CPU is 10-30%, a ratio within one run is not.
+
+    .venv/bin/python benchmarks/host_overhead.py --seqs 1,16,64,256 --other /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+PARTS = ("schedule", "prepare", "forward", "sample", "output", "update")
+
+
+def tiny_model(out: Path) -> Path:
+    """1 layer, hidden 32, SmolLM2's tokenizer: the model is nearly free, the host is what's left."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lorastar.models.default import default_model_dir
+
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    src = Path(default_model_dir())
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, out / f)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+class _Timer:
+    """Accumulates wall time per part by wrapping callables."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+
+    def wrap(self, fn: Any, part: str) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.total[part] += time.perf_counter() - t0
+
+        return timed
+
+
+def measure(model_dir: Path, num_seqs: int, steps: int) -> dict[str, float]:
+    """Mean milliseconds per step (whole and per part) with ``num_seqs`` sequences decoding."""
+    import torch
+
+    from lorastar import SamplingParams
+    from lorastar.config import EngineConfig
+    from lorastar.engine.engine import LLMEngine
+
+    torch.set_num_threads(1)
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=num_seqs,
+            num_kv_blocks=num_seqs * 24 + 16,
+            max_model_len=1024,
+            enable_prefix_caching=False,
+        )
+    )
+    prompts = common.text_prompts(eng.tokenizer, num_seqs, 32)
+    params = SamplingParams(temperature=0.8, max_tokens=steps + 64, ignore_eos=True, seed=None)
+    for p in prompts:
+        eng.add_request(p, params)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.all_sequences()):
+        eng.step()  # prefill done: every measured step is a decode step of num_seqs rows
+    for _ in range(3):
+        eng.step()
+
+    timer = _Timer()
+    sched, runner = eng.scheduler, eng.runner
+    sched.schedule = timer.wrap(sched.schedule, "schedule")  # type: ignore[method-assign]
+    sched.update = timer.wrap(sched.update, "update")  # type: ignore[method-assign]
+    runner.prepare = timer.wrap(runner.prepare, "prepare")  # type: ignore[method-assign]
+    runner.model.forward = timer.wrap(runner.model.forward, "forward")  # type: ignore[method-assign]
+    runner.model.compute_logits = timer.wrap(runner.model.compute_logits, "forward")  # type: ignore[method-assign]
+    eng.sampler = timer.wrap(eng.sampler, "sample")  # type: ignore[method-assign]
+    eng._process = timer.wrap(eng._process, "output")  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall = time.perf_counter() - t0
+    res = {p: 1000 * timer.total[p] / steps for p in PARTS}
+    res["output"] -= res["sample"]  # sampling runs inside output processing
+    res["step"] = 1000 * wall / steps
+    res["other"] = res["step"] - sum(res[p] for p in PARTS)
+    return res
+
+
+def run_child(checkout: Path, model_dir: Path, num_seqs: int, steps: int) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_WAIT_POLICY": "PASSIVE"}
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import host_overhead as h; "
+        "print(json.dumps(h.measure(h.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))"
+    )
+    here = Path(__file__).resolve().parent
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(here), str(model_dir), str(num_seqs), str(steps)],
+        env=env,
+        cwd=str(checkout),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seqs", default="1,16,64,256", help="running sequences per step")
+    ap.add_argument("--steps", type=int, default=40, help="measured decode steps per size")
+    ap.add_argument("--other", type=Path, default=None, help="a second checkout to compare with")
+    ap.add_argument("--out", type=Path, default=common.RESULTS)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.seqs.split(",")]
+    model_dir = tiny_model(
+        Path(os.environ.get("LORASTAR_CACHE", Path.home() / ".cache" / "lorastar")) / "tiny-host"
+    )
+    here = common.REPO
+    systems = {"this": here} | ({"other": args.other.resolve()} if args.other else {})
+    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in systems}
+    for n in sizes:
+        for name, checkout in systems.items():  # alternate: drift hits both alike
+            results[name][n] = run_child(checkout, model_dir, n, args.steps)
+            print(f"{name:5s} {n:4d} seqs: {results[name][n]['step']:.2f} ms/step", flush=True)
+
+    rows = []
+    for n in sizes:
+        for name in systems:
+            r = results[name][n]
+            rows.append([name, n, r["step"], 1000 * r["step"] / n, *(r[p] for p in PARTS), r["other"]])
+    headers = ["checkout", "seqs", "ms/step", "µs/seq-step", *(f"{p} ms" for p in PARTS), "other ms"]
+    sections = [common.markdown_table(headers, rows)]
+    if args.other:
+        ratio_rows = [[n, results["other"][n]["step"] / results["this"][n]["step"]] for n in sizes]
+        sections.append(common.markdown_table(["seqs", "other / this (host time per step)"], ratio_rows))
+    text = common.write_results(
+        "host_overhead",
+        args.out,
+        sections,
+        {"env": common.env_line("1 thread per engine"), "results": results},
+        notes=[
+            "Model: 1 layer, hidden 32, SmolLM2 vocabulary (49152): 'forward' is mostly the lm_head.",
+            "Sampling at temperature 0.8 (the random path), ignore_eos, prefix caching off.",
+        ],
+    )
+    print(text)
+
+    fig, (ax,) = common.new_figure()
+    for name in systems:
+        ax.plot(sizes, [1000 * results[name][n]["step"] / n for n in sizes], marker="o", label=name)
+    common.log_x_axis(ax, sizes)
+    ax.set_xlabel("running sequences")
+    ax.set_ylabel("host µs per sequence-step")
+    ax.legend()
+    common.save_figure(fig, args.out / "host_overhead.png", "Host time per sequence-step (tiny model)")
+
+
+if __name__ == "__main__":
+    main()
