@@ -263,6 +263,12 @@ class LLMEngine:
             raise LimitExceededError(
                 "stop", f"stop strings must be at most {cfg.max_stop_string_length} characters long."
             )
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidParamError(
+                "logit_bias",
+                f"logit_bias names token {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
+            )
         if len(params.stop_token_ids or []) > cfg.max_stop_token_ids:
             raise LimitExceededError(
                 "stop_token_ids", f"stop_token_ids may hold at most {cfg.max_stop_token_ids} ids."

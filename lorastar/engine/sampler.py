@@ -1,7 +1,7 @@
 """Batched token sampling with per-request parameters and seeded generators.
 
 One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
-min_tokens mask -> penalties -> greedy rows: argmax; other rows: temperature, top-k,
+min_tokens mask -> logit_bias -> penalties -> greedy rows: argmax; other rows: temperature, top-k,
 top-p, min-p, then an inverse-CDF draw. A seeded row draws exactly one uniform from its
 own generator per step, and every op is row-wise, so its token does not depend on what
 else is in the batch.
@@ -88,6 +88,7 @@ class Sampler:
         # will write into it, so the caller's logits are never modified.
         writes = any(
             len(r.output_token_ids) < r.params.min_tokens
+            or r.params.logit_bias
             or r.params.repetition_penalty != 1.0
             or r.params.frequency_penalty != 0.0
             or r.params.presence_penalty != 0.0
@@ -101,6 +102,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(x, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
 
         self._apply_min_tokens(x, rows, vocab)
+        _apply_logit_bias(x, rows, vocab)
         self._apply_penalties(x, rows, vocab)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
@@ -277,6 +279,26 @@ class Sampler:
                     d.setdefault(t, (v, rank))
             out[i] = d
         return out
+
+
+def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+    """x[row, token] += bias for every row's logit_bias (one scatter for the batch)."""
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(rows):
+        for tok, bias in (r.params.logit_bias or {}).items():
+            if tok < vocab:
+                r_idx.append(i)
+                t_idx.append(tok)
+                values.append(bias)
+    if r_idx:
+        dev = x.device
+        x.index_put_(
+            (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+            torch.tensor(values, dtype=x.dtype, device=dev),
+            accumulate=True,
+        )
 
 
 def _argmax(x: Tensor) -> Tensor:

@@ -79,6 +79,9 @@ class SamplingParams:
     length_penalty: float = 1.0  # only meaningful with beam search
     skip_special_tokens: bool = True
     min_tokens: int = 0  # EOS / stop_token_ids are masked until this many tokens are generated
+    # {token_id: bias} added to the logits before penalties and sampling (OpenAI's logit_bias;
+    # values clamped to [-100, 100] as OpenAI documents). Logprobs stay those of the raw logits.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # --- counts ---
@@ -155,6 +158,20 @@ class SamplingParams:
                 )
         self.stop_token_ids = ids
 
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParamError("logit_bias", "logit_bias must map token ids to numbers.")
+            bias: dict[int, float] = {}
+            for tok, value in self.logit_bias.items():
+                if not _is_int(tok) or not 0 <= tok <= _MAX_INT:
+                    raise InvalidParamError("logit_bias", f"logit_bias keys must be token ids, got {tok!r}.")
+                if not _is_number(value) or not math.isfinite(value):
+                    raise InvalidParamError(
+                        "logit_bias", f"logit_bias values must be finite numbers, got {value!r}."
+                    )
+                bias[tok] = min(max(float(value), -100.0), 100.0)
+            self.logit_bias = bias or None
+
         for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -188,5 +205,8 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         # Lists (stop, stop_token_ids) are copied so the clone can be mutated independently.
         return dataclasses.replace(
-            self, stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids or [])
+            self,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
         )

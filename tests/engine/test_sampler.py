@@ -323,3 +323,20 @@ def test_caller_logits_untouched() -> None:
     Sampler()(x, rows)
     Sampler()(x[1:2], rows[1:2])
     assert torch.equal(x, before)
+
+
+def test_logit_bias_is_added_before_sampling_and_clamped() -> None:
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]] * 3)  # [R, V]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    rows = [
+        _row(greedy),
+        _row(SamplingParams(temperature=0, max_tokens=4, logit_bias={0: -5.0})),  # 3-5 < 1: token 1
+        _row(SamplingParams(temperature=1.0, max_tokens=4, logit_bias={3: 1e9, 99: 100.0})),  # clamped 100
+    ]
+    assert rows[2].params.logit_bias == {3: 100.0, 99: 100.0}
+    before = logits.clone()
+    out = Sampler(seed=0)(logits, rows)
+    assert out.token_ids == [0, 1, 3]  # +100 leaves the other tokens ~e^-96 of the mass
+    assert torch.equal(logits, before)  # the caller's logits are untouched
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"1": 2.0})  # type: ignore[dict-item]

@@ -156,3 +156,26 @@ def test_server_queue_is_bounded_by_default() -> None:
     from lorastar.plugin.config import DEFAULT_MAX_WAITING
 
     assert LoraStarConfig().engine_config().max_waiting == DEFAULT_MAX_WAITING == 256
+
+
+def test_logit_bias_applies_and_names_bad_ids(client: Any) -> None:
+    """OpenAI's logit_bias (token ids as strings): +100 forces a token, -100 bans the greedy one;
+    an id outside the vocabulary is a 400 naming logit_bias."""
+    base = {"prompt": "hello there", "max_tokens": 4, "temperature": 0, "logprobs": 0}
+    plain = client.post(CMPL, json=base).json()
+    first = plain["choices"][0]["logprobs"]["tokens"][0]
+    vocab = client.plugin.engine.engine.vocab_size
+    tokenizer = client.plugin.engine.tokenizer
+    (tok_id,) = tokenizer.encode(first, add_special_tokens=False)
+    banned = client.post(CMPL, json={**base, "logit_bias": {str(tok_id): -100}}).json()
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != first
+    forced = client.post(CMPL, json={**base, "logit_bias": {"42": 100}}).json()
+    assert forced["usage"]["completion_tokens"] == 4
+    assert forced["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([42])] * 4
+    chat = client.post(
+        CHAT, json={"messages": HI, "max_tokens": 2, "temperature": 0, "logit_bias": {"42": 100}}
+    )
+    assert chat.status_code == 200
+    for bias in ({str(vocab): 1}, {"-1": 1}, {"x": 1}):
+        r = client.post(CMPL, json={**base, "logit_bias": bias})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text

@@ -146,7 +146,7 @@ def test_post_routes_answer_200_and_sse_framing_is_exact(http: httpx.Client) -> 
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [[1], [-3]]}, "prompt"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"a": 2}}, "logit_bias"),  # keys are token ids
         ({"prompt": "x" * 300}, "prompt"),  # longer than max_model_len (fake: 256)
         ({"prompt": list(range(1, 300))}, "prompt"),
     ],

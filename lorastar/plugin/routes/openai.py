@@ -93,7 +93,12 @@ def _sampling_params(
     for name in _SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
     if req.logit_bias:
-        raise APIError("logit_bias is not supported.", param="logit_bias")
+        try:  # OpenAI sends token ids as strings
+            kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError as exc:
+            raise APIError(
+                "logit_bias keys must be token ids (integers as strings).", param="logit_bias"
+            ) from exc
     try:
         return SamplingParams.from_dict(kw)
     except InvalidParamError as exc:
