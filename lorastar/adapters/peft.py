@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lorastar.engine.errors import AdapterError
+from lorastar.errors import AdapterError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

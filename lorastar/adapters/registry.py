@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorastar.adapters.peft import LoRAWeights
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError
+from lorastar.errors import AdapterError, AdapterNotFoundError
 
 Loader = Callable[[str], LoRAWeights]
 SlotCallback = Callable[[int, LoRAWeights], None]

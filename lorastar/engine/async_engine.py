@@ -19,10 +19,10 @@ from typing import Any
 from lorastar.adapters.registry import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
-from lorastar.engine.errors import EngineDeadError
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import EngineDeadError
 
 logger = logging.getLogger("lorastar")
 

@@ -19,7 +19,6 @@ from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
-from lorastar.engine.errors import AdapterNotFoundError, EngineOverloadedError
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -28,6 +27,7 @@ from lorastar.engine.runner import KVCacheSpec, ModelRunner
 from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
+from lorastar.errors import AdapterNotFoundError, EngineOverloadedError
 from lorastar.models.loader import checkpoint_dtype, load_model, read_hf_config
 
 logger = logging.getLogger("lorastar")

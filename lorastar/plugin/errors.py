@@ -22,7 +22,7 @@ from litestar.status_codes import (
     HTTP_503_SERVICE_UNAVAILABLE,
 )
 
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
+from lorastar.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
 
 logger = logging.getLogger("lorastar.plugin")
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorastar.adapters.peft import ModelSpec, load_peft_adapter
-from lorastar.engine.errors import AdapterError
+from lorastar.errors import AdapterError
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")

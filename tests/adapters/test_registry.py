@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
 from lorastar.adapters.registry import AdapterEntry, AdapterRegistry
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError
+from lorastar.errors import AdapterError, AdapterNotFoundError
 
 
 def fake(tag: str, rank: int = 4) -> LoRAWeights:

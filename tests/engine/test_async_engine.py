@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from lorastar import LLM, AsyncLLM, SamplingParams
-from lorastar.engine.errors import AdapterNotFoundError
+from lorastar.errors import AdapterNotFoundError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorastar import LLM, SamplingParams
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError
+from lorastar.errors import AdapterError, AdapterNotFoundError
 from tests.conftest import make_peft_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

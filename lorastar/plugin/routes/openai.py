@@ -13,9 +13,9 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
-from lorastar.engine.errors import AdapterNotFoundError
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import AdapterNotFoundError
 from lorastar.plugin.errors import APIError, param_from_message
 from lorastar.plugin.schemas import (
     ChatChoiceLogprobs,
