@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
 
 if TYPE_CHECKING:
-    from lorastar.adapters.layers import LoRADeviceState
+    from lorastar.layers.lora import LoRADeviceState
     from lorastar.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from lorastar.adapters.layers import LoRADeviceState
 from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
 from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
 from lorastar.config import EngineConfig
@@ -28,6 +27,7 @@ from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import AdapterNotFoundError, EngineOverloadedError
+from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.loader import checkpoint_dtype, load_model, read_hf_config
 
 logger = logging.getLogger("lorastar")
@@ -88,8 +88,8 @@ class LLMEngine:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
             )
 
+        from lorastar.layers.embedding import quantize_embeddings
         from lorastar.quant import get_quant_config
-        from lorastar.quant.embedding import quantize_embeddings
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
         self.model, ckpt_kv_scales = load_model(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.models.context import AttentionMetadata, ForwardContext
+from lorastar.forward_context import AttentionMetadata, ForwardContext
 
 if TYPE_CHECKING:
     from lorastar.models.llama import LlamaForCausalLM

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lorastar.adapters.layers import LoRADeviceState
 from lorastar.engine.cuda_graphs import DecodeGraphs
 from lorastar.engine.scheduler import SchedulerOutput
-from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.llama import LlamaForCausalLM
 
 

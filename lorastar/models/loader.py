@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lorastar.models.linear import Linear
 from lorastar.models.llama import LlamaForCausalLM, check_architecture
 from lorastar.quant.base import QuantConfig
 
@@ -89,10 +88,7 @@ class WeightLoader:
             layer = self.linears.get(f"model.layers.{layer_idx}.{block}.{fused}")
             if layer is None:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if suffix == "bias":
-                self._load_bias(layer, tensor, shard, name)
-            else:
-                layer.quant_method.load_weight(layer, suffix, tensor, shard, name)
+            layer.weight_loader(suffix, tensor, shard, name)
             return
         m = _KV_SCALE_RE.match(name)
         if m:
@@ -110,20 +106,6 @@ class WeightLoader:
             )
         param.data.copy_(tensor.to(param.dtype))
         self._loaded_plain.add(target)
-
-    def _load_bias(self, layer: Linear, tensor: torch.Tensor, shard: int | None, name: str) -> None:
-        if layer.bias is None:
-            raise ValueError(f"unexpected bias tensor {name!r}: the config declares no bias here")
-        target = layer.bias.data
-        if shard is not None:
-            offs = layer.slice_offsets()
-            target = target[offs[shard] : offs[shard + 1]]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor.to(target.dtype))
-        layer.bias.loaded_shards = getattr(layer.bias, "loaded_shards", set()) | {shard}  # type: ignore[attr-defined]
 
     def finish(self) -> None:
         missing = sorted(set(self._plain) - self._loaded_plain)

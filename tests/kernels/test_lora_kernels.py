@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorastar.forward_context import LoRAMetadata
 from lorastar.kernels.lora import (
-    add_lora,
-    add_lora_packed,
     bgmv_expand,
     bgmv_shrink,
     groups_from_segments,
@@ -21,7 +20,7 @@ from lorastar.kernels.lora import (
     sgmv_shrink,
 )
 from lorastar.kernels.reference import ref_lora_expand, ref_lora_shrink
-from lorastar.models.context import LoRAMetadata
+from lorastar.layers.lora import add_lora, add_lora_packed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN = 64  # small: every interpreted Triton program costs ~0.2 ms

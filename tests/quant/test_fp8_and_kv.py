@@ -8,7 +8,7 @@ from quant_fixtures import FP8_NAMES, present, read_config, reference
 
 from lorastar.kernels import reference as R
 from lorastar.kernels.fp8 import ACT_TENSOR_STATIC, ACT_TOKEN, fp8_linear, quantize_weight_per_channel
-from lorastar.models.linear import Linear
+from lorastar.layers.linear import Linear
 from lorastar.quant import get_quant_config
 from lorastar.quant.fp8 import CompressedTensorsFp8Config, Fp8LinearMethod
 from lorastar.quant.kv_cache import KVScales, compute_kv_scale, kv_cache_torch_dtype, parse_kv_scale_key

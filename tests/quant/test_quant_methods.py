@@ -8,7 +8,7 @@ import torch
 from quant_fixtures import INT4_NAMES, checkpoint, present, read_config, reference
 
 from lorastar.kernels import reference as R
-from lorastar.models.linear import Linear
+from lorastar.layers.linear import Linear
 from lorastar.quant import get_quant_config
 from lorastar.quant.awq import AWQLinearMethod
 from lorastar.quant.gptq import GPTQLinearMethod

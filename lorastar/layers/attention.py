@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorastar.forward_context import ForwardContext
 from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
-from lorastar.models.context import ForwardContext
 
 
 def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,263 @@
+"""LoRA on the device: per-linear slot buffers, the per-slot rank table, and a fused linear's
+LoRA entry points (``add_lora`` on GPU: punica kernels; ``add_lora_packed`` on CPU).
+
+Each LoRA-capable ``Linear`` gets a ``LoRASlots``: per slice (q/k/v, gate/up, ...) an A buffer
+``[max_loras, max_rank, in]`` (packed across slices on CPU) and a B buffer
+``[max_loras, out_slice, max_rank]`` (scaling folded into B), allocated the first time an adapter
+targets that slice. Ranks below ``max_rank`` are zero-padded in storage but the kernels compute
+only up to each slot's true rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lorastar.forward_context import LoRAMetadata
+from lorastar.kernels.lora import (
+    bgmv_expand,
+    bgmv_shrink,
+    groups_from_slots,
+    lora_expand_torch,
+    lora_shrink_torch,
+    rank_list,
+    sgmv_expand,
+    sgmv_shrink,
+    use_triton,
+)
+
+if TYPE_CHECKING:
+    from lorastar.layers.linear import Linear
+
+
+class LoRASlots:
+    """One linear's adapter slots. GPU: per-slice A ``[S, R, in]`` for the punica kernels. CPU:
+    one packed A per slot (``a_packed [S, P * R, in]``: the slices the slot targets, at the slot's
+    rank, back to back), so each adapter costs one shrink matmul for all of q/k/v or gate/up."""
+
+    def __init__(
+        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.layer = layer
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self.packed = device.type == "cpu"
+        n = len(layer.slice_names)
+        self.a: list[torch.Tensor | None] = [None] * n  # per slice [S, R, in] (GPU layout)
+        self.b: list[torch.Tensor | None] = [None] * n  # per slice [S, N_i, R]
+        self.a_packed: torch.Tensor | None = None  # [S, n * R, in] (CPU layout)
+        self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
+        self.slot_ranks = [0] * max_loras  # each slot's rank in this linear
+        self.offsets = layer.slice_offsets()[:-1]
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write an adapter's A ``[r, in]`` / B ``[out, r]`` per module name into ``slot``
+        (modules of lower rank than the slot's are zero-padded to it)."""
+        names = self.layer.slice_names
+        rank = max((a.shape[0] for a, _ in weights.values()), default=0)
+        slices = [i for i, name in enumerate(names) if name in weights]
+        for i, b in enumerate(self.b):
+            if b is not None:
+                b[slot].zero_()
+                a = self.a[i]
+                if a is not None:
+                    a[slot].zero_()
+        if self.a_packed is not None:
+            self.a_packed[slot].zero_()
+        for j, i in enumerate(slices):
+            a, b = weights[names[i]]
+            r = a.shape[0]
+            if self.b[i] is None:
+                self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
+                if not self.packed:
+                    self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
+            if self.packed:
+                if self.a_packed is None:
+                    self.a_packed = self._zeros(
+                        self.max_loras, len(names) * self.max_rank, self.layer.input_size
+                    )
+                self.a_packed[slot, j * rank : j * rank + r].copy_(a)
+            else:
+                self.a[i][slot, :r].copy_(a)  # type: ignore[index]
+            self.b[i][slot, :, :r].copy_(b)  # type: ignore[index]
+        self.slot_slices[slot] = slices
+        self.slot_ranks[slot] = rank
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
+        if self.a_packed is not None:
+            add_lora_packed(
+                y, x, self.a_packed, self.b, self.slot_slices, self.slot_ranks, meta, self.offsets
+            )
+        elif self.packed:
+            return  # no adapter targets this linear
+        else:
+            add_lora(y, x, self.a, self.b, meta, self.offsets)
+
+
+class LoRADeviceState:
+    """All LoRA slot buffers of a model plus which adapter (content hash) sits in which slot."""
+
+    def __init__(
+        self,
+        linears: dict[str, Linear],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.max_loras = max_loras
+        self.device = device
+        self.slots: list[tuple[int, LoRASlots]] = []  # (layer index, slots of one linear)
+        for prefix, lin in linears.items():
+            lin.lora = LoRASlots(lin, max_loras, max_rank, dtype, device)
+            self.slots.append((int(prefix.split(".")[2]), lin.lora))
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
+        self.ranks_host = [0] * max_loras
+        self.max_rank = max_rank
+        # Bumped when an upload allocates a slice buffer: captured CUDA graphs that skipped the
+        # slice (no buffer then) are stale.
+        self.layout_version = 0
+
+    def load_slot(
+        self, slot: int, key: str, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Upload an adapter (``(layer, module) -> (A [r, in], B [out, r] scaled)``) into ``slot``;
+        linears it does not target get their slot zeroed. ``key`` (the content hash) is the
+        registry's record, not kept here."""
+        allocated = self._num_buffers()
+        for layer_idx, lora in self.slots:
+            lora.set_slot(slot, {
+                name: (w[0].to(self.device, lora.dtype), w[1].to(self.device, lora.dtype))
+                for name in lora.layer.slice_names
+                if (w := weights.get((layer_idx, name))) is not None
+            })  # fmt: skip
+        rank = max((a.shape[0] for a, _ in weights.values()), default=0)
+        self.ranks_host[slot] = rank
+        self.ranks[slot] = rank
+        if self._num_buffers() != allocated:
+            self.layout_version += 1
+
+    def _num_buffers(self) -> int:
+        return sum(b is not None for _, lora in self.slots for b in lora.b)
+
+
+def _ranges_and_perm(meta: LoRAMetadata) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
+    """``(slot, start, end)`` per adapter over ``perm``'s rows (``perm`` None: over the batch rows,
+    contiguous because the runner orders sequences by adapter). Derived from the groups when the
+    metadata carries no ranges."""
+    if meta.ranges:
+        return meta.ranges, meta.perm
+    groups = meta.groups or groups_from_slots(meta.token_slots)
+    ranges, start = [], 0
+    for slot, rows in groups:
+        ranges.append((slot, start, start + rows.numel()))
+        start += rows.numel()
+    return ranges, torch.cat([rows for _, rows in groups]) if groups else None
+
+
+def add_lora_packed(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a_packed: torch.Tensor,
+    lora_b_slices: list[torch.Tensor | None],
+    slot_slices: list[list[int]],
+    slot_ranks: list[int],
+    meta: LoRAMetadata,
+    offsets: list[int],
+) -> None:
+    """CPU path over a fused linear: one shrink per adapter for all its slices, then one expand
+    per slice written into ``y`` (views; gathered and scattered once when ``meta.perm`` is set).
+
+    Semantics: ``for slot, s, e in ranges: t = x[rows] @ Ap[slot, :P*r].T; for j, i in enumerate(slices[slot]): y[rows, off_i:off_i+N_i] += t[:, j*r:(j+1)*r] @ B_i[slot, :, :r].T``
+
+    Args:
+        y: ``[T, Ntot]`` base output, updated in place.
+        x: ``[T, H]`` layer input.
+        a_packed: ``[S, P_max * R, H]``: slot ``s`` holds the A of each slice it targets
+            (``slot_slices[s]``), ``slot_ranks[s]`` rows each, back to back.
+        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in) or ``None``.
+        slot_slices / slot_ranks: per slot, the slices packed in ``a_packed`` and their rank.
+        meta: ``meta.ranges`` (or ``groups``) of contiguous rows per slot, ``meta.perm`` optional.
+        offsets: first column of each slice in ``y``.
+    """
+    if x.shape[0] == 0:
+        return
+    ranges, perm = _ranges_and_perm(meta)
+    xp = x if perm is None else x.index_select(0, perm)  # [n, H]
+    yp = y if perm is None else y.new_zeros(perm.numel(), y.shape[1])  # [n, Ntot]
+    for slot, s, e in ranges:
+        r, slices = slot_ranks[slot], slot_slices[slot]
+        if r == 0 or not slices or e <= s:
+            continue
+        t = xp[s:e] @ a_packed[slot, : len(slices) * r].t()  # [n, P * r]
+        for j, i in enumerate(slices):
+            b, off = lora_b_slices[i], offsets[i]
+            if b is None:  # cannot happen for a packed slice; keeps the types honest
+                continue
+            yp[s:e, off : off + b.shape[1]].addmm_(t[:, j * r : (j + 1) * r], b[slot, :, :r].t())
+    if perm is not None:
+        y.index_add_(0, perm, yp)
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a_slices: list[torch.Tensor | None],
+    lora_b_slices: list[torch.Tensor | None],
+    meta: LoRAMetadata,
+    offsets: list[int],
+    *,
+    force_triton: bool = False,
+) -> None:
+    """Add every slice's LoRA delta to a fused linear's output (q/k/v or gate/up slices).
+
+    Semantics: ``for i: if A[i] is not None: y[:, offsets[i]:offsets[i]+N_i] += (x @ A[i][slot].T) @ B[i][slot].T``
+    per token with its slot (``meta.token_slots``; -1 rows untouched), at the slot's true rank.
+
+    Args:
+        y: ``[T, Ntot]`` base output, updated in place.
+        x: ``[T, H]`` layer input.
+        lora_a_slices: per slice ``[S, R, H]`` or ``None`` (no adapter targets that slice).
+        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in by the caller).
+        meta: the step's ``LoRAMetadata`` (BGMV when ``meta.is_decode``, SGMV otherwise).
+        offsets: first column of each slice in ``y``.
+    """
+    if x.shape[0] == 0:
+        return
+    if not use_triton(x, force_triton):
+        groups = meta.groups if meta.groups else groups_from_slots(meta.token_slots)
+        if not groups:
+            return
+        rank_of = rank_list(meta.ranks)
+        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
+            if a is None or b is None:
+                continue
+            buf = x.new_zeros(x.shape[0], a.shape[1])  # [T, R]
+            lora_shrink_torch(x, a, buf, groups, rank_of, 1.0)
+            lora_expand_torch(buf, b, y, groups, rank_of, off)
+        return
+    # Decode rows sorted by adapter form few long segments: SGMV's tensor-core tiles then beat
+    # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
+    num_segments = meta.seg_slots.shape[0]
+    use_bgmv = meta.force_bgmv or (meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0]))
+    for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
+        if a is None or b is None:
+            continue
+        # fp32 intermediate: split-K shrink accumulates with atomics, and rounding stays out of it.
+        buf = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
+        if use_bgmv:
+            bgmv_shrink(x, a, buf, meta.token_slots, meta.ranks, 1.0, force_triton=force_triton)
+            bgmv_expand(buf, b, y, meta.token_slots, meta.ranks, off, force_triton=force_triton)
+        else:
+            sgmv_shrink(
+                x, a, buf, meta.seg_starts, meta.seg_slots, meta.ranks, 1.0, force_triton=force_triton
+            )
+            sgmv_expand(
+                buf, b, y, meta.seg_starts, meta.seg_slots, meta.ranks, off, force_triton=force_triton
+            )
