@@ -6,7 +6,7 @@ gate/up are fused linears whose slices carry LoRA; every linear carries a quant 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -64,7 +64,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = q_size, kv_size
         self.qkv_proj = Linear(
             hidden, [q_size, kv_size, kv_size], bias=bias, prefix=f"{prefix}.qkv_proj",
-            slice_names=["q_proj", "k_proj", "v_proj"], params_dtype=dtype,
+            slice_names=LlamaForCausalLM.packed_modules_mapping["qkv_proj"], params_dtype=dtype,
             quant_method=_linear_method(quant, f"{prefix}.qkv_proj"),
         )  # fmt: skip
         o_bias = bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2"
@@ -99,7 +99,7 @@ class MLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = Linear(
             hidden, [inter, inter], bias=bias, prefix=f"{prefix}.gate_up_proj",
-            slice_names=["gate_proj", "up_proj"], params_dtype=dtype,
+            slice_names=LlamaForCausalLM.packed_modules_mapping["gate_up_proj"], params_dtype=dtype,
             quant_method=_linear_method(quant, f"{prefix}.gate_up_proj"),
         )  # fmt: skip
         self.down_proj = Linear(
@@ -136,7 +136,17 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder. ``forward`` returns hidden states ``[T, hidden]``;
-    ``compute_logits`` projects only the rows that are sampled."""
+    ``compute_logits`` projects only the rows that are sampled.
+
+    ``packed_modules_mapping`` (fused layer -> the checkpoint / PEFT modules it is made of, in slice
+    order) and ``supported_lora_modules`` are the one statement of the model's structure: the layers'
+    slice names, the loader's routing and the quant configs' skip lists all come from them."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    supported_lora_modules: ClassVar[list[str]] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
     def __init__(
         self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
@@ -144,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.architecture = check_architecture(cfg)
+        if quant is not None:
+            quant.packed_modules_mapping = self.packed_modules_mapping
         hidden = cfg["hidden_size"]
         self.vocab_size = cfg["vocab_size"]
         self.num_layers = cfg["num_hidden_layers"]

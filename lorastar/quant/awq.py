@@ -58,7 +58,7 @@ class AWQConfig(QuantConfig):
         return cls(bits, group_size, zero_point, skip)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip):
+        if is_skipped(prefix, self.skip, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return AWQLinearMethod(self)
 

@@ -6,6 +6,8 @@ method base classes live in ``layers/linear.py``: quant imports layers, never th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from lorastar.layers.linear import QuantMethod
@@ -15,6 +17,9 @@ class QuantConfig(ABC):
     """A checkpoint's quantization scheme; one instance per model."""
 
     name: str = ""
+    packed_modules_mapping: Mapping[str, Sequence[str]] = MappingProxyType({})
+    """Fused layer -> the checkpoint modules it is made of (``qkv_proj`` -> q/k/v): the model sets
+    its class's mapping here before asking for linear methods, so skip lists name either."""
 
     @classmethod
     @abstractmethod

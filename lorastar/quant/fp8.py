@@ -276,9 +276,9 @@ class CompressedTensorsFp8Config(QuantConfig):
         return None
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.ignore):
+        if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
-        schemes = {self._scheme_for(p) for p in unfused_prefixes(prefix)}
+        schemes = {self._scheme_for(p) for p in unfused_prefixes(prefix, self.packed_modules_mapping)}
         if len(schemes) != 1:
             raise ValueError(
                 f"{prefix}: its parts use different compressed-tensors schemes; cannot fuse them"
@@ -314,7 +314,7 @@ class Fp8CheckpointConfig(QuantConfig):
         return cls(ACT_TOKEN if scheme == "dynamic" else ACT_TENSOR_STATIC, ignore)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.ignore):
+        if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod("tensor", self.act, serialized=True)
 

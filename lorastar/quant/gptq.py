@@ -85,7 +85,7 @@ class GPTQConfig(QuantConfig):
         )
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip):
+        if is_skipped(prefix, self.skip, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return GPTQLinearMethod(self)
 

@@ -169,6 +169,10 @@ def test_kv_cache_dtypes() -> None:
 def test_kv_scales_from_checkpoint_and_defaults() -> None:
     assert parse_kv_scale_key("model.layers.3.self_attn.k_scale") == (3, "k")
     assert parse_kv_scale_key("model.layers.0.self_attn.v_proj.output_scale") == (0, "v")
+    assert parse_kv_scale_key("model.layers.2.self_attn.attn.v_scale") == (
+        2,
+        "v",
+    )  # the loader's spelling too
     assert parse_kv_scale_key("model.layers.0.self_attn.v_proj.weight_scale") is None
     sc = KVScales(num_layers=2)
     assert sc.resolve("fp8") == ([1.0, 1.0], [1.0, 1.0])  # nothing in the checkpoint: 1.0
