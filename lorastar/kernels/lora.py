@@ -16,17 +16,9 @@ A fused linear's entry points (``add_lora``, ``add_lora_packed``) live in ``laye
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:  # Triton is optional on CPU-only installs (e.g. non-Linux); the torch path still works.
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with the Linux install
-    _HAS_TRITON = False
+from lorastar.kernels._triton import HAS_TRITON, num_sms, tl, triton
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 FORCE_TRITON = False
@@ -35,19 +27,7 @@ Groups = list[tuple[int, torch.Tensor]]
 
 
 def use_triton(t: torch.Tensor, force: bool) -> bool:
-    return _HAS_TRITON and (t.is_cuda or force or FORCE_TRITON)
-
-
-@functools.lru_cache(maxsize=8)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    # Cached: called per LoRA op per layer per step.
-    if device.type == "cuda":
-        return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
-    return 1  # interpreter: fewer programs is faster
+    return HAS_TRITON and (t.is_cuda or force or FORCE_TRITON)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +115,7 @@ def lora_expand_torch(
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _bgmv_shrink_kernel(
@@ -339,7 +319,7 @@ def _split_k(num_rows_programs: int, h: int, block_k: int, device: torch.device,
     """How many slices of H to give each row program so the GPU has enough programs in flight."""
     if not allow or device.type != "cuda":
         return 1
-    want = max(1, (4 * _num_sms(device)) // max(num_rows_programs, 1))
+    want = max(1, (4 * num_sms(device)) // max(num_rows_programs, 1))
     return max(1, min(want, triton.cdiv(h, block_k), 32))
 
 
