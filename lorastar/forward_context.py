@@ -50,10 +50,11 @@ def padded_block_tables(tables: list[list[int]], fill: int = 0) -> torch.Tensor:
 class LoRAMetadata:
     """Which adapter slot each token uses. Built once per step by the runner.
 
-    Gather form (decode, punica BGMV): ``token_slots[t]`` is the slot of token ``t`` or -1.
-    Segment form (prefill, punica SGMV): tokens ``seg_starts[s]:seg_starts[s+1]`` all use slot
-    ``seg_slots[s]`` (runs of consecutive tokens with one adapter; -1 = no adapter).
-    ``ranks[slot]`` is the adapter's true rank, so kernels never compute over the padding.
+    Invariant: the batch is ordered by adapter slot, so each adapter's tokens are one contiguous
+    run. ``ranges`` lists them as ``(slot, start, end)`` (slot >= 0 only; the CPU path indexes rows
+    with it); ``seg_starts``/``seg_slots`` are the same runs as tensors (-1 = no adapter; punica
+    SGMV); ``token_slots[t]`` is token ``t``'s slot or -1 (punica BGMV, decode). ``ranks[slot]`` is
+    the adapter's true rank, so kernels never compute over the padding.
     """
 
     token_slots: torch.Tensor  # [num_tokens] int32
@@ -61,15 +62,9 @@ class LoRAMetadata:
     seg_slots: torch.Tensor  # [num_segments] int32
     ranks: torch.Tensor  # [max_loras] int32
     max_rank: int  # largest rank among the slots in this batch
-    # Host-side, CPU path: (slot, row index tensor) per distinct adapter (derived when empty).
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     is_decode: bool = False  # every sequence contributes one token
     force_bgmv: bool = False  # CUDA graphs: the gather form whatever the batch (no segment data)
-    # CPU path: each adapter's rows as one range (slot, start, end). The runner orders the batch
-    # by adapter, so ranges index the rows directly; with ``perm`` they index ``x[perm]`` instead.
-    perm: torch.Tensor | None = None  # [num_adapter_rows] int64
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)
-    ranks_host: list[int] = field(default_factory=list)  # ``ranks`` as a list (no per-call sync)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # host-side (slot, start, end)
 
 
 @dataclass

@@ -184,7 +184,6 @@ class ModelRunner:
         ranks_host = state.ranks_host
         return LoRAMetadata(
             ranges=ranges,
-            ranks_host=list(ranks_host),
             token_slots=torch.tensor(token_slots, dtype=torch.int32, device=dev),
             seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
             seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),

@@ -26,7 +26,7 @@ FORCE_TRITON = False
 Groups = list[tuple[int, torch.Tensor]]
 
 
-def use_triton(t: torch.Tensor, force: bool) -> bool:
+def _use_triton(t: torch.Tensor, force: bool) -> bool:
     return HAS_TRITON and (t.is_cuda or force or FORCE_TRITON)
 
 
@@ -57,7 +57,7 @@ def groups_from_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> G
     return [(s, torch.cat(rows)) for s, rows in by_slot.items()]
 
 
-def rank_list(ranks: torch.Tensor | list[int]) -> list[int]:
+def _rank_list(ranks: torch.Tensor | list[int]) -> list[int]:
     return ranks.tolist() if isinstance(ranks, torch.Tensor) else list(ranks)
 
 
@@ -70,7 +70,7 @@ def lora_shrink_torch(
     scale: float = 1.0,
 ) -> None:
     """Torch shrink. Semantics: ``for s, rows in groups: out[rows, :r] = scale * x[rows] @ A[s, :r].T``."""
-    rank_of = rank_list(ranks)
+    rank_of = _rank_list(ranks)
     for slot, rows in groups:
         r = rank_of[slot]
         if r == 0 or rows.numel() == 0:
@@ -97,7 +97,7 @@ def lora_expand_torch(
     offset: int,
 ) -> None:
     """Torch expand. Semantics: ``for s, rows in groups: y[rows, off:off+N] += buf[rows, :r] @ B[s, :, :r].T``."""
-    rank_of = rank_list(ranks)
+    rank_of = _rank_list(ranks)
     n = lora_b.shape[1]
     y_cols = y[:, offset : offset + n]  # view: index_add_ writes through
     for slot, rows in groups:
@@ -361,7 +361,7 @@ def bgmv_shrink(
     """
     if x.shape[0] == 0:
         return
-    if not use_triton(x, force_triton):
+    if not _use_triton(x, force_triton):
         lora_shrink_torch(x, lora_a, out, groups_from_slots(token_slots), ranks, scale)
         return
     t, h = x.shape
@@ -406,7 +406,7 @@ def bgmv_expand(
     """
     if buf.shape[0] == 0:
         return
-    if not use_triton(buf, force_triton):
+    if not _use_triton(buf, force_triton):
         lora_expand_torch(buf, lora_b, y, groups_from_slots(token_slots), ranks, offset)
         return
     t = buf.shape[0]
@@ -448,7 +448,7 @@ def sgmv_shrink(
     """
     if x.shape[0] == 0 or seg_slots.shape[0] == 0:
         return
-    if not use_triton(x, force_triton):
+    if not _use_triton(x, force_triton):
         lora_shrink_torch(x, lora_a, out, groups_from_segments(seg_starts, seg_slots), ranks, scale)
         return
     t, h = x.shape
@@ -501,7 +501,7 @@ def sgmv_expand(
     """
     if buf.shape[0] == 0 or seg_slots.shape[0] == 0:
         return
-    if not use_triton(buf, force_triton):
+    if not _use_triton(buf, force_triton):
         lora_expand_torch(buf, lora_b, y, groups_from_segments(seg_starts, seg_slots), ranks, offset)
         return
     t = buf.shape[0]

@@ -18,13 +18,8 @@ from lorastar.forward_context import LoRAMetadata
 from lorastar.kernels.lora import (
     bgmv_expand,
     bgmv_shrink,
-    groups_from_slots,
-    lora_expand_torch,
-    lora_shrink_torch,
-    rank_list,
     sgmv_expand,
     sgmv_shrink,
-    use_triton,
 )
 
 if TYPE_CHECKING:
@@ -147,20 +142,6 @@ class LoRADeviceState:
         return sum(b is not None for _, lora in self.slots for b in lora.b)
 
 
-def _ranges_and_perm(meta: LoRAMetadata) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
-    """``(slot, start, end)`` per adapter over ``perm``'s rows (``perm`` None: over the batch rows,
-    contiguous because the runner orders sequences by adapter). Derived from the groups when the
-    metadata carries no ranges."""
-    if meta.ranges:
-        return meta.ranges, meta.perm
-    groups = meta.groups or groups_from_slots(meta.token_slots)
-    ranges, start = [], 0
-    for slot, rows in groups:
-        ranges.append((slot, start, start + rows.numel()))
-        start += rows.numel()
-    return ranges, torch.cat([rows for _, rows in groups]) if groups else None
-
-
 def add_lora_packed(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -172,9 +153,9 @@ def add_lora_packed(
     offsets: list[int],
 ) -> None:
     """CPU path over a fused linear: one shrink per adapter for all its slices, then one expand
-    per slice written into ``y`` (views; gathered and scattered once when ``meta.perm`` is set).
+    per slice written into ``y`` (plain views: the rows of one adapter are contiguous).
 
-    Semantics: ``for slot, s, e in ranges: t = x[rows] @ Ap[slot, :P*r].T; for j, i in enumerate(slices[slot]): y[rows, off_i:off_i+N_i] += t[:, j*r:(j+1)*r] @ B_i[slot, :, :r].T``
+    Semantics: ``for slot, s, e in meta.ranges: t = x[rows] @ Ap[slot, :P*r].T; for j, i in enumerate(slices[slot]): y[rows, off_i:off_i+N_i] += t[:, j*r:(j+1)*r] @ B_i[slot, :, :r].T``
 
     Args:
         y: ``[T, Ntot]`` base output, updated in place.
@@ -183,26 +164,21 @@ def add_lora_packed(
             (``slot_slices[s]``), ``slot_ranks[s]`` rows each, back to back.
         lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in) or ``None``.
         slot_slices / slot_ranks: per slot, the slices packed in ``a_packed`` and their rank.
-        meta: ``meta.ranges`` (or ``groups``) of contiguous rows per slot, ``meta.perm`` optional.
+        meta: ``meta.ranges``, the contiguous rows of each slot.
         offsets: first column of each slice in ``y``.
     """
     if x.shape[0] == 0:
         return
-    ranges, perm = _ranges_and_perm(meta)
-    xp = x if perm is None else x.index_select(0, perm)  # [n, H]
-    yp = y if perm is None else y.new_zeros(perm.numel(), y.shape[1])  # [n, Ntot]
-    for slot, s, e in ranges:
+    for slot, s, e in meta.ranges:
         r, slices = slot_ranks[slot], slot_slices[slot]
         if r == 0 or not slices or e <= s:
             continue
-        t = xp[s:e] @ a_packed[slot, : len(slices) * r].t()  # [n, P * r]
+        t = x[s:e] @ a_packed[slot, : len(slices) * r].t()  # [n, P * r]
         for j, i in enumerate(slices):
             b, off = lora_b_slices[i], offsets[i]
             if b is None:  # cannot happen for a packed slice; keeps the types honest
                 continue
-            yp[s:e, off : off + b.shape[1]].addmm_(t[:, j * r : (j + 1) * r], b[slot, :, :r].t())
-    if perm is not None:
-        y.index_add_(0, perm, yp)
+            y[s:e, off : off + b.shape[1]].addmm_(t[:, j * r : (j + 1) * r], b[slot, :, :r].t())
 
 
 def add_lora(
@@ -215,7 +191,9 @@ def add_lora(
     *,
     force_triton: bool = False,
 ) -> None:
-    """Add every slice's LoRA delta to a fused linear's output (q/k/v or gate/up slices).
+    """GPU path: add every slice's LoRA delta to a fused linear's output (q/k/v or gate/up slices)
+    with the punica kernels (on CPU tensors they fall back to their torch forms; the engine's CPU
+    path is ``add_lora_packed``).
 
     Semantics: ``for i: if A[i] is not None: y[:, offsets[i]:offsets[i]+N_i] += (x @ A[i][slot].T) @ B[i][slot].T``
     per token with its slot (``meta.token_slots``; -1 rows untouched), at the slot's true rank.
@@ -229,18 +207,6 @@ def add_lora(
         offsets: first column of each slice in ``y``.
     """
     if x.shape[0] == 0:
-        return
-    if not use_triton(x, force_triton):
-        groups = meta.groups if meta.groups else groups_from_slots(meta.token_slots)
-        if not groups:
-            return
-        rank_of = rank_list(meta.ranks)
-        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
-            if a is None or b is None:
-                continue
-            buf = x.new_zeros(x.shape[0], a.shape[1])  # [T, R]
-            lora_shrink_torch(x, a, buf, groups, rank_of, 1.0)
-            lora_expand_torch(buf, b, y, groups, rank_of, off)
         return
     # Decode rows sorted by adapter form few long segments: SGMV's tensor-core tiles then beat
     # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
