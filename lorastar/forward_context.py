@@ -9,7 +9,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens live in the paged KV cache. Built once per step by the runner.
+    """Where this step's tokens live in the paged KV cache. Built once per step by the runner
+    (through ``layers/attention.py``, whose CPU backend extends it with its own fields).
 
     The flat batch holds ``B`` sequences; sequence ``b`` owns query rows
     ``query_start_loc[b]:query_start_loc[b+1]`` and, after this step, ``seq_lens[b]`` tokens of
@@ -24,16 +25,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    # Host-side copies, so the CPU path never syncs or re-derives them per layer.
-    query_lens_list: list[int] = field(default_factory=list)
-    seq_lens_list: list[int] = field(default_factory=list)
-    # CPU path, decode rows (q == 1): the blocks to gather and a padding mask over their slots.
-    decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
-    decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
-    # CPU path, prefill rows: (row_start, q, context length, context block ids or None when the
-    # chunk is the whole sequence so far and K/V come straight from this step's tensors)
-    prefill_seqs: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
     # RoPE cos/sin for this step's positions, computed once and shared by all layers.
     rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]
     rope_sin: torch.Tensor | None = None
@@ -76,4 +67,3 @@ class ForwardContext:
     # Per layer FP8 KV scales (1.0 for unquantized caches).
     k_scales: list[float] = field(default_factory=list)
     v_scales: list[float] = field(default_factory=list)
-    use_triton: bool = False

@@ -115,7 +115,6 @@ class DecodeGraphs:
             )
         return ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
-            use_triton=True,
         )  # fmt: skip
 
     def _forward(self, n: int, with_lora: bool) -> torch.Tensor:

@@ -1,17 +1,81 @@
-"""Attention over the paged KV cache: Triton kernels on GPU, plain torch on CPU.
+"""Attention over the paged KV cache, one backend per device, each with its own metadata.
 
-CPU path: decode rows (one new token each) run as ONE batched SDPA over K/V gathered through
-precomputed slot indices (built once per step, not per layer); prefill chunks run one SDPA
-each (a step holds few of them).
+* Triton (CUDA): ``kernels/paged_attention.py`` reads the common ``AttentionMetadata`` directly.
+* Torch (CPU): ``TorchAttentionMetadata`` adds what SDPA needs, precomputed once per step (not per
+  layer): decode rows (one new token each) run as ONE batched SDPA over K/V gathered block-wise;
+  prefill chunks run one SDPA each (a step holds few of them).
+
+``build_attention_metadata`` picks the backend from the device; ``attention_forward`` runs the
+backend whose metadata it is given.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from lorastar.forward_context import ForwardContext
+from lorastar.forward_context import AttentionMetadata, ForwardContext
 from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The CPU backend's metadata: the common fields plus the per-step gather plan."""
+
+    # Decode rows (q == 1): the blocks to gather and a padding mask over their slots.
+    decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
+    decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
+    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
+    # Prefill rows: (row_start, q, context length, context block ids or None when the chunk is the
+    # whole sequence so far and K/V come straight from this step's tensors).
+    prefill_seqs: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+
+
+def build_attention_metadata(
+    slot_mapping: list[int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,  # [B, max_blocks] int32, host
+    *,
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """One step's metadata for the backend of ``device``: sequence ``b`` has ``query_lens[b]`` new
+    tokens (flat rows in order) and ``seq_lens[b]`` tokens of context after this step."""
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    common = {
+        "slot_mapping": torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        "query_start_loc": torch.tensor(qsl, dtype=torch.int32, device=device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "block_tables": block_tables.to(device),
+        "max_query_len": max(query_lens),
+        "max_seq_len": max(seq_lens),
+        "block_size": block_size,
+    }
+    if device.type == "cuda":
+        return AttentionMetadata(**common)
+    md = TorchAttentionMetadata(**common)
+    dec = [i for i, q in enumerate(query_lens) if q == 1]
+    if dec:
+        lens = torch.tensor([seq_lens[i] for i in dec])
+        nblk = -(-int(lens.max()) // block_size)
+        md.decode_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.int64)
+        # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index.
+        md.decode_gather = block_tables[dec, :nblk].long()  # [Bd, nblk]
+        p = torch.arange(nblk * block_size)
+        md.decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * BS]
+    for i, (q, L) in enumerate(zip(query_lens, seq_lens)):
+        if q == 1:
+            continue
+        ctx_blocks = None
+        if L != q:  # earlier chunks or cached prefix: read the context blocks from the cache
+            ctx_blocks = block_tables[i, : -(-L // block_size)].long()
+        md.prefill_seqs.append((qsl[i], q, L, ctx_blocks))
+    return md
 
 
 def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -38,7 +102,7 @@ def attention_forward(
     ks = ctx.k_scales[layer_idx] if ctx.k_scales else 1.0
     vs = ctx.v_scales[layer_idx] if ctx.v_scales else 1.0
     reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping, ks, vs)
-    if ctx.use_triton:
+    if not isinstance(md, TorchAttentionMetadata):
         return paged_attention(
             q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             scale=scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
