@@ -1,8 +1,9 @@
 """LoRA on the device: per-linear slot buffers, the per-slot rank table, and a fused linear's
 LoRA entry points (``add_lora`` on GPU: punica kernels; ``add_lora_packed`` on CPU).
 
-Each LoRA-capable ``Linear`` gets a ``LoRASlots``: per slice (q/k/v, gate/up, ...) an A buffer
-``[max_loras, max_rank, in]`` (packed across slices on CPU) and a B buffer
+Each LoRA-capable ``Linear`` gets a ``LoRASlots``, one implementation per device (``GpuLoRASlots``,
+``CpuLoRASlots``): per slice (q/k/v, gate/up, ...) an A buffer ``[max_loras, max_rank, in]``
+(packed across slices on CPU) and a B buffer
 ``[max_loras, out_slice, max_rank]`` (scaling folded into B), allocated the first time an adapter
 targets that slice. Ranks below ``max_rank`` are zero-padded in storage but the kernels compute
 only up to each slot's true rank.
@@ -10,6 +11,7 @@ only up to each slot's true rank.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,10 +28,9 @@ if TYPE_CHECKING:
     from lorastar.layers.linear import Linear
 
 
-class LoRASlots:
-    """One linear's adapter slots. GPU: per-slice A ``[S, R, in]`` for the punica kernels. CPU:
-    one packed A per slot (``a_packed [S, P * R, in]``: the slices the slot targets, at the slot's
-    rank, back to back), so each adapter costs one shrink matmul for all of q/k/v or gate/up."""
+class LoRASlots(ABC):
+    """One linear's adapter slots: B per slice ``[S, N_i, R]`` (allocated the first time an adapter
+    targets the slice), each slot's targeted slices and rank. Subclasses store A for their device."""
 
     def __init__(
         self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
@@ -39,11 +40,7 @@ class LoRASlots:
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.packed = device.type == "cpu"
-        n = len(layer.slice_names)
-        self.a: list[torch.Tensor | None] = [None] * n  # per slice [S, R, in] (GPU layout)
-        self.b: list[torch.Tensor | None] = [None] * n  # per slice [S, N_i, R]
-        self.a_packed: torch.Tensor | None = None  # [S, n * R, in] (CPU layout)
+        self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, N_i, R]
         self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
         self.slot_ranks = [0] * max_loras  # each slot's rank in this linear
         self.offsets = layer.slice_offsets()[:-1]
@@ -57,42 +54,80 @@ class LoRASlots:
         names = self.layer.slice_names
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         slices = [i for i, name in enumerate(names) if name in weights]
-        for i, b in enumerate(self.b):
+        for b in self.b:
             if b is not None:
                 b[slot].zero_()
-                a = self.a[i]
-                if a is not None:
-                    a[slot].zero_()
-        if self.a_packed is not None:
-            self.a_packed[slot].zero_()
+        self._clear_a(slot)
         for j, i in enumerate(slices):
             a, b = weights[names[i]]
-            r = a.shape[0]
             if self.b[i] is None:
                 self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
-                if not self.packed:
-                    self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
-            if self.packed:
-                if self.a_packed is None:
-                    self.a_packed = self._zeros(
-                        self.max_loras, len(names) * self.max_rank, self.layer.input_size
-                    )
-                self.a_packed[slot, j * rank : j * rank + r].copy_(a)
-            else:
-                self.a[i][slot, :r].copy_(a)  # type: ignore[index]
-            self.b[i][slot, :, :r].copy_(b)  # type: ignore[index]
+            self._write_a(slot, i, j, rank, a)
+            self.b[i][slot, :, : b.shape[1]].copy_(b)  # type: ignore[index]
         self.slot_slices[slot] = slices
         self.slot_ranks[slot] = rank
 
+    @abstractmethod
+    def _clear_a(self, slot: int) -> None:
+        """Zero ``slot``'s A in every allocated buffer."""
+
+    @abstractmethod
+    def _write_a(self, slot: int, i: int, j: int, rank: int, a: torch.Tensor) -> None:
+        """Store A ``[r, in]`` of slice ``i``, the ``j``-th slice the slot targets (slot rank ``rank``)."""
+
+    @abstractmethod
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
+        """Add each row's adapter delta for ``x [T, in]`` into ``y [T, out]`` in place."""
+
+
+class GpuLoRASlots(LoRASlots):
+    """Per-slice A ``[S, R, in]`` for the punica kernels (``add_lora``)."""
+
+    def __init__(
+        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(layer, max_loras, max_rank, dtype, device)
+        self.a: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, R, in]
+
+    def _clear_a(self, slot: int) -> None:
+        for a in self.a:
+            if a is not None:
+                a[slot].zero_()
+
+    def _write_a(self, slot: int, i: int, j: int, rank: int, a: torch.Tensor) -> None:
+        if self.a[i] is None:
+            self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
+        self.a[i][slot, : a.shape[0]].copy_(a)  # type: ignore[index]
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
+        add_lora(y, x, self.a, self.b, meta, self.offsets)
+
+
+class CpuLoRASlots(LoRASlots):
+    """One packed A per slot (``a_packed [S, P * R, in]``: the slices the slot targets, at the slot's
+    rank, back to back), so each adapter costs one shrink matmul for all of q/k/v or gate/up."""
+
+    def __init__(
+        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(layer, max_loras, max_rank, dtype, device)
+        self.a_packed: torch.Tensor | None = None  # [S, P * R, in]
+
+    def _clear_a(self, slot: int) -> None:
         if self.a_packed is not None:
+            self.a_packed[slot].zero_()
+
+    def _write_a(self, slot: int, i: int, j: int, rank: int, a: torch.Tensor) -> None:
+        if self.a_packed is None:
+            n = len(self.layer.slice_names)
+            self.a_packed = self._zeros(self.max_loras, n * self.max_rank, self.layer.input_size)
+        self.a_packed[slot, j * rank : j * rank + a.shape[0]].copy_(a)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
+        if self.a_packed is not None:  # else no adapter targets this linear
             add_lora_packed(
                 y, x, self.a_packed, self.b, self.slot_slices, self.slot_ranks, meta, self.offsets
             )
-        elif self.packed:
-            return  # no adapter targets this linear
-        else:
-            add_lora(y, x, self.a, self.b, meta, self.offsets)
 
 
 class LoRADeviceState:
@@ -109,8 +144,9 @@ class LoRADeviceState:
         self.max_loras = max_loras
         self.device = device
         self.slots: list[tuple[int, LoRASlots]] = []  # (layer index, slots of one linear)
+        slots_cls = CpuLoRASlots if device.type == "cpu" else GpuLoRASlots
         for prefix, lin in linears.items():
-            lin.lora = LoRASlots(lin, max_loras, max_rank, dtype, device)
+            lin.lora = slots_cls(lin, max_loras, max_rank, dtype, device)
             self.slots.append((int(prefix.split(".")[2]), lin.lora))
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
         self.ranks_host = [0] * max_loras
