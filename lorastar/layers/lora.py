@@ -248,11 +248,21 @@ def add_lora(
     # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
     num_segments = meta.seg_slots.shape[0]
     use_bgmv = meta.force_bgmv or (meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0]))
-    for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
-        if a is None or b is None:
-            continue
-        # fp32 intermediate: split-K shrink accumulates with atomics, and rounding stays out of it.
-        buf = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
+    live = [
+        (a, b, off)
+        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets)
+        if a is not None and b is not None
+    ]
+    if not live:
+        return
+    # One fp32 intermediate for all slices (column block per slice): split-K shrink accumulates
+    # with atomics, and rounding stays out of it.
+    cols = [0]
+    for a, _, _ in live:
+        cols.append(cols[-1] + a.shape[1])
+    buf_all = torch.zeros(x.shape[0], cols[-1], dtype=torch.float32, device=x.device)  # [T, P * R]
+    for k, (a, b, off) in enumerate(live):
+        buf = buf_all[:, cols[k] : cols[k + 1]]  # [T, R] view
         if use_bgmv:
             bgmv_shrink(x, a, buf, meta.token_slots, meta.ranks, 1.0, force_triton=force_triton)
             bgmv_expand(buf, b, y, meta.token_slots, meta.ranks, off, force_triton=force_triton)
