@@ -37,6 +37,7 @@ bench: venv
 lint: venv
 	$(BIN)/ruff check lorastar tests benchmarks examples
 	$(BIN)/ruff format --check lorastar tests benchmarks examples
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from lorastar.engine.errors import AdapterError
+from lorastar.errors import AdapterError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_NAMES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 
-# The Llama-family linears an adapter may target, and the submodule each lives under.
+# The Llama-family linears an adapter may target, and the submodule each lives under: the model's
+# ``supported_lora_modules`` unpacked (adapters/ sits below models/; a test pins the two together).
 MODULE_GROUP: dict[str, str] = {
     "q_proj": "self_attn",
     "k_proj": "self_attn",

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorastar.adapters.peft import LoRAWeights
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError
+from lorastar.errors import AdapterError, AdapterNotFoundError
 
 Loader = Callable[[str], LoRAWeights]
 SlotCallback = Callable[[int, LoRAWeights], None]
@@ -140,10 +140,6 @@ class AdapterRegistry:
                 raise self._not_found(name)
             self._detach_name(name, entry)
 
-    def get(self, name: str) -> AdapterEntry | None:
-        with self._lock:
-            return self._names.get(name)
-
     def __contains__(self, name: object) -> bool:
         with self._lock:
             return name in self._names
@@ -151,10 +147,6 @@ class AdapterRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._names)
-
-    def names(self) -> list[str]:
-        with self._lock:
-            return sorted(self._names)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -187,15 +179,6 @@ class AdapterRegistry:
                 self._enforce_cpu_limit()
 
     # ---- device slots (called by the scheduler / runner each step) ----------------------------
-
-    def slot_of(self, entry: AdapterEntry) -> int | None:
-        with self._lock:
-            return entry.slot
-
-    def touch(self, entry: AdapterEntry) -> None:
-        """Mark ``entry`` as used now (slot and CPU LRU)."""
-        with self._lock:
-            self._touch(entry)
 
     def try_reserve(self, entry: AdapterEntry, pinned: set[str]) -> tuple[int, AdapterEntry | None] | None:
         """Put ``entry`` on a device slot for this step.
@@ -236,19 +219,6 @@ class AdapterRegistry:
             finally:
                 self._enforce_cpu_limit()
             return free, victim
-
-    def release_slot(self, entry: AdapterEntry) -> None:
-        """Give up ``entry``'s device slot (it stays registered on the CPU tier)."""
-        with self._lock:
-            if entry.slot is not None and self._slots[entry.slot] is entry:
-                self._slots[entry.slot] = None
-            entry.slot = None
-            self._enforce_cpu_limit()
-
-    def slot_entries(self) -> list[AdapterEntry | None]:
-        """Snapshot of the slot table (index = slot)."""
-        with self._lock:
-            return list(self._slots)
 
     # ---- introspection --------------------------------------------------------------------------
 

@@ -26,14 +26,14 @@ from typing import Any
 from lorastar.adapters.registry import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
-from lorastar.engine.errors import (
+from lorastar.engine.metrics import EngineStats
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import (
     EngineDeadError,
     EngineUnavailableError,
     RequestFailedError,
 )
-from lorastar.engine.metrics import EngineStats
-from lorastar.engine.outputs import RequestOutput
-from lorastar.engine.sampling import SamplingParams
 
 logger = logging.getLogger("lorastar")
 

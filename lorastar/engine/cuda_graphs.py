@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
 
 if TYPE_CHECKING:
-    from lorastar.adapters.layers import LoRADeviceState
+    from lorastar.layers.lora import LoRADeviceState
     from lorastar.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,6 @@ class DecodeGraphs:
             )
         return ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
-            use_triton=True,
         )  # fmt: skip
 
     def _forward(self, n: int, with_lora: bool) -> torch.Tensor:

@@ -13,19 +13,12 @@ from typing import Any
 
 import torch
 
-from lorastar.adapters.layers import LoRADeviceState
 from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
 from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
 from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
-from lorastar.engine.errors import (
-    AdapterNotFoundError,
-    EngineOverloadedError,
-    InvalidParamError,
-    LimitExceededError,
-)
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -34,6 +27,13 @@ from lorastar.engine.runner import KVCacheSpec, ModelRunner
 from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
+from lorastar.errors import (
+    AdapterNotFoundError,
+    EngineOverloadedError,
+    InvalidParamError,
+    LimitExceededError,
+)
+from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.loader import checkpoint_dtype, load_model, read_hf_config
 
 logger = logging.getLogger("lorastar")
@@ -94,8 +94,8 @@ class LLMEngine:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
             )
 
+        from lorastar.layers.embedding import quantize_embeddings
         from lorastar.quant import get_quant_config
-        from lorastar.quant.embedding import quantize_embeddings
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
         self.model, ckpt_kv_scales = load_model(

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.models.context import AttentionMetadata, ForwardContext
+from lorastar.forward_context import ForwardContext
+from lorastar.layers.attention import build_attention_metadata
 
 if TYPE_CHECKING:
     from lorastar.models.llama import LlamaForCausalLM
@@ -54,19 +55,9 @@ def calibrate_kv_scales(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(model.num_layers)
     ]
-    md = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None, :],
-        max_query_len=n,
-        max_seq_len=n,
-        block_size=block_size,
-        query_lens_list=[n],
-        seq_lens_list=[n],
-        prefill_seqs=[(0, n, n, None)],
-    )
-    ctx = ForwardContext(attn=md, kv_caches=caches, use_triton=device.type == "cuda")
+    tables = torch.arange(num_blocks, dtype=torch.int32)[None, :]  # [1, num_blocks]
+    md = build_attention_metadata(list(range(n)), [n], [n], tables, block_size=block_size, device=device)
+    ctx = ForwardContext(attn=md, kv_caches=caches)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     model(ids, torch.arange(n, dtype=torch.int64, device=device), ctx)
     fp8_max = float(torch.finfo(cache_dtype).max)

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from lorastar.adapters.layers import LoRADeviceState
 from lorastar.engine.cuda_graphs import DecodeGraphs
 from lorastar.engine.scheduler import SchedulerOutput
-from lorastar.models.context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.forward_context import ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.layers.attention import build_attention_metadata
+from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.llama import LlamaForCausalLM
 
 
@@ -60,7 +61,6 @@ class ModelRunner:
         self.k_scales = k_scales or [1.0] * spec.num_layers
         self.v_scales = v_scales or [1.0] * spec.num_layers
         self.lora_state = lora_state
-        self.use_triton = device.type == "cuda"
         self.graphs: DecodeGraphs | None = None
         if use_graphs:
             self.graphs = DecodeGraphs(
@@ -82,7 +82,6 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        qsl = [0]
         seq_lens: list[int] = []
         q_lens: list[int] = []
         tables: list[list[int]] = []
@@ -104,59 +103,25 @@ class ModelRunner:
             ids.extend(seq.token_ids[start : start + n])
             pos.extend(range(start, start + n))
             slots.extend(self._slots(seq.block_table, start, start + n))
-            qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
             q_lens.append(n)
             tables.append(seq.block_table)
-            last_row[idx] = qsl[-1] - 1
+            last_row[idx] = len(ids) - 1
             if adapter_slot is not None:
                 token_slots.extend([seq_slots[idx]] * n)
         last_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
 
         dev = self.device
-        bt = padded_block_tables(tables)  # [B, max_blocks]
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=bt.to(dev),
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            block_size=self.block_size,
-            query_lens_list=q_lens,
-            seq_lens_list=seq_lens,
+        md = build_attention_metadata(
+            slots, q_lens, seq_lens, padded_block_tables(tables), block_size=self.block_size, device=dev
         )
-        if not self.use_triton:
-            self._prepare_cpu(md, bt, tables)
         lora = self._prepare_lora(token_slots, q_lens) if adapter_slot is not None else None
         ctx = ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
-            use_triton=self.use_triton,
         )  # fmt: skip
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, ctx, last_rows
-
-    def _prepare_cpu(self, md: AttentionMetadata, bt: torch.Tensor, tables: list[list[int]]) -> None:
-        bs = self.block_size
-        dec = [i for i, q in enumerate(md.query_lens_list) if q == 1]
-        if dec:
-            lens = torch.tensor([md.seq_lens_list[i] for i in dec])
-            nblk = -(-int(lens.max()) // bs)
-            md.decode_rows = md.query_start_loc[dec].long()
-            # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index.
-            md.decode_gather = bt[dec, :nblk].long()  # [Bd, nblk]
-            p = torch.arange(nblk * bs)
-            md.decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * BS]
-        starts = md.query_start_loc.tolist()
-        for i, q in enumerate(md.query_lens_list):
-            if q == 1:
-                continue
-            L = md.seq_lens_list[i]
-            ctx_slots = None
-            if L != q:  # earlier chunks or cached prefix: read the context blocks from the cache
-                ctx_slots = torch.tensor(tables[i][: -(-L // bs)], dtype=torch.int64)
-            md.prefill_seqs.append((starts[i], q, L, ctx_slots))
 
     def _prepare_lora(self, token_slots: list[int], q_lens: list[int]) -> LoRAMetadata | None:
         if all(s < 0 for s in token_slots):
@@ -184,7 +149,6 @@ class ModelRunner:
         ranks_host = state.ranks_host
         return LoRAMetadata(
             ranges=ranges,
-            ranks_host=list(ranks_host),
             token_slots=torch.tensor(token_slots, dtype=torch.int32, device=dev),
             seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
             seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lorastar.engine.errors import InvalidParamError
+from lorastar.errors import InvalidParamError
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5

@@ -3,7 +3,7 @@
 Many adapters serve one flat token batch. Adapter weights sit in device *slots*: ``lora_a``
 ``[S, R, H]`` and ``lora_b`` ``[S, N, R]`` padded to the largest rank ``R``; ``ranks[s]`` is slot
 ``s``'s true rank and the kernels loop over rank chunks only up to it, so a rank-8 adapter batched
-with a rank-64 one costs rank-8 work. Two index forms (see ``LoRAMetadata``):
+with a rank-64 one costs rank-8 work. Two index forms:
 
 * BGMV (gather, decode): ``token_slots[t]`` per token, one program per token.
 * SGMV (segments, prefill): runs of consecutive tokens with one slot; tiles of rows use ``tl.dot``.
@@ -11,26 +11,14 @@ with a rank-64 one costs rank-8 work. Two index forms (see ``LoRAMetadata``):
 Each op runs its Triton kernel when the tensors are on CUDA (or when ``force_triton=True`` / the
 module flag ``FORCE_TRITON`` is set, for tests under ``TRITON_INTERPRET=1``); otherwise a
 vectorized torch path that groups rows by slot (``lora_shrink_torch`` / ``lora_expand_torch``).
-The engine's CPU path is ``add_lora_packed``: rows ordered by adapter and A packed across slices.
+A fused linear's entry points (``add_lora``, ``add_lora_packed``) live in ``layers/lora.py``.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
 import torch
 
-try:  # Triton is optional on CPU-only installs (e.g. non-Linux); the torch path still works.
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with the Linux install
-    _HAS_TRITON = False
-
-if TYPE_CHECKING:
-    from lorastar.models.context import LoRAMetadata
+from lorastar.kernels._triton import HAS_TRITON, num_sms, tl, triton
 
 # Tests flip this to run the Triton kernels on CPU tensors under TRITON_INTERPRET=1.
 FORCE_TRITON = False
@@ -39,19 +27,7 @@ Groups = list[tuple[int, torch.Tensor]]
 
 
 def _use_triton(t: torch.Tensor, force: bool) -> bool:
-    return _HAS_TRITON and (t.is_cuda or force or FORCE_TRITON)
-
-
-@functools.lru_cache(maxsize=8)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    # Cached: called per LoRA op per layer per step.
-    if device.type == "cuda":
-        return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
-    return 1  # interpreter: fewer programs is faster
+    return HAS_TRITON and (t.is_cuda or force or FORCE_TRITON)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +115,7 @@ def lora_expand_torch(
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _bgmv_shrink_kernel(
@@ -343,7 +319,7 @@ def _split_k(num_rows_programs: int, h: int, block_k: int, device: torch.device,
     """How many slices of H to give each row program so the GPU has enough programs in flight."""
     if not allow or device.type != "cuda":
         return 1
-    want = max(1, (4 * _num_sms(device)) // max(num_rows_programs, 1))
+    want = max(1, (4 * num_sms(device)) // max(num_rows_programs, 1))
     return max(1, min(want, triton.cdiv(h, block_k), 32))
 
 
@@ -546,119 +522,3 @@ def sgmv_expand(
         y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=lora_b.dtype == torch.float32,
     )  # fmt: skip
-
-
-def _ranges_and_perm(meta: LoRAMetadata) -> tuple[list[tuple[int, int, int]], torch.Tensor | None]:
-    """``(slot, start, end)`` per adapter over ``perm``'s rows (``perm`` None: over the batch rows,
-    contiguous because the runner orders sequences by adapter). Derived from the groups when the
-    metadata carries no ranges."""
-    if meta.ranges:
-        return meta.ranges, meta.perm
-    groups = meta.groups or groups_from_slots(meta.token_slots)
-    ranges, start = [], 0
-    for slot, rows in groups:
-        ranges.append((slot, start, start + rows.numel()))
-        start += rows.numel()
-    return ranges, torch.cat([rows for _, rows in groups]) if groups else None
-
-
-def add_lora_packed(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a_packed: torch.Tensor,
-    lora_b_slices: list[torch.Tensor | None],
-    slot_slices: list[list[int]],
-    slot_ranks: list[int],
-    meta: LoRAMetadata,
-    offsets: list[int],
-) -> None:
-    """CPU path over a fused linear: one shrink per adapter for all its slices, then one expand
-    per slice written into ``y`` (views; gathered and scattered once when ``meta.perm`` is set).
-
-    Semantics: ``for slot, s, e in ranges: t = x[rows] @ Ap[slot, :P*r].T; for j, i in enumerate(slices[slot]): y[rows, off_i:off_i+N_i] += t[:, j*r:(j+1)*r] @ B_i[slot, :, :r].T``
-
-    Args:
-        y: ``[T, Ntot]`` base output, updated in place.
-        x: ``[T, H]`` layer input.
-        a_packed: ``[S, P_max * R, H]``: slot ``s`` holds the A of each slice it targets
-            (``slot_slices[s]``), ``slot_ranks[s]`` rows each, back to back.
-        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in) or ``None``.
-        slot_slices / slot_ranks: per slot, the slices packed in ``a_packed`` and their rank.
-        meta: ``meta.ranges`` (or ``groups``) of contiguous rows per slot, ``meta.perm`` optional.
-        offsets: first column of each slice in ``y``.
-    """
-    if x.shape[0] == 0:
-        return
-    ranges, perm = _ranges_and_perm(meta)
-    xp = x if perm is None else x.index_select(0, perm)  # [n, H]
-    yp = y if perm is None else y.new_zeros(perm.numel(), y.shape[1])  # [n, Ntot]
-    for slot, s, e in ranges:
-        r, slices = slot_ranks[slot], slot_slices[slot]
-        if r == 0 or not slices or e <= s:
-            continue
-        t = xp[s:e] @ a_packed[slot, : len(slices) * r].t()  # [n, P * r]
-        for j, i in enumerate(slices):
-            b, off = lora_b_slices[i], offsets[i]
-            if b is None:  # cannot happen for a packed slice; keeps the types honest
-                continue
-            yp[s:e, off : off + b.shape[1]].addmm_(t[:, j * r : (j + 1) * r], b[slot, :, :r].t())
-    if perm is not None:
-        y.index_add_(0, perm, yp)
-
-
-def add_lora(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a_slices: list[torch.Tensor | None],
-    lora_b_slices: list[torch.Tensor | None],
-    meta: LoRAMetadata,
-    offsets: list[int],
-    *,
-    force_triton: bool = False,
-) -> None:
-    """Add every slice's LoRA delta to a fused linear's output (q/k/v or gate/up slices).
-
-    Semantics: ``for i: if A[i] is not None: y[:, offsets[i]:offsets[i]+N_i] += (x @ A[i][slot].T) @ B[i][slot].T``
-    per token with its slot (``meta.token_slots``; -1 rows untouched), at the slot's true rank.
-
-    Args:
-        y: ``[T, Ntot]`` base output, updated in place.
-        x: ``[T, H]`` layer input.
-        lora_a_slices: per slice ``[S, R, H]`` or ``None`` (no adapter targets that slice).
-        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in by the caller).
-        meta: the step's ``LoRAMetadata`` (BGMV when ``meta.is_decode``, SGMV otherwise).
-        offsets: first column of each slice in ``y``.
-    """
-    if x.shape[0] == 0:
-        return
-    if not _use_triton(x, force_triton):
-        groups = meta.groups if meta.groups else groups_from_slots(meta.token_slots)
-        if not groups:
-            return
-        rank_of = _rank_list(meta.ranks)
-        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
-            if a is None or b is None:
-                continue
-            buf = x.new_zeros(x.shape[0], a.shape[1])  # [T, R]
-            lora_shrink_torch(x, a, buf, groups, rank_of, 1.0)
-            lora_expand_torch(buf, b, y, groups, rank_of, off)
-        return
-    # Decode rows sorted by adapter form few long segments: SGMV's tensor-core tiles then beat
-    # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
-    num_segments = meta.seg_slots.shape[0]
-    use_bgmv = meta.force_bgmv or (meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0]))
-    for a, b, off in zip(lora_a_slices, lora_b_slices, offsets):
-        if a is None or b is None:
-            continue
-        # fp32 intermediate: split-K shrink accumulates with atomics, and rounding stays out of it.
-        buf = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)  # [T, R]
-        if use_bgmv:
-            bgmv_shrink(x, a, buf, meta.token_slots, meta.ranks, 1.0, force_triton=force_triton)
-            bgmv_expand(buf, b, y, meta.token_slots, meta.ranks, off, force_triton=force_triton)
-        else:
-            sgmv_shrink(
-                x, a, buf, meta.seg_starts, meta.seg_slots, meta.ranks, 1.0, force_triton=force_triton
-            )
-            sgmv_expand(
-                buf, b, y, meta.seg_starts, meta.seg_slots, meta.ranks, off, force_triton=force_triton
-            )

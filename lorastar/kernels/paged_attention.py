@@ -19,25 +19,13 @@ into the softmax scale and ``v_scale`` multiplies the output (scales are ignored
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
+from lorastar.kernels._triton import HAS_TRITON, is_fp8, num_sms, tl, triton
 
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover - triton ships with the Linux install
-    _HAS_TRITON = False
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LOG2E = 1.4426950408889634
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in _FP8_DTYPES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -46,7 +34,7 @@ def _is_fp8(dtype: torch.dtype) -> bool:
 
 
 def _to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    if not _is_fp8(dtype):
+    if not is_fp8(dtype):
         return x.to(dtype)
     xf = x.float()
     if scale != 1.0:
@@ -83,7 +71,7 @@ def reshape_and_cache(
     for src, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         flat = cache.view(nb * bs, hkv, d)  # view: writes land in the cache
         data = _to_cache_dtype(src, cache.dtype, scale)
-        if _is_fp8(cache.dtype):  # index_copy_ has no fp8 kernel on CPU: copy the raw bytes
+        if is_fp8(cache.dtype):  # index_copy_ has no fp8 kernel on CPU: copy the raw bytes
             flat.view(torch.uint8).index_copy_(0, idx, data.view(torch.uint8))
         else:
             flat.index_copy_(0, idx, data)
@@ -93,7 +81,7 @@ def reshape_and_cache(
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 
-if _HAS_TRITON:
+if HAS_TRITON:
 
     @triton.jit
     def _load_kv_tile(
@@ -323,18 +311,6 @@ if _HAS_TRITON:
         )
 
 
-@functools.lru_cache(maxsize=8)
-def _sms_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    # Cached: this runs on every decode step of every layer (host overhead matters off-graph).
-    if device.type == "cuda":
-        return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
-    return 1
-
-
 def _decode_splits(
     batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
 ) -> int:
@@ -342,7 +318,7 @@ def _decode_splits(
     if device.type != "cuda":
         return 1
     programs = batch * num_kv_heads
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if programs >= sms or max_seq_len <= 4 * block_n:
         return 1
     want = triton.cdiv(2 * sms, programs)
@@ -398,7 +374,7 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    fp8 = _is_fp8(k_cache.dtype)
+    fp8 = is_fp8(k_cache.dtype)
     if not fp8:  # scales describe FP8 storage only
         k_scale = v_scale = 1.0
     ieee = q.dtype == torch.float32  # fp32 models get exact fp32 dots, not tf32

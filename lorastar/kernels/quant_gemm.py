@@ -20,8 +20,8 @@ Tested on CPU under ``TRITON_INTERPRET=1`` (fp32/fp16 only: the interpreter's bf
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from lorastar.kernels._triton import num_sms, tl, triton
 
 AWQ = 0
 GPTQ = 1
@@ -158,16 +158,6 @@ def _quant_gemm_kernel(
         tl.atomic_add(out_ptrs, acc, mask=out_mask)  # fp32 buffer, cast by the wrapper
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def _blocks(m: int, group_size: int, k: int) -> tuple[int, int, int]:
     # tl.dot needs every dim >= 16 on NVIDIA; small M (decode) gets a narrow M tile.
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -204,7 +194,7 @@ def _launch(
         # Decode-sized GEMMs have too few (M, N) tiles to fill the GPU: split K across programs.
         split_k = 1
         if x.is_cuda and m <= 64:
-            split_k = max(1, min(16, (2 * _num_sms(x.device)) // tiles, k // (4 * bk)))
+            split_k = max(1, min(16, (2 * num_sms(x.device)) // tiles, k // (4 * bk)))
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)
     if split_k > 1:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)

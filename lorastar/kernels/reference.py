@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from lorastar.kernels._triton import is_fp8
+
 # ---------------------------------------------------------------------------------------------
 # Paged KV cache + attention
 # ---------------------------------------------------------------------------------------------
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def ref_reshape_and_cache(
@@ -33,7 +31,7 @@ def ref_reshape_and_cache(
         if slot < 0:  # padding token: nothing to store
             continue
         blk, off = divmod(slot, block_size)
-        if _is_fp8(k_cache.dtype):  # saturate at the format's max (no inf/NaN from overflow)
+        if is_fp8(k_cache.dtype):  # saturate at the format's max (no inf/NaN from overflow)
             fmax = torch.finfo(k_cache.dtype).max
             k_cache[blk, off] = (key[t].float() / k_scale).clamp(-fmax, fmax).to(k_cache.dtype)
             v_cache[blk, off] = (value[t].float() / v_scale).clamp(-fmax, fmax).to(v_cache.dtype)
@@ -65,7 +63,7 @@ def ref_paged_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    if not _is_fp8(k_cache.dtype):  # scales describe FP8 storage only
+    if not is_fp8(k_cache.dtype):  # scales describe FP8 storage only
         k_scale = v_scale = 1.0
     result = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for b in range(seq_lens.shape[0]):

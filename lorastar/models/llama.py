@@ -6,25 +6,25 @@ gate/up are fused linears whose slices carry LoRA; every linear carries a quant 
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorastar.models.attention import attention_forward
-from lorastar.models.context import ForwardContext
-from lorastar.models.linear import Linear
+from lorastar.forward_context import ForwardContext
+from lorastar.layers.attention import attention_forward
+from lorastar.layers.embedding import Int8Embedding
+from lorastar.layers.linear import Linear
+from lorastar.layers.norm import RMSNorm
+from lorastar.layers.rotary import RotaryEmbedding
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.embedding import Int8Embedding
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-SUPPORTED_ROPE = ("default", "llama3", "linear")
 
 
 def check_architecture(hf_config: dict[str, Any]) -> str:
@@ -35,85 +35,6 @@ def check_architecture(hf_config: dict[str, Any]) -> str:
     raise ValueError(
         f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
     )
-
-
-def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x wrote `rope_scaling`.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE:
-        raise ValueError(
-            f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE)}"
-        )
-    params["rope_type"] = rope_type
-    return params
-
-
-def rope_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """Inverse frequencies, computed exactly as transformers does for each rope type."""
-    p = _rope_parameters(cfg)
-    base = float(p["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if p["rope_type"] == "linear":
-        inv_freq = inv_freq / float(p["factor"])
-    elif p["rope_type"] == "llama3":
-        factor = float(p["factor"])
-        low_freq_factor = float(p["low_freq_factor"])
-        high_freq_factor = float(p["high_freq_factor"])
-        old_len = float(p["original_max_position_embeddings"])
-        low_freq_wavelen = old_len / low_freq_factor
-        high_freq_wavelen = old_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = rope_inv_freq(cfg, head_dim)  # [head_dim / 2]
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(dtype)[:, None, :]
-        return cos, sin
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if ctx is not None and ctx.attn.rope_cos is not None:  # computed once for the step
-            cos, sin = ctx.attn.rope_cos, ctx.attn.rope_sin
-        else:
-            cos, sin = self.cos_sin(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
 
 
 def _linear_method(quant: QuantConfig | None, prefix: str):  # noqa: ANN202
@@ -143,7 +64,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = q_size, kv_size
         self.qkv_proj = Linear(
             hidden, [q_size, kv_size, kv_size], bias=bias, prefix=f"{prefix}.qkv_proj",
-            slice_names=["q_proj", "k_proj", "v_proj"], params_dtype=dtype,
+            slice_names=LlamaForCausalLM.packed_modules_mapping["qkv_proj"], params_dtype=dtype,
             quant_method=_linear_method(quant, f"{prefix}.qkv_proj"),
         )  # fmt: skip
         o_bias = bool(cfg.get("attention_bias", False)) and cfg.get("model_type") != "qwen2"
@@ -178,7 +99,7 @@ class MLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = Linear(
             hidden, [inter, inter], bias=bias, prefix=f"{prefix}.gate_up_proj",
-            slice_names=["gate_proj", "up_proj"], params_dtype=dtype,
+            slice_names=LlamaForCausalLM.packed_modules_mapping["gate_up_proj"], params_dtype=dtype,
             quant_method=_linear_method(quant, f"{prefix}.gate_up_proj"),
         )  # fmt: skip
         self.down_proj = Linear(
@@ -215,7 +136,17 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 decoder. ``forward`` returns hidden states ``[T, hidden]``;
-    ``compute_logits`` projects only the rows that are sampled."""
+    ``compute_logits`` projects only the rows that are sampled.
+
+    ``packed_modules_mapping`` (fused layer -> the checkpoint / PEFT modules it is made of, in slice
+    order) and ``supported_lora_modules`` are the one statement of the model's structure: the layers'
+    slice names, the loader's routing and the quant configs' skip lists all come from them."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    supported_lora_modules: ClassVar[list[str]] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
     def __init__(
         self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
@@ -223,6 +154,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.architecture = check_architecture(cfg)
+        if quant is not None:
+            quant.packed_modules_mapping = self.packed_modules_mapping
         hidden = cfg["hidden_size"]
         self.vocab_size = cfg["vocab_size"]
         self.num_layers = cfg["num_hidden_layers"]

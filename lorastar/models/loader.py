@@ -10,22 +10,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lorastar.models.linear import Linear
+from lorastar.layers.linear import Linear
 from lorastar.models.llama import LlamaForCausalLM, check_architecture
 from lorastar.quant.base import QuantConfig
+from lorastar.quant.kv_cache import parse_kv_scale_key
 
-# checkpoint projection name -> (fused module, shard index)
-_FUSED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "o_proj": ("o_proj", None),
-    "down_proj": ("down_proj", None),
-}
-_LINEAR_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(\w+)$")
-_KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.)?([kv])_scale$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
@@ -68,11 +57,20 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 
 
 class WeightLoader:
-    """Routes checkpoint tensors into the model's (fused, possibly quantized) parameters."""
+    """Routes checkpoint tensors into the model's (fused, possibly quantized) parameters.
+
+    Each linear's checkpoint modules are its slice names (from the model's
+    ``packed_modules_mapping``): ``{block}.q_proj.*`` goes to shard 0 of ``{block}.qkv_proj``."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
         self.linears = model.linears()
+        self._route: dict[str, tuple[Linear, int | None]] = {}  # checkpoint module -> (layer, shard)
+        for prefix, layer in self.linears.items():
+            block = prefix.rpartition(".")[0]
+            fused = len(layer.slice_names) > 1
+            for i, part in enumerate(layer.slice_names):
+                self._route[f"{block}.{part}"] = (layer, i if fused else None)
         self.kv_scales: dict[tuple[int, str], float] = {}
         self._plain = {n: p for n, p in model.named_parameters() if not _is_linear_param(n)}
         self._loaded_plain: set[str] = set()
@@ -80,23 +78,14 @@ class WeightLoader:
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if _IGNORED.search(name):
             return
-        m = _LINEAR_RE.match(name)
-        if m:
-            layer_idx, block, proj, suffix = m.groups()
-            if proj not in _FUSED:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            fused, shard = _FUSED[proj]
-            layer = self.linears.get(f"model.layers.{layer_idx}.{block}.{fused}")
-            if layer is None:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if suffix == "bias":
-                self._load_bias(layer, tensor, shard, name)
-            else:
-                layer.quant_method.load_weight(layer, suffix, tensor, shard, name)
+        kv = parse_kv_scale_key(name)
+        if kv is not None:
+            self.kv_scales[kv] = float(tensor.float().reshape(-1)[0])
             return
-        m = _KV_SCALE_RE.match(name)
-        if m:
-            self.kv_scales[(int(m.group(1)), m.group(2))] = float(tensor.float().reshape(-1)[0])
+        module, _, suffix = name.rpartition(".")
+        route = self._route.get(module)
+        if route is not None:
+            route[0].weight_loader(suffix, tensor, route[1], name)
             return
         target = "lm_head" if name == "lm_head.weight" else name.removeprefix("model.")
         if target == "lm_head" and self.model.lm_head is None:
@@ -110,20 +99,6 @@ class WeightLoader:
             )
         param.data.copy_(tensor.to(param.dtype))
         self._loaded_plain.add(target)
-
-    def _load_bias(self, layer: Linear, tensor: torch.Tensor, shard: int | None, name: str) -> None:
-        if layer.bias is None:
-            raise ValueError(f"unexpected bias tensor {name!r}: the config declares no bias here")
-        target = layer.bias.data
-        if shard is not None:
-            offs = layer.slice_offsets()
-            target = target[offs[shard] : offs[shard + 1]]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(target.shape)}"
-            )
-        target.copy_(tensor.to(target.dtype))
-        layer.bias.loaded_shards = getattr(layer.bias, "loaded_shards", set()) | {shard}  # type: ignore[attr-defined]
 
     def finish(self) -> None:
         missing = sorted(set(self._plain) - self._loaded_plain)

@@ -26,7 +26,7 @@ from litestar.status_codes import (
     HTTP_503_SERVICE_UNAVAILABLE,
 )
 
-from lorastar.engine.errors import (
+from lorastar.errors import (
     AdapterError,
     AdapterNotFoundError,
     EngineDeadError,

@@ -16,7 +16,7 @@ from litestar.exceptions import (
 )
 from litestar.plugins import CLIPlugin, InitPlugin
 
-from lorastar.engine.errors import LoraStarError
+from lorastar.errors import LoraStarError
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches

@@ -16,8 +16,8 @@ from typing import Any
 
 import anyio
 
-from lorastar.engine.errors import AdapterError, EngineDeadError, EngineUnavailableError
 from lorastar.engine.outputs import RequestOutput
+from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableError
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, forbidden, not_found
 from lorastar.plugin.metrics import PluginMetrics

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from lorastar.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.layers.linear import QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.quant.base import QuantConfig
 from lorastar.quant.kv_cache import KVScales, kv_cache_torch_dtype, parse_kv_scale_key, resolve_kv_scales
 
 __all__ = [

@@ -10,16 +10,14 @@ dequantizes a chunk of columns per call, CUDA runs the fused Triton GEMM.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from lorastar.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.quant.base import QuantConfig
 from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked
-
-if TYPE_CHECKING:
-    from lorastar.models.linear import Linear
 
 # Column j of a packed word sits in nibble AWQ_REVERSE_ORDER[j] (AutoAWQ's interleaved order).
 _AWQ_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)
@@ -60,7 +58,7 @@ class AWQConfig(QuantConfig):
         return cls(bits, group_size, zero_point, skip)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip):
+        if is_skipped(prefix, self.skip, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return AWQLinearMethod(self)
 

@@ -12,7 +12,7 @@ static), so the layer computes exactly what transformers' compressed-tensors for
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,11 +26,16 @@ from lorastar.kernels.fp8 import (
     fp8_linear,
     quantize_weight_per_channel,
 )
-from lorastar.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.layers.linear import (
+    Linear,
+    QuantMethod,
+    UnquantizedLinearMethod,
+    load_shard,
+    mark_loaded,
+    set_param_meta,
+)
+from lorastar.quant.base import QuantConfig
 from lorastar.quant.utils import is_skipped, unfused_prefixes
-
-if TYPE_CHECKING:
-    from lorastar.models.linear import Linear
 
 
 class Fp8LinearMethod(QuantMethod):
@@ -88,7 +93,9 @@ class Fp8LinearMethod(QuantMethod):
                 if loaded.dtype != FP8_DTYPE:
                     raise ValueError(f"{source}: FP8 weight must be float8_e4m3fn, got {loaded.dtype}")
                 # Copy raw bytes: some fp8 copy/index ops are missing on CPU.
-                self._copy_rows(layer, "weight", loaded.view(torch.uint8), shard, source, as_bytes=True)
+                load_shard(
+                    layer.weight, layer.output_sizes, loaded.view(torch.uint8), shard, source, raw=True
+                )
                 return
             if not loaded.dtype.is_floating_point or loaded.element_size() == 1:
                 raise ValueError(
@@ -99,8 +106,8 @@ class Fp8LinearMethod(QuantMethod):
                     f"{source}: shape {tuple(loaded.shape)} does not match [*, {layer.input_size}]"
                 )
             wq, scale = quantize_weight_per_channel(loaded)  # per row: shard-wise quantization is exact
-            self._copy_rows(layer, "weight", wq.view(torch.uint8), shard, source, as_bytes=True)
-            self._copy_rows(layer, "weight_scale", scale.view(-1, 1), shard, source, as_bytes=False)
+            load_shard(layer.weight, layer.output_sizes, wq.view(torch.uint8), shard, source, raw=True)
+            load_shard(layer.weight_scale, layer.output_sizes, scale.view(-1, 1), shard, source, by_rows=True)
             return
         if name in ("weight_scale", "input_scale") and isinstance(getattr(layer, name, None), torch.Tensor):
             param = getattr(layer, name)
@@ -111,35 +118,13 @@ class Fp8LinearMethod(QuantMethod):
                     )
                 idx = 0 if shard is None else shard
                 param.data[idx] = loaded.float().reshape(())
-                param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard}  # type: ignore[attr-defined]
+                mark_loaded(param, shard)
                 return
             if loaded.dim() == 1:
                 loaded = loaded.view(-1, 1)  # some writers drop the trailing 1 of [out, 1]
             super().load_weight(layer, name, loaded.float(), shard, source)
             return
         super().load_weight(layer, name, loaded, shard, source)
-
-    def _copy_rows(
-        self,
-        layer: Linear,
-        name: str,
-        loaded: torch.Tensor,
-        shard: int | None,
-        source: str,
-        *,
-        as_bytes: bool,
-    ) -> None:
-        param = getattr(layer, name)
-        target = param.data.view(torch.uint8) if as_bytes else param.data
-        if shard is not None:
-            offs = layer.slice_offsets()
-            target = target[offs[shard] : offs[shard + 1]]
-        if tuple(target.shape) != tuple(loaded.shape):
-            raise ValueError(
-                f"{source}: shape {tuple(loaded.shape)} does not match expected {tuple(target.shape)}"
-            )
-        target.copy_(loaded)
-        param.loaded_shards = getattr(param, "loaded_shards", set()) | {shard}  # type: ignore[attr-defined]
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         ws = layer.weight_scale.data
@@ -291,9 +276,9 @@ class CompressedTensorsFp8Config(QuantConfig):
         return None
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.ignore):
+        if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
-        schemes = {self._scheme_for(p) for p in unfused_prefixes(prefix)}
+        schemes = {self._scheme_for(p) for p in unfused_prefixes(prefix, self.packed_modules_mapping)}
         if len(schemes) != 1:
             raise ValueError(
                 f"{prefix}: its parts use different compressed-tensors schemes; cannot fuse them"
@@ -329,7 +314,7 @@ class Fp8CheckpointConfig(QuantConfig):
         return cls(ACT_TOKEN if scheme == "dynamic" else ACT_TENSOR_STATIC, ignore)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.ignore):
+        if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod("tensor", self.act, serialized=True)
 

@@ -11,16 +11,14 @@ format (``checkpoint_format: gptq``, zeros stored minus one) and 0 for ``gptq_v2
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from lorastar.quant.base import QuantConfig, QuantMethod, UnquantizedLinearMethod, set_param_meta
+from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, mark_loaded, set_param_meta
+from lorastar.quant.base import QuantConfig
 from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked
-
-if TYPE_CHECKING:
-    from lorastar.models.linear import Linear
 
 _ZERO_OFFSET = {"gptq": 1, "gptq_v1": 1, "gptq_v2": 0}
 
@@ -87,7 +85,7 @@ class GPTQConfig(QuantConfig):
         )
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip):
+        if is_skipped(prefix, self.skip, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return GPTQLinearMethod(self)
 
@@ -157,7 +155,7 @@ class GPTQLinearMethod(QuantMethod):
                 f"{source}: g_idx differs from the other shards of {layer.prefix} (cannot fuse act-order shards)"
             )
         param.data.copy_(loaded.to(torch.int32))
-        param.loaded_shards = seen | {shard}  # type: ignore[attr-defined]
+        mark_loaded(param, shard)
 
     def expected_tensors(self) -> tuple[str, ...]:
         return ("qweight", "qzeros", "scales", "g_idx")

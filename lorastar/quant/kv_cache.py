@@ -19,8 +19,11 @@ _KV_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 
-# llm-compressor writes self_attn.{k,v}_scale; older releases wrote {k,v}_proj.output_scale.
-_KV_SCALE_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+# llm-compressor writes self_attn.{k,v}_scale; older releases wrote {k,v}_proj.output_scale; vLLM's
+# own checkpoints self_attn.attn.{k,v}_scale. The one parser of KV-scale names (the loader uses it).
+_KV_SCALE_KEY = re.compile(
+    r"^(?:.*\.)?layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.output_scale)$"
+)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

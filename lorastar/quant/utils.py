@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
-
-# Our fused layers and the checkpoint modules they are made of (the names quant configs use).
-FUSED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 # Bound on the temporary dequantized tile on the CPU path (elements): no full-precision copy of a
 # layer is ever kept, and even the per-call temporary stays small for big layers.
 _CHUNK_ELEMS = 1 << 24
 
 
-def unfused_prefixes(prefix: str) -> list[str]:
-    """``model.layers.0.self_attn.qkv_proj`` -> the q/k/v module names; other prefixes unchanged."""
+def unfused_prefixes(prefix: str, packed: Mapping[str, Sequence[str]]) -> list[str]:
+    """``model.layers.0.self_attn.qkv_proj`` -> the q/k/v module names (``packed``: the model's
+    ``packed_modules_mapping``); other prefixes unchanged."""
     head, _, last = prefix.rpartition(".")
-    parts = FUSED_PARTS.get(last)
+    parts = packed.get(last)
     if parts is None:
         return [prefix]
     return [f"{head}.{p}" if head else p for p in parts]
@@ -34,13 +29,13 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern) or ("." + pattern + ".") in ("." + name + ".")
 
 
-def is_skipped(prefix: str, skip: list[str]) -> bool:
+def is_skipped(prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]]) -> bool:
     """Whether the layer at ``prefix`` is left unquantized by the checkpoint's ignore list.
 
     A fused layer must have all of its parts skipped or none (a mix cannot be served fused)."""
     if not skip:
         return False
-    parts = unfused_prefixes(prefix)
+    parts = unfused_prefixes(prefix, packed)
     flags = [any(_matches(p, s) for s in skip) for p in parts]
     if any(flags) and not all(flags):
         raise ValueError(f"{prefix}: the checkpoint quantizes only some of {parts}; cannot fuse them")

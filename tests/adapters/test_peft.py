@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lorastar.adapters.peft import ModelSpec, load_peft_adapter
-from lorastar.engine.errors import AdapterError
+from lorastar.adapters.peft import MODULE_GROUP, ModelSpec, load_peft_adapter
+from lorastar.errors import AdapterError
+from lorastar.models.llama import LlamaForCausalLM
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -395,3 +396,13 @@ def test_real_peft_variants_refused(spec: ModelSpec, tmp_path: Path) -> None:
     ia3.save_pretrained(str(tmp_path / "ia3"), safe_serialization=True)
     with pytest.raises(AdapterError, match="peft_type 'IA3'"):
         load_peft_adapter(tmp_path / "ia3", spec, max_rank=64)
+
+
+def test_adapter_modules_mirror_the_model_declaration() -> None:
+    """``MODULE_GROUP`` (adapters/ cannot import models/) must name exactly the PEFT modules the model
+    declares, each under the submodule its linear lives in."""
+    packed = LlamaForCausalLM.packed_modules_mapping
+    want = {p for m in LlamaForCausalLM.supported_lora_modules for p in packed.get(m, [m])}
+    assert set(MODULE_GROUP) == want
+    assert {MODULE_GROUP[p] for p in packed["qkv_proj"]} == {"self_attn"}
+    assert {MODULE_GROUP[p] for p in packed["gate_up_proj"]} == {"mlp"}

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lorastar import LLM, AsyncLLM, SamplingParams
-from lorastar.engine.errors import AdapterNotFoundError
+from lorastar.errors import AdapterNotFoundError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -69,7 +69,7 @@ async def test_streams_match_offline_and_abort_frees(tiny_model_dir) -> None:  #
 async def test_failed_step_fails_its_request_and_moves_queued_ones(tiny_model_dir) -> None:  # noqa: ANN001
     """The request in the failing step gets RequestFailedError; a request still queued runs on the
     rebuilt engine to the same greedy output as a clean run; nothing is held afterwards."""
-    from lorastar.engine.errors import RequestFailedError
+    from lorastar.errors import RequestFailedError
 
     path = tiny_model_dir("llama-gqa")
     queued_prompt = [7] * 9

@@ -27,7 +27,7 @@ TEXTS = {
 def smollm2_tokenizer(request: pytest.FixtureRequest):  # noqa: ANN201 - transformers type
     """SmolLM2's byte-level BPE tokenizer: read from the shipped GGUF once, then from pytest's cache."""
     transformers = pytest.importorskip("transformers")
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     cached = Path(cache.mkdir("smollm2_tokenizer")) if cache is not None else None
     if cached is not None and (cached / "tokenizer.json").exists():
         return transformers.AutoTokenizer.from_pretrained(str(cached))

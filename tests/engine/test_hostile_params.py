@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lorastar import LLM, SamplingParams
-from lorastar.engine.errors import InvalidParamError
 from lorastar.engine.sampler import Sampler, SamplingRow
+from lorastar.errors import InvalidParamError
 
 V = 40
 EXTREME_FLOATS = st.one_of(

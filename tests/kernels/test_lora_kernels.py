@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lorastar.forward_context import LoRAMetadata
 from lorastar.kernels.lora import (
-    add_lora,
-    add_lora_packed,
     bgmv_expand,
     bgmv_shrink,
     groups_from_segments,
@@ -21,7 +20,7 @@ from lorastar.kernels.lora import (
     sgmv_shrink,
 )
 from lorastar.kernels.reference import ref_lora_expand, ref_lora_shrink
-from lorastar.models.context import LoRAMetadata
+from lorastar.layers.lora import add_lora, add_lora_packed
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN = 64  # small: every interpreted Triton program costs ~0.2 ms
@@ -244,22 +243,18 @@ def test_torch_path(rank: int, batch: int, dtype: torch.dtype, popularity: str) 
 # ---------------------------------------------------------------------------------------------
 
 
-def _meta(c: dict[str, torch.Tensor], is_decode: bool, sorted_rows: bool = False) -> LoRAMetadata:
-    groups = groups_from_slots(c["token_slots"])
+def _meta(c: dict[str, torch.Tensor], is_decode: bool) -> LoRAMetadata:
     meta = LoRAMetadata(
         token_slots=c["token_slots"],
         seg_starts=c["seg_starts"],
         seg_slots=c["seg_slots"],
         ranks=c["ranks"],
         max_rank=int(c["ranks"].max()),
-        groups=groups,
         is_decode=is_decode,
     )
-    if sorted_rows and groups:  # what the runner builds for the CPU path: rows in adapter order
-        meta.perm = torch.cat([rows for _, rows in groups])
-        bounds = torch.tensor([0] + [rows.numel() for _, rows in groups]).cumsum(0).tolist()
-        meta.ranges = [(slot, bounds[i], bounds[i + 1]) for i, (slot, _) in enumerate(groups)]
-        meta.ranks_host = c["ranks"].tolist()
+    groups = groups_from_slots(c["token_slots"])
+    if all(int(r[-1]) - int(r[0]) + 1 == r.numel() for _, r in groups):  # rows in adapter order
+        meta.ranges = [(slot, int(r[0]), int(r[-1]) + 1) for slot, r in groups]
     return meta
 
 
@@ -309,14 +304,13 @@ def test_add_lora(num_slices: int, is_decode: bool, path: str, dtype: torch.dtyp
     torch.testing.assert_close(y, ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("rows", ["sorted", "perm", "groups"])
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: str, rows: str) -> None:
+def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: str) -> None:
     """CPU path: one packed shrink per adapter over its slices (slots target different subsets of
-    q/k/v-like slices, mixed ranks), rows as the runner orders them, permuted, or unordered."""
+    q/k/v-like slices, mixed ranks), rows in adapter order as the runner builds them."""
     if DEVICE != "cpu":
         pytest.skip("the packed layout is the CPU path")
     c = _case(rank, batch, dtype, popularity, seed=5)
@@ -337,14 +331,9 @@ def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: 
             a_packed[s, j * r : (j + 1) * r] = a
             b_slices[i][s, :, :r] = (torch.randn(widths[i], r, generator=gen) * 0.1).to(dtype)  # type: ignore[index]
     token_slots, x = c["token_slots"], c["x"]
-    if rows == "sorted":  # what the runner builds: the batch itself in adapter order
-        order = torch.sort(token_slots, stable=True).indices
-        token_slots, x = token_slots[order], x[order]
-    meta = _meta({**c, "token_slots": token_slots, "x": x}, is_decode=True, sorted_rows=rows == "perm")
-    if rows == "sorted":
-        meta.ranges = [(slot, int(r[0]), int(r[-1]) + 1) for slot, r in meta.groups]
-    elif rows == "groups":
-        meta.groups = []
+    order = torch.sort(token_slots, stable=True).indices  # the runner's order: by adapter slot
+    token_slots, x = token_slots[order], x[order]
+    meta = _meta({**c, "token_slots": token_slots, "x": x}, is_decode=True)
     y0 = torch.randn(x.shape[0], sum(widths), generator=gen).to(dtype)
     y = y0.clone()
     add_lora_packed(y, x, a_packed, b_slices, slot_slices, ranks, meta, offsets)

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorastar.engine.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
 
 
 class CharTokenizer:

@@ -20,7 +20,7 @@ from litestar.exceptions import HTTPException
 from plugin_fake_engine import FakeAsyncLLM
 from plugin_support import ServerThread, wait_until
 
-from lorastar.engine.errors import EngineOverloadedError
+from lorastar.errors import EngineOverloadedError
 from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app
 
 ERROR_KEYS = {"message", "type", "param", "code"}

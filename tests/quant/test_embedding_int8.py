@@ -13,8 +13,8 @@ import torch
 from quant_fixtures import fixture_dir, have_fixture, read_config
 
 from lorastar import LLM, EngineConfig, SamplingParams
+from lorastar.layers.embedding import Int8Embedding, quantize_embeddings, quantize_rows_int8
 from lorastar.models.llama import LlamaForCausalLM
-from lorastar.quant.embedding import Int8Embedding, quantize_embeddings, quantize_rows_int8
 
 # fp32 logits through the int8 head vs x @ dequantized.T: only the summation order differs (the row
 # scale is applied after the int8 matmul), so the gap is float rounding, relative to max |logit|.

@@ -8,7 +8,7 @@ from quant_fixtures import FP8_NAMES, present, read_config, reference
 
 from lorastar.kernels import reference as R
 from lorastar.kernels.fp8 import ACT_TENSOR_STATIC, ACT_TOKEN, fp8_linear, quantize_weight_per_channel
-from lorastar.models.linear import Linear
+from lorastar.layers.linear import Linear
 from lorastar.quant import get_quant_config
 from lorastar.quant.fp8 import CompressedTensorsFp8Config, Fp8LinearMethod
 from lorastar.quant.kv_cache import KVScales, compute_kv_scale, kv_cache_torch_dtype, parse_kv_scale_key
@@ -169,6 +169,10 @@ def test_kv_cache_dtypes() -> None:
 def test_kv_scales_from_checkpoint_and_defaults() -> None:
     assert parse_kv_scale_key("model.layers.3.self_attn.k_scale") == (3, "k")
     assert parse_kv_scale_key("model.layers.0.self_attn.v_proj.output_scale") == (0, "v")
+    assert parse_kv_scale_key("model.layers.2.self_attn.attn.v_scale") == (
+        2,
+        "v",
+    )  # the loader's spelling too
     assert parse_kv_scale_key("model.layers.0.self_attn.v_proj.weight_scale") is None
     sc = KVScales(num_layers=2)
     assert sc.resolve("fp8") == ([1.0, 1.0], [1.0, 1.0])  # nothing in the checkpoint: 1.0

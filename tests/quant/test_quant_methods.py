@@ -8,7 +8,8 @@ import torch
 from quant_fixtures import INT4_NAMES, checkpoint, present, read_config, reference
 
 from lorastar.kernels import reference as R
-from lorastar.models.linear import Linear
+from lorastar.layers.linear import Linear
+from lorastar.models.llama import LlamaForCausalLM
 from lorastar.quant import get_quant_config
 from lorastar.quant.awq import AWQLinearMethod
 from lorastar.quant.gptq import GPTQLinearMethod
@@ -22,7 +23,7 @@ def _rand_i32(*shape: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _make_linear(qc, prefix: str, k: int, sizes: list[int], bias: bool = False) -> Linear:  # noqa: ANN001
-    names = [p.rsplit(".", 1)[1] for p in unfused_prefixes(prefix)]
+    names = [p.rsplit(".", 1)[1] for p in unfused_prefixes(prefix, LlamaForCausalLM.packed_modules_mapping)]
     return Linear(
         k, sizes, bias=bias, prefix=prefix, slice_names=names, params_dtype=torch.float32,
         quant_method=qc.get_linear_method(prefix),
@@ -256,6 +257,21 @@ def test_modules_to_not_convert_stay_unquantized() -> None:
     qc = get_quant_config({"quantization_config": cfg}, None, torch.float16)
     assert type(qc.get_linear_method("model.layers.0.mlp.gate_up_proj")).__name__ == "UnquantizedLinearMethod"
     assert isinstance(qc.get_linear_method(QKV), AWQLinearMethod)
+
+
+def test_skip_list_naming_the_packed_parts_skips_the_fused_layer() -> None:
+    """The model's packed_modules_mapping (set on the config by the model) maps q/k/v to qkv_proj."""
+    parts = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    for skip, unquantized in ((parts, True), (["model.layers.1.self_attn.q_proj"], False)):
+        cfg = {"quant_method": "awq", "bits": 4, "group_size": 32, "modules_to_not_convert": skip}
+        qc = get_quant_config({"quantization_config": cfg}, None, torch.float16)
+        qc.packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+        assert (type(qc.get_linear_method(QKV)).__name__ == "UnquantizedLinearMethod") == unquantized
+    cfg = {"quant_method": "awq", "bits": 4, "group_size": 32, "modules_to_not_convert": parts[:1]}
+    qc = get_quant_config({"quantization_config": cfg}, None, torch.float16)
+    qc.packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    with pytest.raises(ValueError, match="quantizes only some"):
+        qc.get_linear_method(QKV)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
-from lorastar.engine.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.schemas import (
     ChatChoiceLogprobs,

@@ -13,14 +13,9 @@ table is converted a bounded block of rows at a time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-if TYPE_CHECKING:
-    from lorastar.models.llama import LlamaForCausalLM
 
 EMBEDDING_QUANT_METHODS = ("int8",)
 
@@ -124,8 +119,9 @@ class Int8Embedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 per-row, dtype={self.dtype}"
 
 
-def quantize_embeddings(model: LlamaForCausalLM, method: str | None) -> None:
-    """Replace ``model``'s embedding (and an untied ``lm_head``) by int8 tables, freeing the originals.
+def quantize_embeddings(model: nn.Module, method: str | None) -> None:
+    """Replace ``model.embed_tokens`` (and an untied ``model.lm_head`` parameter) by int8 tables,
+    freeing the originals.
 
     A tied model keeps one shared table: ``compute_logits`` reads ``embed_tokens`` when ``lm_head`` is
     ``None``."""

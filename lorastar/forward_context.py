@@ -9,7 +9,8 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Where this step's tokens live in the paged KV cache. Built once per step by the runner.
+    """Where this step's tokens live in the paged KV cache. Built once per step by the runner
+    (through ``layers/attention.py``, whose CPU backend extends it with its own fields).
 
     The flat batch holds ``B`` sequences; sequence ``b`` owns query rows
     ``query_start_loc[b]:query_start_loc[b+1]`` and, after this step, ``seq_lens[b]`` tokens of
@@ -24,16 +25,6 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
-    # Host-side copies, so the CPU path never syncs or re-derives them per layer.
-    query_lens_list: list[int] = field(default_factory=list)
-    seq_lens_list: list[int] = field(default_factory=list)
-    # CPU path, decode rows (q == 1): the blocks to gather and a padding mask over their slots.
-    decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
-    decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
-    # CPU path, prefill rows: (row_start, q, context length, context block ids or None when the
-    # chunk is the whole sequence so far and K/V come straight from this step's tensors)
-    prefill_seqs: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
     # RoPE cos/sin for this step's positions, computed once and shared by all layers.
     rope_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]
     rope_sin: torch.Tensor | None = None
@@ -50,10 +41,11 @@ def padded_block_tables(tables: list[list[int]], fill: int = 0) -> torch.Tensor:
 class LoRAMetadata:
     """Which adapter slot each token uses. Built once per step by the runner.
 
-    Gather form (decode, punica BGMV): ``token_slots[t]`` is the slot of token ``t`` or -1.
-    Segment form (prefill, punica SGMV): tokens ``seg_starts[s]:seg_starts[s+1]`` all use slot
-    ``seg_slots[s]`` (runs of consecutive tokens with one adapter; -1 = no adapter).
-    ``ranks[slot]`` is the adapter's true rank, so kernels never compute over the padding.
+    Invariant: the batch is ordered by adapter slot, so each adapter's tokens are one contiguous
+    run. ``ranges`` lists them as ``(slot, start, end)`` (slot >= 0 only; the CPU path indexes rows
+    with it); ``seg_starts``/``seg_slots`` are the same runs as tensors (-1 = no adapter; punica
+    SGMV); ``token_slots[t]`` is token ``t``'s slot or -1 (punica BGMV, decode). ``ranks[slot]`` is
+    the adapter's true rank, so kernels never compute over the padding.
     """
 
     token_slots: torch.Tensor  # [num_tokens] int32
@@ -61,15 +53,9 @@ class LoRAMetadata:
     seg_slots: torch.Tensor  # [num_segments] int32
     ranks: torch.Tensor  # [max_loras] int32
     max_rank: int  # largest rank among the slots in this batch
-    # Host-side, CPU path: (slot, row index tensor) per distinct adapter (derived when empty).
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     is_decode: bool = False  # every sequence contributes one token
     force_bgmv: bool = False  # CUDA graphs: the gather form whatever the batch (no segment data)
-    # CPU path: each adapter's rows as one range (slot, start, end). The runner orders the batch
-    # by adapter, so ranges index the rows directly; with ``perm`` they index ``x[perm]`` instead.
-    perm: torch.Tensor | None = None  # [num_adapter_rows] int64
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)
-    ranks_host: list[int] = field(default_factory=list)  # ``ranks`` as a list (no per-call sync)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # host-side (slot, start, end)
 
 
 @dataclass
@@ -81,4 +67,3 @@ class ForwardContext:
     # Per layer FP8 KV scales (1.0 for unquantized caches).
     k_scales: list[float] = field(default_factory=list)
     v_scales: list[float] = field(default_factory=list)
-    use_triton: bool = False

@@ -1,4 +1,4 @@
-"""Exceptions the engine raises across its public boundary (the plugin maps them to HTTP)."""
+"""Exceptions lorastar raises across its public boundary (the plugin maps them to HTTP); imports nothing."""
 
 from __future__ import annotations
 
