@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lorastar.layers.linear import Linear
+from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM, check_architecture
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.kv_cache import parse_kv_scale_key
@@ -93,11 +93,7 @@ class WeightLoader:
         param = self._plain.get(target)
         if param is None:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(param.shape)}"
-            )
-        param.data.copy_(tensor.to(param.dtype))
+        load_shard(param, [], tensor, None, name)
         self._loaded_plain.add(target)
 
     def finish(self) -> None:
