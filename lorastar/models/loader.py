@@ -33,11 +33,13 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
+# The model dtypes by name (EngineConfig.dtype, config.json's dtype / torch_dtype).
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
-        str(name).replace("torch.", ""), torch.float32
-    )
+    return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
