@@ -34,12 +34,12 @@ from lorastar.errors import (
     LimitExceededError,
 )
 from lorastar.layers.lora import LoRADeviceState
+from lorastar.models.loader import DTYPES as _DTYPES
 from lorastar.models.loader import checkpoint_dtype, load_model, read_hf_config
+from lorastar.quant.kv_cache import KV_CACHE_DTYPES as _KV_DTYPES
 
 logger = logging.getLogger("lorastar")
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 

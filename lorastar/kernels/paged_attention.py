@@ -19,8 +19,6 @@ into the softmax scale and ``v_scale`` multiplies the output (scales are ignored
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from lorastar.kernels._triton import HAS_TRITON, is_fp8, num_sms, tl, triton
@@ -445,8 +443,3 @@ def paged_attention(
         num_warps=4,
     )  # fmt: skip
     return out
-
-
-def default_scale(head_dim: int) -> float:
-    """The usual softmax scale ``1 / sqrt(head_dim)``."""
-    return 1.0 / math.sqrt(head_dim)

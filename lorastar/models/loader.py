@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lorastar.layers.linear import Linear
+from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM, check_architecture
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.kv_cache import parse_kv_scale_key
@@ -33,11 +33,13 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     return cfg
 
 
+# The model dtypes by name (EngineConfig.dtype, config.json's dtype / torch_dtype).
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def checkpoint_dtype(cfg: dict[str, Any]) -> torch.dtype:
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
-        str(name).replace("torch.", ""), torch.float32
-    )
+    return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
@@ -93,11 +95,7 @@ class WeightLoader:
         param = self._plain.get(target)
         if param is None:
             raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} does not match expected {tuple(param.shape)}"
-            )
-        param.data.copy_(tensor.to(param.dtype))
+        load_shard(param, [], tensor, None, name)
         self._loaded_plain.add(target)
 
     def finish(self) -> None:

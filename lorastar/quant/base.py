@@ -29,7 +29,3 @@ class QuantConfig(ABC):
     @abstractmethod
     def get_linear_method(self, prefix: str) -> QuantMethod:
         """The method for the linear layer at ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``)."""
-
-    def get_kv_cache_scales(self) -> dict[str, float] | None:
-        """Per-layer KV scales declared by the checkpoint, if any."""
-        return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-_KV_DTYPES = {
+KV_CACHE_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
@@ -31,7 +31,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     if kv_cache_dtype == "auto":
         return model_dtype
     try:
-        return _KV_DTYPES[kv_cache_dtype]
+        return KV_CACHE_DTYPES[kv_cache_dtype]
     except KeyError:
         raise ValueError(
             f"kv_cache_dtype must be 'auto', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got {kv_cache_dtype!r}"
@@ -39,7 +39,7 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def is_fp8_kv(kv_cache_dtype: str) -> bool:
-    return kv_cache_dtype in _KV_DTYPES
+    return kv_cache_dtype in KV_CACHE_DTYPES
 
 
 def parse_kv_scale_key(key: str) -> tuple[int, str] | None:

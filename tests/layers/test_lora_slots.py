@@ -1,16 +1,21 @@
 """The two LoRA slot implementations store the same adapters and add the same deltas (the GPU one
-runs here through the punica ops' torch forms on CPU tensors)."""
+runs here through the punica ops' torch forms on CPU tensors, and interpreted Triton)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+import lorastar.kernels.lora as lora_kernels
 from lorastar.forward_context import LoRAMetadata
 from lorastar.layers.linear import Linear
 from lorastar.layers.lora import CpuLoRASlots, GpuLoRASlots
 
 
-def test_cpu_and_gpu_slots_agree() -> None:
+@pytest.mark.parametrize("is_decode", [False, True])  # SGMV segments / BGMV gather
+@pytest.mark.parametrize("triton", [False, True])
+def test_cpu_and_gpu_slots_agree(triton: bool, is_decode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lora_kernels, "FORCE_TRITON", triton)  # the punica kernels, interpreted
     gen = torch.Generator().manual_seed(0)
     layer = Linear(
         16, [8, 4, 4], bias=False, prefix="qkv", slice_names=["q", "k", "v"], params_dtype=torch.float32
@@ -42,6 +47,7 @@ def test_cpu_and_gpu_slots_agree() -> None:
         ranks=torch.tensor([4, 8, 2], dtype=torch.int32),
         max_rank=8,
         ranges=[(0, 0, 2), (1, 2, 3), (2, 3, 5)],
+        is_decode=is_decode,
     )
     x = torch.randn(6, 16, generator=gen)
     ys = []
