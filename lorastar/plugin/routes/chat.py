@@ -1,0 +1,232 @@
+"""``/chat/completions`` (vLLM's OpenAI chat: chat template, n, logprobs, echo of a partial assistant turn)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response, post
+from litestar.openapi import ResponseSpec
+from litestar.response import Stream
+from litestar.status_codes import HTTP_200_OK
+from msgspec import UNSET
+
+from lorastar.engine.outputs import CompletionOutput, RequestOutput
+from lorastar.errors import InvalidParamError
+from lorastar.plugin.errors import APIError, error_responses
+from lorastar.plugin.routes.common import (
+    MIN_LOGPROB,
+    OK_DOC,
+    check_length,
+    choice_deltas,
+    clamp_logprob,
+    collect,
+    decoded,
+    in_thread,
+    make_usage,
+    prime_or_404,
+    random_id,
+    ranked,
+    sampling_params,
+    usage_of,
+)
+from lorastar.plugin.schemas import (
+    ChatChoiceLogprobs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamResponse,
+    ChatContentPart,
+    ChatLogprobToken,
+    ChatMessage,
+    ChatMessageParam,
+    ChatStreamChoice,
+    ChatTopLogprob,
+    DeltaMessage,
+)
+from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
+from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, sse_response
+
+
+def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(f"messages[{index}].content: only text parts are supported.", param="messages")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: ``{"role", "content"[, "name"]}``, text only."""
+    if not messages:
+        raise APIError("messages must not be empty.", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": _message_text(m.content, i)}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:
+    content: list[ChatLogprobToken] = []
+    steps = out.logprobs or []
+    for i, tid in enumerate(out.token_ids[start:], start=start):
+        step = steps[i] if i < len(steps) else {}
+        chosen = step.get(tid)
+        tok = decoded(tokenizer, tid, chosen)
+        top = [
+            ChatTopLogprob(
+                token=(s := decoded(tokenizer, t, p)),
+                logprob=clamp_logprob(p.logprob),
+                bytes=list(s.encode("utf-8", errors="replace")),
+            )
+            for t, p in ranked(step)[:num_top]
+        ]
+        content.append(
+            ChatLogprobToken(
+                token=tok,
+                logprob=clamp_logprob(chosen.logprob) if chosen is not None else MIN_LOGPROB,
+                bytes=list(tok.encode("utf-8", errors="replace")),
+                top_logprobs=top,
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
+    auth = (401,) if guards else ()
+
+    @post(
+        "/chat/completions",
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary="OpenAI chat completions",
+        responses={
+            200: ResponseSpec(ChatCompletionResponse, description=OK_DOC),
+            STREAM_CHUNK: ResponseSpec(ChatCompletionStreamResponse, description="stream chunk"),
+            **error_responses(400, *auth, 404, 413, 503),
+        },
+        operation_class=StreamingOperation,
+    )
+    async def create_chat_completion(
+        data: ChatCompletionRequest, request: Request[Any, Any, Any]
+    ) -> Response[Any] | Stream:
+        engine = await service.ready()
+        adapter = await service.resolve_model(data.model)
+        if data.tools:
+            raise APIError("tools are not supported.", param="tools")
+        if data.response_format and data.response_format.get("type", "text") != "text":
+            raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
+        if data.top_logprobs is not None and not data.logprobs:
+            raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        messages = _normalize_messages(data.messages)
+        try:
+            prompt_ids = list(
+                await in_thread(engine.apply_chat_template, messages, data.add_generation_prompt)
+            )
+        except (APIError, InvalidParamError):
+            raise
+        except Exception as exc:  # jinja TemplateError ("roles must alternate", ...) is the client's input
+            raise APIError(
+                f"messages could not be rendered by the chat template: {exc}", param="messages"
+            ) from exc
+        requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+        if requested is not None and requested < 1:
+            field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
+            raise APIError(f"{field} must be an integer >= 1, got {requested}.", param=field)
+        max_tokens = check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
+        num_top = data.top_logprobs or 0
+        aliases = {"logprobs": "top_logprobs"}
+        if data.max_completion_tokens is not None:
+            aliases["max_tokens"] = "max_completion_tokens"
+        params = sampling_params(
+            data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None, aliases=aliases
+        )
+        request_id = random_id("chatcmpl")
+        created = int(time.time())
+        model_name = data.model or service.served_model_name
+        tokenizer = engine.tokenizer
+        stream = service.generate(prompt_ids, params, adapter, request_id)
+        n = params.n
+        want_lp = bool(data.logprobs)
+        echo_text = ""
+        if data.echo and messages and messages[-1].get("role") == "assistant":
+            echo_text = messages[-1]["content"] or ""
+
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            continuous = include_usage and bool(
+                data.stream_options and data.stream_options.continuous_usage_stats
+            )
+            primed = await prime_or_404(merge_streams([stream]), data.model)
+
+            async def events() -> AsyncIterator[Any]:
+                def chunk(
+                    choice: ChatStreamChoice, out: RequestOutput | None = None
+                ) -> ChatCompletionStreamResponse:
+                    # continuous_usage_stats (vLLM): every chunk carries the usage so far.
+                    usage: Any = UNSET
+                    if continuous:
+                        usage = usage_of({0: out}) if out is not None else make_usage(len(prompt_ids), 0, 0)
+                    return ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=model_name, choices=[choice], usage=usage
+                    )
+
+                # vLLM's first frame per choice: the role, empty content.
+                for i in range(n):
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                    if echo_text:
+                        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
+                final: RequestOutput | None = None
+                async for d in choice_deltas(primed):
+                    o = d.choice
+                    lp = _chat_logprobs(tokenizer, o, d.token_start, num_top) if want_lp else None
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=o.index,
+                            delta=DeltaMessage(content=d.text),
+                            logprobs=lp,
+                            finish_reason=o.finish_reason,
+                            stop_reason=o.stop_reason,
+                        ),
+                        d.out,
+                    )
+                    if d.out.finished:
+                        final = d.out
+                if include_usage:
+                    yield ChatCompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=model_name,
+                        choices=[],
+                        usage=usage_of({0: final} if final else {}),
+                    )
+
+            return sse_response(events(), retry_after=service.config.retry_after_seconds)
+
+        finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
+        out = finals[0]
+        choices = [
+            ChatCompletionResponseChoice(
+                index=o.index,
+                message=ChatMessage(role="assistant", content=echo_text + o.text),
+                logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
+                finish_reason=o.finish_reason,
+                stop_reason=o.stop_reason,
+            )
+            for o in out.outputs
+        ]
+        return Response(
+            ChatCompletionResponse(
+                id=request_id, created=created, model=model_name, choices=choices, usage=usage_of(finals)
+            ),
+            status_code=HTTP_200_OK,
+        )
+
+    return create_chat_completion

@@ -1,0 +1,226 @@
+"""What the OpenAI routes share: request -> ``SamplingParams``, usage, vLLM's length checks,
+priming a stream (submission errors become an HTTP status), collecting finals, and
+``choice_deltas``, the one streaming helper that turns cumulative outputs into per-choice deltas."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import AdapterNotFoundError, InvalidParamError
+from lorastar.plugin.errors import APIError
+from lorastar.plugin.schemas import PromptTokensDetails, UsageInfo
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "use_beam_search",
+    "length_penalty",
+)
+MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
+OK_DOC = (
+    "The whole answer as JSON; with `stream: true`, server-sent events: `data: {chunk}` frames "
+    "(an error after the stream started is one `data: {error}` frame), then `data: [DONE]`"
+)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(
+    req: Any, *, max_tokens: int, logprobs: int | None, aliases: dict[str, str] | None = None
+) -> SamplingParams:
+    """The engine's parameters from a request body. ``aliases`` renames engine fields to the
+    wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
+    kw: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "stop": req.stop,
+        "seed": req.seed,
+        "logprobs": logprobs,
+    }
+    for name in SAMPLING_FIELDS:
+        kw[name] = getattr(req, name)
+    if req.logit_bias:
+        try:  # OpenAI sends token ids as strings
+            kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+        except ValueError as exc:
+            raise APIError(
+                "logit_bias keys must be token ids (integers as strings).", param="logit_bias"
+            ) from exc
+    try:
+        return SamplingParams.from_dict(kw)
+    except InvalidParamError as exc:
+        message, param = str(exc), exc.param
+        wire = (aliases or {}).get(param or "")
+        if param and wire:  # name the field the client sent, in the message too
+            message, param = message.replace(param, wire, 1), wire
+        raise APIError(message, param=param) from exc
+
+
+def clamp_logprob(value: float) -> float:
+    return max(float(value), MIN_LOGPROB)
+
+
+def decoded(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def ranked(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def check_length(max_model_len: int, prompt_len: int, max_tokens: int | None, *, chat: bool) -> int:
+    """vLLM's context-length checks; returns the max_tokens to use (None: all that fits)."""
+    param = "messages" if chat else "prompt"
+    if prompt_len >= max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input {param}.",
+            param=param,
+        )
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context "
+            f"length is {max_model_len} tokens and your request has {prompt_len} input tokens "
+            f"({max_tokens} > {max_model_len} - {prompt_len}).",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+async def prime(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Pull the first item now, so errors raised on submission (bad prompt, unknown adapter,
+    overload) become a proper HTTP status instead of an in-band error inside a 200 stream."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+    async def chained() -> AsyncIterator[Any]:
+        async with aclosing(stream) as s:  # type: ignore[type-var]
+            if first is not None:
+                yield first
+            async for item in s:
+                yield item
+
+    return chained()
+
+
+def map_adapter_error(exc: AdapterNotFoundError, model: str | None) -> APIError:
+    return APIError(f"The model `{model}` does not exist.", 404, param="model")
+
+
+async def in_thread(fn: Any, *args: Any) -> Any:
+    """Run blocking work (tokenizing, chat templates) on a worker thread, not the event loop."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+def tokenize(engine: Any, prompt: str) -> list[int]:
+    """The prompt's token ids, as the engine counts them (for vLLM's length checks)."""
+    tokenize = getattr(engine, "tokenize", None)
+    if callable(tokenize):
+        return list(tokenize(prompt))
+    return list(engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def vocab_size(tokenizer: Any) -> int | None:
+    try:
+        return len(tokenizer)
+    except Exception:
+        return None
+
+
+def usage_of(finals: dict[int, RequestOutput]) -> UsageInfo:
+    prompt = sum(len(o.prompt_token_ids) for o in finals.values())
+    completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+    cached = sum(int(o.num_cached_tokens or 0) for o in finals.values())
+    return make_usage(prompt, completion, cached)
+
+
+async def collect(
+    merged: AsyncIterator[tuple[int, RequestOutput]], model: str | None
+) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async with aclosing(merged) as m:  # type: ignore[type-var]
+            async for i, out in m:
+                finals[i] = out  # cumulative: the last one is complete
+    except AdapterNotFoundError as exc:  # unloaded between resolution and submission
+        raise map_adapter_error(exc, model) from exc
+    return finals
+
+
+async def prime_or_404(stream: AsyncIterator[Any], model: str | None) -> AsyncIterator[Any]:
+    try:
+        return await prime(stream)
+    except AdapterNotFoundError as exc:
+        raise map_adapter_error(exc, model) from exc
+
+
+@dataclass
+class ChoiceDelta:
+    """New output of one choice since the last frame sent for it."""
+
+    stream: int  # which request of the call (completions: one per prompt)
+    out: RequestOutput  # the cumulative output it came from
+    choice: CompletionOutput
+    text: str  # new text
+    token_start: int  # index of its first new token in ``choice.token_ids``
+    text_start: int  # length of the text already sent
+    first: bool  # the first frame of this choice
+
+
+async def choice_deltas(
+    merged: AsyncIterator[tuple[int, RequestOutput]], *, emit_first: bool = False
+) -> AsyncIterator[ChoiceDelta]:
+    """Per-choice deltas from cumulative outputs: one per choice that has new text, new tokens or
+    a finish reason (``emit_first``: also a choice's first output, e.g. to echo the prompt)."""
+    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (stream, choice) -> (chars, tokens) sent
+    async with aclosing(merged) as m:  # type: ignore[type-var]
+        async for i, out in m:
+            for o in out.outputs:
+                key = (i, o.index)
+                first = key not in sent
+                t0, k0 = sent.get(key, (0, 0))
+                delta = o.text[t0:] if len(o.text) >= t0 else ""
+                if not delta and len(o.token_ids) <= k0 and o.finish_reason is None:
+                    if not (first and emit_first):
+                        continue
+                sent[key] = (len(o.text), len(o.token_ids))
+                yield ChoiceDelta(i, out, o, delta, k0, t0, first)

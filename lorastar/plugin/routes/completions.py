@@ -1,0 +1,243 @@
+"""``/completions`` (vLLM's OpenAI completions: four prompt forms, n, echo, legacy logprobs)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from litestar import Request, Response, post
+from litestar.openapi import ResponseSpec
+from litestar.response import Stream
+from litestar.status_codes import HTTP_200_OK
+from msgspec import UNSET
+
+from lorastar.engine.outputs import CompletionOutput, RequestOutput
+from lorastar.plugin.errors import APIError, error_responses
+from lorastar.plugin.routes.common import (
+    OK_DOC,
+    check_length,
+    choice_deltas,
+    clamp_logprob,
+    collect,
+    decoded,
+    in_thread,
+    prime_or_404,
+    random_id,
+    ranked,
+    sampling_params,
+    tokenize,
+    usage_of,
+    vocab_size,
+)
+from lorastar.plugin.schemas import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+)
+from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
+from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, sse_response
+
+
+def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
+    """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]]."""
+
+    def is_tok(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def check_ids(ids: list[Any]) -> list[int]:
+        if not ids:
+            raise APIError("prompt must not be empty.", param="prompt")
+        for t in ids:
+            if not is_tok(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise APIError(f"prompt contains an invalid token id: {t!r}.", param="prompt")
+        return list(ids)
+
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif all(is_tok(p) for p in prompt):
+            prompts = [check_ids(prompt)]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [check_ids(p) for p in prompt]
+        else:
+            raise APIError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "lists of token ids.",
+                param="prompt",
+            )
+    else:
+        raise APIError("prompt must not be empty.", param="prompt")
+    for p in prompts:
+        if isinstance(p, str) and not p:
+            raise APIError("prompt must not be empty.", param="prompt")
+    return prompts
+
+
+def _completion_logprobs(
+    tokenizer: Any,
+    out: CompletionOutput,
+    start: int,
+    text_offset0: int,
+    num_top: int,
+    prompt_ids: list[int] | None = None,
+) -> CompletionLogProbs:
+    """vLLM's legacy completions ``logprobs`` for tokens ``start:`` (plus prompt tokens when echoing)."""
+    lp = CompletionLogProbs()
+    offset = text_offset0
+    if prompt_ids:
+        for tid in prompt_ids:
+            tok = tokenizer.decode([tid])
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(offset)
+            offset += len(tok)
+    steps = out.logprobs or []
+    for i, tid in enumerate(out.token_ids[start:], start=start):
+        step = steps[i] if i < len(steps) else {}
+        chosen = step.get(tid)
+        tok = decoded(tokenizer, tid, chosen)
+        lp.tokens.append(tok)
+        lp.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen is not None else None)
+        top: dict[str, float] = {}
+        for t, p in ranked(step)[: max(num_top, 0)]:
+            top[decoded(tokenizer, t, p)] = clamp_logprob(p.logprob)
+        if chosen is not None:
+            top.setdefault(tok, clamp_logprob(chosen.logprob))
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(offset)
+        offset += len(tok)
+    return lp
+
+
+def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any:
+    auth = (401,) if guards else ()
+
+    @post(
+        "/completions",
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary="OpenAI completions",
+        responses={
+            200: ResponseSpec(CompletionResponse, description=OK_DOC),
+            STREAM_CHUNK: ResponseSpec(CompletionStreamResponse, description="stream chunk"),
+            **error_responses(400, *auth, 404, 413, 503),
+        },
+        operation_class=StreamingOperation,
+    )
+    async def create_completion(
+        data: CompletionRequest, request: Request[Any, Any, Any]
+    ) -> Response[Any] | Stream:
+        engine = await service.ready()
+        adapter = await service.resolve_model(data.model)
+        if data.suffix:
+            raise APIError("suffix is not supported.", param="suffix")
+        if data.best_of is not None and data.best_of != data.n:
+            raise APIError("best_of is not supported (it must equal n).", param="best_of")
+        tokenizer = engine.tokenizer
+        prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
+        max_model_len = int(engine.max_model_len)
+        max_tokens = data.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"max_tokens must be an integer >= 1, got {max_tokens}.", param="max_tokens")
+        # Tokenized once, off the event loop (the engine refuses text over max_prompt_bytes first).
+        token_ids = [p if isinstance(p, list) else await in_thread(tokenize, engine, p) for p in prompts]
+        if max_tokens is None:  # the default 16, shortened when a prompt leaves less room
+            max_tokens = max(1, min([16, *(max_model_len - len(ids) for ids in token_ids)]))
+        for ids in token_ids:
+            check_length(max_model_len, len(ids), max_tokens, chat=False)
+        params = sampling_params(data, max_tokens=max_tokens, logprobs=data.logprobs)
+        request_id = random_id("cmpl")
+        created = int(time.time())
+        model_name = data.model or service.served_model_name
+        streams = [
+            service.generate(ids, params, adapter, f"{request_id}-{i}") for i, ids in enumerate(token_ids)
+        ]
+        n = params.n
+        num_top = data.logprobs or 0
+        echo = bool(data.echo)
+
+        def prompt_text(out: RequestOutput, i: int) -> str:
+            p = prompts[i]
+            return p if isinstance(p, str) else (out.prompt or tokenizer.decode(out.prompt_token_ids))
+
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            continuous = include_usage and bool(
+                data.stream_options and data.stream_options.continuous_usage_stats
+            )
+            merged = await prime_or_404(merge_streams(streams), data.model)
+
+            async def events() -> AsyncIterator[Any]:
+                finals: dict[int, RequestOutput] = {}
+                async for d in choice_deltas(merged, emit_first=echo):
+                    o, out = d.choice, d.out
+                    text = prompt_text(out, d.stream) + d.text if (echo and d.first) else d.text
+                    lp = None
+                    if data.logprobs is not None:
+                        echoed = out.prompt_token_ids if (echo and d.first) else None
+                        lp = _completion_logprobs(tokenizer, o, d.token_start, d.text_start, num_top, echoed)
+                    choice = CompletionStreamChoice(
+                        index=d.stream * n + o.index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                    yield CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=model_name,
+                        choices=[choice],
+                        usage=usage_of({0: out}) if continuous else UNSET,
+                    )
+                    if out.finished:
+                        finals[d.stream] = out
+                if include_usage:
+                    yield CompletionStreamResponse(
+                        id=request_id, created=created, model=model_name, choices=[], usage=usage_of(finals)
+                    )
+
+            return sse_response(events(), retry_after=service.config.retry_after_seconds)
+
+        finals = await run_until_disconnect(collect(merge_streams(streams), data.model), request.receive)
+        choices: list[CompletionResponseChoice] = []
+        for i in range(len(prompts)):
+            out = finals[i]
+            for o in out.outputs:
+                text = o.text
+                lp = None
+                if data.logprobs is not None:
+                    lp = _completion_logprobs(
+                        tokenizer,
+                        o,
+                        0,
+                        len(prompt_text(out, i)) if echo else 0,
+                        num_top,
+                        out.prompt_token_ids if echo else None,
+                    )
+                if echo:
+                    text = prompt_text(out, i) + text
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * n + o.index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
+        return Response(
+            CompletionResponse(
+                id=request_id, created=created, model=model_name, choices=choices, usage=usage_of(finals)
+            ),
+            status_code=HTTP_200_OK,
+        )
+
+    return create_completion

@@ -1,0 +1,69 @@
+"""``/models`` and ``/models/{id}``: the base model and its adapters (``parent`` = the base)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from litestar import get
+
+from lorastar.plugin.errors import APIError, error_responses
+from lorastar.plugin.routes.common import random_id
+from lorastar.plugin.schemas import ModelCard, ModelList, ModelPermission
+from lorastar.plugin.service import LoraStarService, relative_to_root
+
+
+def build_model_handlers(service: LoraStarService, guards: list[Any]) -> list[Any]:
+    async def model_cards() -> list[ModelCard]:
+        engine = await service.ready()
+        base = service.served_model_name
+        now = int(time.time())
+        model_path = service.config.model or service.config.engine.model
+        root = Path(model_path).name if model_path else base  # never a server path
+        cards = [
+            ModelCard(
+                id=base,
+                created=service.created,
+                root=root,
+                parent=None,
+                max_model_len=int(engine.max_model_len),
+                permission=[ModelPermission(id=random_id("modelperm"), created=now)],
+            )
+        ]
+        for a in engine.list_adapters():
+            cards.append(
+                ModelCard(
+                    id=a.name,
+                    created=service.adapter_created.get(a.name, service.created),
+                    root=relative_to_root(service.adapter_root, a.path),
+                    parent=base,
+                    permission=[ModelPermission(id=random_id("modelperm"), created=now)],
+                )
+            )
+        return cards
+
+    auth = (401,) if guards else ()
+
+    @get(
+        "/models",
+        guards=guards,
+        summary="List the base model and its adapters",
+        responses=error_responses(*auth, 503),
+    )
+    async def list_models() -> ModelList:
+        return ModelList(data=await model_cards())
+
+    @get(
+        "/models/{model_id:str}",
+        guards=guards,
+        summary="One model (OpenAI's retrieve)",
+        responses=error_responses(*auth, 404, 503),
+    )
+    async def retrieve_model(model_id: str) -> ModelCard:
+        for card in await model_cards():
+            if card.id == model_id:
+                return card
+        raise APIError(f"The model `{model_id}` does not exist.", 404, param="model")
+
+    return [list_models, retrieve_model]
