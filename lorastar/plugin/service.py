@@ -19,6 +19,7 @@ import anyio
 from lorastar.engine.outputs import RequestOutput
 from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableError
 from lorastar.plugin.config import LoraStarConfig
+from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, forbidden, not_found
 from lorastar.plugin.metrics import PluginMetrics
 
@@ -60,7 +61,7 @@ def relative_to_root(root: Path | None, path: str | Path) -> str:
     return p.name
 
 
-def build_engine(config: Any) -> Any:
+def build_engine(config: Any) -> EngineClient:
     """Build the ``AsyncLLM`` (blocking: loads the weights)."""
     from lorastar import AsyncLLM  # deferred: importing the engine pulls in torch
 
@@ -72,7 +73,7 @@ class LoraStarService:
 
     def __init__(self, config: LoraStarConfig) -> None:
         self.config = config
-        self.engine: Any = config.async_engine
+        self.engine: EngineClient | None = config.async_engine
         self._owns_engine = config.async_engine is None
         self._started = False
         self._closed = False  # after stop(): no lazy restart, requests get 503
@@ -95,7 +96,7 @@ class LoraStarService:
         if self.config.served_model_name:
             return self.config.served_model_name
         if self.engine is not None:
-            return str(getattr(self.engine, "model_name", "model"))
+            return self.engine.model_name
         model = self.config.model or self.config.engine.model
         return Path(model).name if model else "SmolLM2-135M-Instruct"
 
@@ -137,7 +138,7 @@ class LoraStarService:
         if self._owns_engine and self.engine is not None:
             await self.engine.shutdown(drain_timeout=self.config.shutdown_drain_timeout)
 
-    async def ready(self) -> Any:
+    async def ready(self) -> EngineClient:
         """The running engine. Starts it on first use when no lifespan ran (e.g. under a Starlette Mount)."""
         if self._closed:
             raise APIError("The server is shutting down.", 503)
@@ -146,12 +147,12 @@ class LoraStarService:
                 "lorastar: engine started lazily; run the app's lifespan (see lorastar.plugin.lifespan)"
             )
             await self.start()
-        if getattr(self.engine, "errored", False):
+        assert self.engine is not None  # start() built or was given one
+        if self.engine.errored:
             raise EngineDeadError("The engine has stopped; the server cannot serve requests.")
-        if getattr(self.engine, "restarting", False):
+        if self.engine.restarting:
             raise EngineUnavailableError(
-                "The engine is restarting after a failure; retry shortly.",
-                getattr(self.engine, "retry_after", 1.0),
+                "The engine is restarting after a failure; retry shortly.", self.engine.retry_after
             )
         return self.engine
 
@@ -159,8 +160,8 @@ class LoraStarService:
         return (
             self._started
             and self.engine is not None
-            and not getattr(self.engine, "errored", False)
-            and not getattr(self.engine, "restarting", False)
+            and not self.engine.errored
+            and not self.engine.restarting
         )
 
     def _stats(self) -> Any:

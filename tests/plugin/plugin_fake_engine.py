@@ -65,6 +65,8 @@ class FakeAsyncLLM:
         self.step_delay = step_delay
         self.max_waiting = max_waiting
         self.errored = False
+        self.restarting = False
+        self.retry_after = 1.0
         self.adapters: dict[str, FakeAdapter] = {}
         self.running: dict[str, str | None] = {}
         self.aborted: list[str] = []
@@ -94,6 +96,9 @@ class FakeAsyncLLM:
         if name not in self.adapters:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
         del self.adapters[name]
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (

@@ -514,3 +514,14 @@ def test_config_overrides_and_plugin_kwargs(monkeypatch: pytest.MonkeyPatch) -> 
     assert plugin.config.api_keys == ["single-key"] and plugin.engine is None
     with pytest.raises(ValueError):
         LoraStarPlugin(LoraStarConfig(), path="/x")
+
+
+def test_engines_implement_the_engine_client_protocol(tiny_model_dir: Path) -> None:
+    """The routes are typed against EngineClient: AsyncLLM and the fake both provide all of it."""
+    from plugin_support import engine_config
+
+    from lorastar import AsyncLLM
+    from lorastar.plugin.engine_client import EngineClient
+
+    assert isinstance(FakeAsyncLLM(), EngineClient)
+    assert isinstance(AsyncLLM(engine_config(tiny_model_dir)), EngineClient)

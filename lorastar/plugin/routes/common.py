@@ -15,6 +15,7 @@ import anyio
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
+from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.schemas import PromptTokensDetails, UsageInfo
 
@@ -151,12 +152,9 @@ async def in_thread(fn: Any, *args: Any) -> Any:
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-def tokenize(engine: Any, prompt: str) -> list[int]:
+def tokenize(engine: EngineClient, prompt: str) -> list[int]:
     """The prompt's token ids, as the engine counts them (for vLLM's length checks)."""
-    tokenize = getattr(engine, "tokenize", None)
-    if callable(tokenize):
-        return list(tokenize(prompt))
-    return list(engine.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    return list(engine.tokenize(prompt))
 
 
 def vocab_size(tokenizer: Any) -> int | None:

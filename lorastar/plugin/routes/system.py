@@ -27,8 +27,8 @@ def build_health_handler(service: LoraStarService, path: str, include_in_schema:
         if service.healthy():
             return Response(b"", status_code=HTTP_200_OK, media_type="text/plain")
         engine = service.engine
-        if service.started and getattr(engine, "restarting", False):
-            wait = math.ceil(max(float(getattr(engine, "retry_after", 1.0)), 1.0))
+        if service.started and engine is not None and engine.restarting:
+            wait = math.ceil(max(engine.retry_after, 1.0))
             return APIError(
                 "The engine is restarting after a failure.",
                 HTTP_503_SERVICE_UNAVAILABLE,

@@ -1,0 +1,59 @@
+"""``EngineClient``: what the plugin's routes and service need from an engine.
+
+``AsyncLLM`` implements it; the tests' fake engine does too. Routes are typed against this
+protocol instead of ``Any``, so a renamed engine method fails type checks and the protocol test,
+not a request at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from lorastar.adapters.registry import AdapterInfo
+from lorastar.engine.metrics import EngineStats
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    tokenizer: Any  # a transformers tokenizer (decode, encode, chat template)
+    model_name: str
+    max_model_len: int
+    errored: bool  # stopped for good: 503 until restarted
+    restarting: bool  # a failed step is being recovered from: 503 + Retry-After
+    retry_after: float  # seconds, while restarting
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self, drain_timeout: float = 5.0) -> None: ...
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; the last has ``finished=True``. Closing it aborts."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo | None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    def list_adapters(self) -> Sequence[AdapterInfo]: ...
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Blocking; refuses text over the engine's ``max_prompt_bytes`` before tokenizing."""
+        ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    def stats(self) -> EngineStats | None: ...
