@@ -54,10 +54,6 @@ _TYPES = {
     503: "ServiceUnavailableError",
 }
 
-_FIELD_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\b")
-# Engine-side names of request fields -> the wire field a client sent.
-_PARAM_ALIASES = {"prompt_token_ids": "prompt", "sampling_params": None, "request_id": None}
-
 
 class ErrorInfo(msgspec.Struct):
     message: str
@@ -98,19 +94,6 @@ class APIError(Exception):
         return Response(
             self.body(), status_code=self.status_code, headers=self.headers, media_type="application/json"
         )
-
-
-def param_from_message(message: str, known: set[str] | frozenset[str] | None = None) -> str | None:
-    """The field a ``ValueError`` message starts with (the engine's convention), if it is a known one."""
-    m = _FIELD_RE.match(message)
-    if not m:
-        return None
-    name = m.group(1)
-    if name in _PARAM_ALIASES:
-        return _PARAM_ALIASES[name]
-    if known is not None and name not in known:
-        return None
-    return name
 
 
 def _validation_param(exc: ValidationException, body: bytes | None = None) -> tuple[str, str | None]:
@@ -169,7 +152,6 @@ def to_api_error(
     exc: BaseException,
     *,
     retry_after: int = 1,
-    known_params: frozenset[str] | None = None,
     body: bytes | None = None,
 ) -> APIError:
     """Map any exception to the API error it should be answered with."""
@@ -193,7 +175,7 @@ def to_api_error(
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc) or "The engine is dead.", HTTP_503_SERVICE_UNAVAILABLE)
     if isinstance(exc, AdapterError):
-        return APIError(str(exc), HTTP_400_BAD_REQUEST, param=param_from_message(str(exc), known_params))
+        return APIError(str(exc), HTTP_400_BAD_REQUEST)
     if isinstance(exc, ValidationException):
         message, param = _validation_param(exc, body)
         return APIError(message, HTTP_400_BAD_REQUEST, param=param)
@@ -209,18 +191,18 @@ def to_api_error(
             return APIError(message, status, param=field)
         return APIError(str(exc.detail), status, headers=dict(exc.headers or {}))
     if isinstance(exc, ValueError):
-        return APIError(str(exc), HTTP_400_BAD_REQUEST, param=param_from_message(str(exc), known_params))
+        return APIError(str(exc), HTTP_400_BAD_REQUEST)
     logger.exception("lorastar: unexpected error", exc_info=exc)
     return APIError("Internal server error.", HTTP_500_INTERNAL_SERVER_ERROR)
 
 
-def make_exception_handler(retry_after: int, known_params: frozenset[str] | None = None) -> Any:
+def make_exception_handler(retry_after: int) -> Any:
     def handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         body = None
         if isinstance(exc, HTTPException) and exc.status_code == 400:  # the body was read to parse it
             cached = getattr(getattr(request, "_connection_state", None), "body", None)
             body = cached if isinstance(cached, bytes) else None
-        return to_api_error(exc, retry_after=retry_after, known_params=known_params, body=body).to_response()
+        return to_api_error(exc, retry_after=retry_after, body=body).to_response()
 
     return handler
 
