@@ -8,13 +8,17 @@ back text that ends in U+FFFD keeps a multi-byte character split across tokens f
 being emitted half-done.
 
 Works with any tokenizer exposing ``decode(ids, skip_special_tokens=...)``: a
-transformers tokenizer or a raw ``tokenizers.Tokenizer``. Torch-free.
+transformers tokenizer or a raw ``tokenizers.Tokenizer``. Fast (Rust) tokenizers take the same
+technique through ``tokenizers``' ``DecodeStream``: no Python ``decode`` per token. Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 # How many prompt tokens give the first output token its left context (vLLM's value).
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
@@ -48,6 +52,14 @@ class IncrementalDetokenizer:
         self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
         if _accepts_cleanup_kwarg(tokenizer):
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
+        # Fast path: the Rust tokenizer's DecodeStream (the same prefix/read-offset technique, no
+        # Python decode per token), seeded with the prompt tail as context. _streamed: ids[:_streamed]
+        # have been emitted by it; flush() decodes any rest (an incomplete character) the slow way.
+        self._raw = _rust_tokenizer(tokenizer)
+        self._stream = (
+            DecodeStream(ids=tail, skip_special_tokens=skip_special_tokens) if self._raw is not None else None
+        )
+        self._streamed = len(tail)
 
     # ------------------------------------------------------------------ public
 
@@ -66,11 +78,33 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly stable text (may be "")."""
         self._ids.append(token_id)
-        return self._step(final=False)
+        if self._stream is None:
+            return self._step(final=False)
+        delta = self._stream.step(self._raw, token_id)
+        if not delta:  # None: an incomplete character, held back
+            return ""
+        self._streamed = len(self._ids)
+        return self._emit(delta)
 
     def flush(self) -> str:
         """At the end of generation: emit whatever is still held back (even a lone U+FFFD)."""
-        return self._step(final=True)
+        if self._stream is None:
+            return self._step(final=True)
+        if self._streamed == len(self._ids):
+            return ""
+        # The held-back tail, decoded with a little emitted context (as the windows below do).
+        context = self._ids[
+            max(0, self._streamed - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET) : self._streamed
+        ]
+        text = self._decode(context + self._ids[self._streamed :])
+        delta = text[len(self._decode(context)) :]
+        self._streamed = len(self._ids)
+        return self._emit(delta) if delta else ""
+
+    def _emit(self, delta: str) -> str:
+        self._text_parts.append(delta)
+        self._text_cache = None
+        return delta
 
     # ------------------------------------------------------------------ internals
 
@@ -90,9 +124,15 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._text_parts.append(delta)
-        self._text_cache = None
-        return delta
+        return self._emit(delta)
+
+
+def _rust_tokenizer(tokenizer: object) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` (itself, or a transformers fast tokenizer's)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    raw = getattr(tokenizer, "_tokenizer", None)
+    return raw if isinstance(raw, Tokenizer) else None
 
 
 def _accepts_cleanup_kwarg(tokenizer: object) -> bool:

@@ -211,3 +211,24 @@ def test_hold_back() -> None:
     assert hold_back("xxab", ["abab", "b"]) == 2
     assert hold_back("", ["abc"]) == 0
     assert hold_back("anything", []) == 0
+
+
+class _DecodeOnly:
+    """A tokenizer with ``decode`` alone (a slow, pure-Python one): the windowed-decode path."""
+
+    def __init__(self, tok) -> None:  # noqa: ANN001
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_python_decode_path_matches_the_decode_stream_path(smollm2_tokenizer, name: str) -> None:  # noqa: ANN001
+    tok = smollm2_tokenizer
+    out = _encode(tok, TEXTS[name])
+    prompt = _encode(tok, "User: please answer")
+    fast_text, fast = _stream(tok, prompt, out)
+    slow_text, slow = _stream(_DecodeOnly(tok), prompt, out)
+    assert IncrementalDetokenizer(_DecodeOnly(tok), [])._stream is None  # really the other path
+    assert IncrementalDetokenizer(tok, [])._stream is not None
+    assert slow_text == fast_text == TEXTS[name] and slow == fast
+    # Cut before the last token: each path holds back or flushes the same text.
+    assert _stream(_DecodeOnly(tok), prompt, out[:-1])[1] == _stream(tok, prompt, out[:-1])[1]
