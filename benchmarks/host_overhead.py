@@ -79,7 +79,7 @@ class _Timer:
         return timed
 
 
-def measure(model_dir: Path, num_seqs: int, steps: int) -> dict[str, float]:
+def measure(model_dir: Path, num_seqs: int, steps: int, temperature: float = 0.0) -> dict[str, float]:
     """Mean milliseconds per step (whole and per part) with ``num_seqs`` sequences decoding."""
     import torch
 
@@ -100,7 +100,7 @@ def measure(model_dir: Path, num_seqs: int, steps: int) -> dict[str, float]:
         )
     )
     prompts = common.text_prompts(eng.tokenizer, num_seqs, 32)
-    params = SamplingParams(temperature=0.8, max_tokens=steps + 64, ignore_eos=True, seed=None)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 64, ignore_eos=True)
     for p in prompts:
         eng.add_request(p, params)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.all_sequences()):
@@ -128,15 +128,17 @@ def measure(model_dir: Path, num_seqs: int, steps: int) -> dict[str, float]:
     return res
 
 
-def run_child(checkout: Path, model_dir: Path, num_seqs: int, steps: int) -> dict[str, float]:
+def run_child(
+    checkout: Path, model_dir: Path, num_seqs: int, steps: int, temperature: float
+) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_WAIT_POLICY": "PASSIVE"}
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import host_overhead as h; "
-        "print(json.dumps(h.measure(h.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))"
+        "print(json.dumps(h.measure(h.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))))"
     )
     here = Path(__file__).resolve().parent
     out = subprocess.run(
-        [sys.executable, "-c", code, str(here), str(model_dir), str(num_seqs), str(steps)],
+        [sys.executable, "-c", code, str(here), str(model_dir), str(num_seqs), str(steps), str(temperature)],
         env=env,
         cwd=str(checkout),
         capture_output=True,
@@ -150,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seqs", default="1,16,64,256", help="running sequences per step")
     ap.add_argument("--steps", type=int, default=40, help="measured decode steps per size")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: the random path")
     ap.add_argument("--other", type=Path, default=None, help="a second checkout to compare with")
     ap.add_argument("--out", type=Path, default=common.RESULTS)
     args = ap.parse_args()
@@ -162,7 +165,7 @@ def main() -> None:
     results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in systems}
     for n in sizes:
         for name, checkout in systems.items():  # alternate: drift hits both alike
-            results[name][n] = run_child(checkout, model_dir, n, args.steps)
+            results[name][n] = run_child(checkout, model_dir, n, args.steps, args.temperature)
             print(f"{name:5s} {n:4d} seqs: {results[name][n]['step']:.2f} ms/step", flush=True)
 
     rows = []
@@ -182,7 +185,7 @@ def main() -> None:
         {"env": common.env_line("1 thread per engine"), "results": results},
         notes=[
             "Model: 1 layer, hidden 32, SmolLM2 vocabulary (49152): 'forward' is mostly the lm_head.",
-            "Sampling at temperature 0.8 (the random path), ignore_eos, prefix caching off.",
+            f"Sampling at temperature {args.temperature} (0: greedy), ignore_eos, prefix caching off.",
         ],
     )
     print(text)
