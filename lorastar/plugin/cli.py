@@ -1,118 +1,18 @@
 """Command line: the ``lora`` group (added to ``litestar`` by the plugin) and the ``lorastar`` script.
 
 ``litestar lora list|load NAME PATH|unload NAME`` and ``lorastar lora ...`` talk to a running server
-over HTTP (``--url``, ``--token`` / ``LORASTAR_ADMIN_TOKEN``). ``lorastar serve`` runs a standalone
+over HTTP (``--url``, ``--token`` / ``LORASTAR_ADMIN_TOKEN``; see ``lora_cli.py``). ``lorastar serve`` runs a standalone
 server for people who have no app yet.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import click
-import httpx
 
 from lorastar.plugin.config import ADMIN_TOKEN_ENV
-
-DEFAULT_URL = "http://127.0.0.1:8000/v1"
-URL_ENV = "LORASTAR_URL"
-API_KEY_ENV = "LORASTAR_API_KEY"
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip() or resp.reason_phrase
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message", body["error"]))
-    return str(body)
-
-
-_META_KEY = "lorastar.lora"
-
-
-def _settings() -> dict[str, Any]:
-    # ctx.meta, not ctx.obj: under the litestar CLI ctx.obj is Litestar's own LitestarEnv.
-    return click.get_current_context().meta[_META_KEY]  # type: ignore[no-any-return]
-
-
-def _request(method: str, route: str, *, token: str | None, json: Any = None) -> httpx.Response:
-    settings = _settings()
-    url = settings["url"].rstrip("/") + route
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        resp = httpx.request(method, url, json=json, headers=headers, timeout=settings["timeout"])
-    except httpx.HTTPError as exc:
-        raise click.ClickException(f"cannot reach {url}: {exc}") from exc
-    if resp.status_code >= 400:
-        raise click.ClickException(f"{_error_message(resp)} (HTTP {resp.status_code})")
-    return resp
-
-
-def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
-    """A fresh ``lora`` group (a new object per call: the litestar CLI and ours each get their own)."""
-
-    @click.group("lora", help="Manage the LoRA adapters of a running lorastar server.")
-    @click.option(
-        "--url",
-        envvar=URL_ENV,
-        default=default_url,
-        show_default=True,
-        help=f"Base URL of the OpenAI routes (env {URL_ENV}).",
-    )
-    @click.option(
-        "--token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin bearer token (env {ADMIN_TOKEN_ENV})."
-    )
-    @click.option(
-        "--api-key",
-        envvar=API_KEY_ENV,
-        default=None,
-        help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).",
-    )
-    @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the server.")
-    def lora(url: str, token: str | None, api_key: str | None, timeout: float) -> None:
-        # No click.pass_context / `ctx` parameters: the litestar CLI wraps callbacks and injects `ctx` itself.
-        click.get_current_context().meta[_META_KEY] = dict(
-            url=url, token=token, api_key=api_key or token, timeout=timeout
-        )
-
-    @lora.command("list", help="List the base model and the loaded adapters.")
-    def list_cmd() -> None:
-        data = _request("GET", "/models", token=_settings()["api_key"]).json().get("data", [])
-        base = [m for m in data if not m.get("parent")]
-        adapters = [m for m in data if m.get("parent")]
-        for m in base:
-            click.echo(f"base model: {m['id']} (max_model_len {m.get('max_model_len')})")
-        if not adapters:
-            click.echo("no adapters loaded")
-            return
-        width = max(len("NAME"), *(len(m["id"]) for m in adapters))
-        click.echo(f"{'NAME'.ljust(width)}  PATH")
-        for m in adapters:
-            click.echo(f"{m['id'].ljust(width)}  {m.get('root') or ''}")
-
-    @lora.command("load", help="Load the PEFT adapter folder PATH (on the server) as NAME.")
-    @click.argument("name")
-    @click.argument("path")
-    @click.option("--replace", is_flag=True, help="Replace an adapter already loaded under NAME.")
-    def load_cmd(name: str, path: str, replace: bool) -> None:
-        resp = _request(
-            "POST",
-            "/load_lora_adapter",
-            token=_settings()["token"],
-            json={"lora_name": name, "lora_path": path, "load_inplace": replace},
-        )
-        click.echo(resp.text.strip())
-
-    @lora.command("unload", help="Unload the adapter NAME.")
-    @click.argument("name")
-    def unload_cmd(name: str) -> None:
-        resp = _request("POST", "/unload_lora_adapter", token=_settings()["token"], json={"lora_name": name})
-        click.echo(resp.text.strip())
-
-    return lora
+from lorastar.plugin.lora_cli import make_lora_group
 
 
 def _parse_adapters(values: tuple[str, ...]) -> dict[str, str]:
@@ -199,7 +99,7 @@ def serve(
 
     from lorastar.config import EngineConfig
     from lorastar.plugin.config import LoraStarConfig
-    from lorastar.plugin.plugin import create_app
+    from lorastar.plugin.plugin import create_app  # lazy: the app stack is only needed to serve
 
     try:
         engine = EngineConfig(

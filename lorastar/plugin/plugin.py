@@ -14,6 +14,7 @@ from litestar.plugins import CLIPlugin, InitPlugin
 from lorastar.engine.errors import LoraStarError
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, make_exception_handler, unauthorized
+from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
@@ -110,9 +111,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     # ------------------------------------------------------------------ CLI
 
     def on_cli_init(self, cli: Group) -> None:
-        from lorastar.plugin.cli import make_lora_group
-
-        cli.add_command(make_lora_group(default_url=f"http://127.0.0.1:8000{self.config.path.rstrip('/')}"))
+        cli.add_command(make_lora_group(plugin_path=self.config.path))
 
 
 def _api_key_guard(keys: list[str]) -> Any:
