@@ -81,6 +81,12 @@ class EngineConfig:
     max_waiting: int | None = None
     """Bound on the waiting queue; past it new requests are refused (the server answers 503)."""
 
+    tokenizer: str | None = None
+    """Tokenizer folder. ``None``: the model's own."""
+
+    chat_template: str | None = None
+    """Jinja chat template replacing the tokenizer's. ``None``: the tokenizer's own."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form options for experiments (ignored by the engine core)."""
 
