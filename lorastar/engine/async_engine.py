@@ -185,6 +185,16 @@ class AsyncLLM:
                     self._streams.pop(rid, None)
                 self._queue_abort(rid)
 
+    def fail_streams(self, exc: BaseException) -> int:
+        """End every open stream by raising ``exc`` in it (its request aborted); how many there were."""
+        with self._streams_lock:
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for rid, (loop, q) in streams:
+            self._queue_abort(rid)
+            loop.call_soon_threadsafe(q.put_nowait, exc)
+        return len(streams)
+
     def _queue_abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         self._wake.set()

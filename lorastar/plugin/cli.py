@@ -8,6 +8,7 @@ server for people who have no app yet.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -100,6 +101,10 @@ def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in
+    # place (it restores them first) a Ctrl-C ends the process with exit code 0, no traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])
 
 

@@ -19,6 +19,7 @@ from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, tok
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
 from lorastar.plugin.service import LoraStarService
+from lorastar.plugin.shutdown import drain_on_signal
 
 if TYPE_CHECKING:
     from click import Group
@@ -104,7 +105,8 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     async def _lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         await self.service.start()
         try:
-            yield
+            with drain_on_signal(self.service, self.config.shutdown_drain_timeout):
+                yield
         finally:
             await self.service.stop()
 
