@@ -101,6 +101,12 @@ class EngineConfig:
     """Largest text prompt (UTF-8 bytes; chat: all message contents together), checked before
     tokenizing. ``None``: 64 bytes per token of ``max_model_len``, far above real text."""
 
+    tokenizer: str | None = None
+    """Tokenizer folder. ``None``: the model's own."""
+
+    chat_template: str | None = None
+    """Jinja chat template replacing the tokenizer's. ``None``: the tokenizer's own."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form options for experiments (ignored by the engine core)."""
 

@@ -299,6 +299,16 @@ class AsyncLLM:
             self._check_available()
             self.engine.add_request(prompt, params, adapter=adapter, request_id=rid)
 
+    def fail_streams(self, exc: BaseException) -> int:
+        """End every open stream by raising ``exc`` in it (its request aborted); how many there were."""
+        with self._streams_lock:
+            streams = list(self._streams.items())
+            self._streams.clear()
+        for rid, stream in streams:
+            self._queue_abort(rid)
+            self._put(stream, exc)
+        return len(streams)
+
     def _queue_abort(self, request_id: str) -> None:
         self._aborts.append(request_id)
         self._wake.set()

@@ -107,7 +107,11 @@ class LLMEngine:
             max_positions=max_len,
         )
         quantize_embeddings(self.model, config.embedding_quantization)  # before the KV cache is sized
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = _load_tokenizer(
+            Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
+        )
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
         self.vocab_size = self.model.vocab_size
 

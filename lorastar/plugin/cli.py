@@ -1,128 +1,111 @@
 """Command line: the ``lora`` group (added to ``litestar`` by the plugin) and the ``lorastar`` script.
 
 ``litestar lora list|load NAME PATH|unload NAME`` and ``lorastar lora ...`` talk to a running server
-over HTTP (``--url``, ``--token`` / ``LORASTAR_ADMIN_TOKEN``). ``lorastar serve`` runs a standalone
+over HTTP (``--url``, ``--token`` / ``LORASTAR_ADMIN_TOKEN``; see ``lora_cli.py``). ``lorastar serve`` runs a standalone
 server for people who have no app yet.
 """
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
-import httpx
 
 from lorastar.plugin.config import ADMIN_TOKEN_ENV
-
-DEFAULT_URL = "http://127.0.0.1:8000/v1"
-URL_ENV = "LORASTAR_URL"
-API_KEY_ENV = "LORASTAR_API_KEY"
+from lorastar.plugin.lora_cli import make_lora_group
 
 
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text.strip() or resp.reason_phrase
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message", body["error"]))
-    return str(body)
+class UsageProblem(click.ClickException):
+    """A one-line ``Error: ...`` with exit code 2 (click's usage-error code) and no usage dump."""
+
+    exit_code = 2
 
 
-_META_KEY = "lorastar.lora"
-
-
-def _settings() -> dict[str, Any]:
-    # ctx.meta, not ctx.obj: under the litestar CLI ctx.obj is Litestar's own LitestarEnv.
-    return click.get_current_context().meta[_META_KEY]  # type: ignore[no-any-return]
-
-
-def _request(method: str, route: str, *, token: str | None, json: Any = None) -> httpx.Response:
-    settings = _settings()
-    url = settings["url"].rstrip("/") + route
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        resp = httpx.request(method, url, json=json, headers=headers, timeout=settings["timeout"])
-    except httpx.HTTPError as exc:
-        raise click.ClickException(f"cannot reach {url}: {exc}") from exc
-    if resp.status_code >= 400:
-        raise click.ClickException(f"{_error_message(resp)} (HTTP {resp.status_code})")
-    return resp
-
-
-def make_lora_group(default_url: str = DEFAULT_URL) -> click.Group:
-    """A fresh ``lora`` group (a new object per call: the litestar CLI and ours each get their own)."""
-
-    @click.group("lora", help="Manage the LoRA adapters of a running lorastar server.")
-    @click.option(
-        "--url",
-        envvar=URL_ENV,
-        default=default_url,
-        show_default=True,
-        help=f"Base URL of the OpenAI routes (env {URL_ENV}).",
-    )
-    @click.option(
-        "--token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin bearer token (env {ADMIN_TOKEN_ENV})."
-    )
-    @click.option(
-        "--api-key",
-        envvar=API_KEY_ENV,
-        default=None,
-        help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).",
-    )
-    @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the server.")
-    def lora(url: str, token: str | None, api_key: str | None, timeout: float) -> None:
-        # No click.pass_context / `ctx` parameters: the litestar CLI wraps callbacks and injects `ctx` itself.
-        click.get_current_context().meta[_META_KEY] = dict(
-            url=url, token=token, api_key=api_key or token, timeout=timeout
-        )
-
-    @lora.command("list", help="List the base model and the loaded adapters.")
-    def list_cmd() -> None:
-        data = _request("GET", "/models", token=_settings()["api_key"]).json().get("data", [])
-        base = [m for m in data if not m.get("parent")]
-        adapters = [m for m in data if m.get("parent")]
-        for m in base:
-            click.echo(f"base model: {m['id']} (max_model_len {m.get('max_model_len')})")
-        if not adapters:
-            click.echo("no adapters loaded")
-            return
-        width = max(len("NAME"), *(len(m["id"]) for m in adapters))
-        click.echo(f"{'NAME'.ljust(width)}  PATH")
-        for m in adapters:
-            click.echo(f"{m['id'].ljust(width)}  {m.get('root') or ''}")
-
-    @lora.command("load", help="Load the PEFT adapter folder PATH (on the server) as NAME.")
-    @click.argument("name")
-    @click.argument("path")
-    @click.option("--replace", is_flag=True, help="Replace an adapter already loaded under NAME.")
-    def load_cmd(name: str, path: str, replace: bool) -> None:
-        resp = _request(
-            "POST",
-            "/load_lora_adapter",
-            token=_settings()["token"],
-            json={"lora_name": name, "lora_path": path, "load_inplace": replace},
-        )
-        click.echo(resp.text.strip())
-
-    @lora.command("unload", help="Unload the adapter NAME.")
-    @click.argument("name")
-    def unload_cmd(name: str) -> None:
-        resp = _request("POST", "/unload_lora_adapter", token=_settings()["token"], json={"lora_name": name})
-        click.echo(resp.text.strip())
-
-    return lora
-
-
-def _parse_adapters(values: tuple[str, ...]) -> dict[str, str]:
+def parse_lora_modules(values: tuple[str, ...], option: str = "--lora-modules") -> dict[str, str]:
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name"?: ...}``."""
     adapters: dict[str, str] = {}
-    for v in values:
-        name, sep, path = v.partition("=")
-        if not sep or not name or not path:
-            raise click.BadParameter(f"expected NAME=PATH, got {v!r}", param_hint="--adapter")
-        adapters[name] = path
+    for raw in values:
+        for v in raw.split() if not raw.lstrip().startswith("{") else [raw]:
+            if v.startswith("{"):
+                try:
+                    obj = json.loads(v)
+                    name, path = str(obj["name"]), str(obj["path"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise UsageProblem(
+                        f"{option}: expected NAME=PATH or JSON with name and path, got {v!r}"
+                    ) from exc
+            else:
+                name, sep, path = v.partition("=")
+                if not sep or not name or not path:
+                    raise UsageProblem(f"{option}: expected NAME=PATH, got {v!r}")
+            if name in adapters:
+                raise UsageProblem(f"{option}: adapter {name!r} given twice")
+            adapters[name] = path
     return adapters
+
+
+def _check_model(model: str | None) -> None:
+    if model is None:
+        return
+    p = Path(model).expanduser()
+    if not p.is_dir():
+        raise UsageProblem(f"model folder {model!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise UsageProblem(f"model folder {model!r} has no config.json (not a Hugging Face model folder)")
+
+
+def _check_adapters(adapters: dict[str, str], root: str | None) -> None:
+    for name, path in adapters.items():
+        p = Path(path).expanduser()
+        if not p.is_absolute() and not p.exists() and root is not None:
+            p = Path(root).expanduser() / p
+        if not (p / "adapter_config.json").is_file():
+            raise UsageProblem(f"adapter {name!r}: {path!r} is not a PEFT folder (no adapter_config.json)")
+    if root is not None and not Path(root).expanduser().is_dir():
+        raise UsageProblem(f"--adapter-root {root!r} is not a folder")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind the listening socket now, before the model loads: a taken port fails in milliseconds."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageProblem(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
+def _chat_template(value: str | None) -> str | None:
+    # vLLM: a file path or the template itself.
+    if value is None:
+        return None
+    p = Path(value).expanduser()
+    if p.is_file():
+        return p.read_text()
+    if "{" not in value:
+        raise UsageProblem(f"--chat-template: {value!r} is neither a file nor a template")
+    return value
+
+
+def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
+    """uvicorn on the already bound socket (tests replace this)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in
+    # place (it restores them first) a Ctrl-C ends the process with exit code 0, no traceback.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run(sockets=[sock])
 
 
 @click.group("lorastar", help="lorastar: serve one LLM with many LoRA adapters over the OpenAI API.")
@@ -135,10 +118,21 @@ main.add_command(make_lora_group())
 
 @main.command("serve", help="Serve MODEL (an HF folder; default: the embedded SmolLM2) with the OpenAI API.")
 @click.argument("model", required=False)
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH", help="Adapter to load at startup.")
+@click.option("--model", "model_opt", default=None, help="Same as the MODEL argument (vLLM's flag).")
+@click.option(
+    "--lora-modules",
+    "lora_modules",
+    multiple=True,
+    metavar="NAME=PATH|JSON",
+    help='Adapter to load at startup (repeatable): NAME=PATH or \'{"name": ..., "path": ...}\'.',
+)
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH", help="Same as --lora-modules.")
+@click.option("--enable-lora", is_flag=True, hidden=True, help="Accepted for vLLM compatibility (always on).")
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--served-model-name", default=None, help="Name of the base in the 'model' field.")
+@click.option("--tokenizer", default=None, help="Tokenizer folder (default: the model's).")
+@click.option("--chat-template", default=None, help="Chat template: a file or the Jinja text itself.")
 @click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from.")
 @click.option(
     "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
@@ -152,11 +146,25 @@ main.add_command(make_lora_group())
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--max-model-len", default=None, type=int)
 @click.option("--max-num-seqs", default=64, show_default=True, type=int)
-@click.option("--num-kv-blocks", default=None, type=int)
+@click.option("--max-num-batched-tokens", default=None, type=int, help="Token budget of one step.")
+@click.option("--block-size", default=16, show_default=True, type=int)
+@click.option(
+    "--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks", default=None, type=int, help="KV blocks."
+)
+@click.option("--kv-cache-memory", default=None, type=int, help="Bytes for the KV cache (default: sized).")
 @click.option("--max-loras", default=8, show_default=True, type=int)
 @click.option("--max-lora-rank", default=64, show_default=True, type=int)
 @click.option(
+    "--max-cpu-loras",
+    default=None,
+    type=int,
+    help="Adapters kept in CPU memory (default: max(64, max-loras)).",
+)
+@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
     "--quantization",
+    "-q",
     default=None,
     type=click.Choice(["awq", "gptq", "fp8"]),
     help="Force or check the method.",
@@ -169,13 +177,25 @@ main.add_command(make_lora_group())
 )
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
-@click.option("--log-level", default="info", show_default=True)
+@click.option(
+    "--shutdown-drain-timeout",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="Seconds in-flight requests get on shutdown.",
+)
+@click.option("--log-level", "--uvicorn-log-level", "log_level", default="info", show_default=True)
 def serve(
     model: str | None,
+    model_opt: str | None,
+    lora_modules: tuple[str, ...],
     adapters: tuple[str, ...],
+    enable_lora: bool,
     host: str,
     port: int,
     served_model_name: str | None,
+    tokenizer: str | None,
+    chat_template: str | None,
     adapter_root: str | None,
     admin_token: str | None,
     api_keys: tuple[str, ...],
@@ -185,41 +205,66 @@ def serve(
     dtype: str,
     max_model_len: int | None,
     max_num_seqs: int,
+    max_num_batched_tokens: int | None,
+    block_size: int,
     num_kv_blocks: int | None,
+    kv_cache_memory: int | None,
     max_loras: int,
     max_lora_rank: int,
+    max_cpu_loras: int | None,
+    enable_prefix_caching: bool,
+    seed: int,
     quantization: str | None,
     kv_cache_dtype: str,
     embedding_quantization: str | None,
     enforce_eager: bool,
     max_waiting: int | None,
+    shutdown_drain_timeout: float,
     log_level: str,
 ) -> None:
-    import uvicorn
-
     from lorastar.config import EngineConfig
     from lorastar.plugin.config import LoraStarConfig
-    from lorastar.plugin.plugin import create_app
+    from lorastar.plugin.plugin import create_app  # lazy: the app stack is only needed to serve
 
+    # Everything checkable is checked before anything loads: paths, flags, then the port.
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
+    model = model or model_opt
+    _check_model(model)
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
+        raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
+    all_adapters = parse_lora_modules(lora_modules)
+    for name, path in parse_lora_modules(adapters, "--adapter").items():
+        if name in all_adapters:
+            raise UsageProblem(f"adapter {name!r} given twice")
+        all_adapters[name] = path
+    _check_adapters(all_adapters, adapter_root)
     try:
         engine = EngineConfig(
             device=device,
             dtype=dtype,
+            block_size=block_size,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
             max_loras=max_loras,
-            max_cpu_loras=max(64, max_loras),
+            max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else max(64, max_loras),
             max_lora_rank=max_lora_rank,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             embedding_quantization=embedding_quantization,
             enforce_eager=enforce_eager,
+            tokenizer=tokenizer,
+            chat_template=_chat_template(chat_template),
         )
         config = LoraStarConfig(
             model=model,
             served_model_name=served_model_name,
-            adapters=_parse_adapters(adapters),
+            adapters=all_adapters,
             adapter_root=adapter_root,
             allow_runtime_adapter_loading=not no_runtime_loading,
             admin_token=admin_token,
@@ -227,12 +272,18 @@ def serve(
             engine=engine,
             max_waiting=max_waiting,
             enable_adapter_resolver=enable_adapter_resolver,
+            shutdown_drain_timeout=shutdown_drain_timeout,
         )
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
+        raise UsageProblem(str(exc)) from exc
+    sock = _bind(host, port)
     app = create_app(config)
-    click.echo(f"lorastar: serving on http://{host}:{port}{config.path}", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(
+        f"lorastar: listening on http://{shown}:{sock.getsockname()[1]}{config.path} (loading the model)",
+        err=True,
+    )
+    run_server(app, sock, log_level)
 
 
 if __name__ == "__main__":  # python -m lorastar.plugin.cli

@@ -19,10 +19,12 @@ from litestar.plugins import CLIPlugin, InitPlugin
 from lorastar.errors import LoraStarError
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, make_exception_handler, scoped_handler, unauthorized
+from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
 from lorastar.plugin.service import LoraStarService
+from lorastar.plugin.shutdown import drain_on_signal
 
 if TYPE_CHECKING:
     from click import Group
@@ -117,16 +119,15 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     async def _lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         await self.service.start()
         try:
-            yield
+            with drain_on_signal(self.service, self.config.shutdown_drain_timeout):
+                yield
         finally:
             await self.service.stop()
 
     # ------------------------------------------------------------------ CLI
 
     def on_cli_init(self, cli: Group) -> None:
-        from lorastar.plugin.cli import make_lora_group
-
-        cli.add_command(make_lora_group(default_url=f"http://127.0.0.1:8000{self.config.path.rstrip('/')}"))
+        cli.add_command(make_lora_group(plugin_path=self.config.path))
 
 
 def _class_handler(handlers: dict[Any, Any], status: int) -> Any:

@@ -129,6 +129,10 @@ class LoraStarService:
                 )
             self._started = True
 
+    def refuse_new_requests(self) -> None:
+        """Shutdown has begun: new requests get 503 while in-flight ones drain."""
+        self._closed = True
+
     async def stop(self) -> None:
         """Let in-flight requests finish (up to ``shutdown_drain_timeout``), then stop an engine we own."""
         self._closed = True

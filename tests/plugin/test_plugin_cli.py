@@ -98,51 +98,6 @@ def test_lorastar_script_lora_commands_and_failures(
     assert runner.invoke(main, ["lora", "--url", url, "--token", "tok", "unload", "two"]).exit_code == 0
 
 
-def test_lorastar_serve_builds_the_app(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import uvicorn
-
-    seen: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
-    r = CliRunner().invoke(
-        main,
-        [
-            "serve",
-            str(tmp_path),
-            "--adapter",
-            f"a={tmp_path}",
-            "--adapter",
-            "b=/x",
-            "--port",
-            "9123",
-            "--admin-token",
-            "t",
-            "--adapter-root",
-            str(tmp_path),
-            "--max-waiting",
-            "5",
-            "--device",
-            "cpu",
-            "--kv-cache-dtype",
-            "fp8",
-            "--embedding-quantization",
-            "int8",
-            "--max-lora-rank",
-            "32",
-            "--enforce-eager",
-        ],
-    )
-    assert r.exit_code == 0, r.output
-    assert seen["port"] == 9123 and seen["host"] == "127.0.0.1"
-    cfg = seen["app"].plugins.get("LoraStarPlugin").config
-    assert cfg.model == str(tmp_path) and cfg.adapters == {"a": str(tmp_path), "b": "/x"}
-    eng = cfg.engine_config()
-    assert eng.max_waiting == 5 and cfg.admin_token == "t"
-    assert (eng.kv_cache_dtype, eng.embedding_quantization, eng.max_lora_rank) == ("fp8", "int8", 32)
-    assert eng.enforce_eager and eng.quantization is None
-    bad = CliRunner().invoke(main, ["serve", "--adapter", "no-equals-sign"])
-    assert bad.exit_code == 2 and "NAME=PATH" in bad.output
-
-
 def test_lorastar_serve_live(tiny_model_dir: Path, adapter_root: Path) -> None:
     """`lorastar serve MODEL --adapter name=path` in a real process, then the CLI and openai against it."""
     port = free_port()

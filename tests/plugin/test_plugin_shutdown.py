@@ -1,0 +1,74 @@
+"""Ctrl-C on ``lorastar serve`` (a real process, a real SIGINT) during a long stream: the stream gets
+``shutdown_drain_timeout`` seconds, then a final error frame and ``data: [DONE]``; exit code 0, no
+traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from plugin_support import free_port, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_sigint_drains_then_ends_streams_and_exits_0() -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lorastar.plugin.cli", "serve", "--port", str(port), "--device", "cpu",
+         "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "128",
+         "--shutdown-drain-timeout", "1.5"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    frames: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 600,
+                "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                    first.set()
+
+    try:
+        assert wait_until(healthy, timeout=180, interval=0.2) and proc.poll() is None, proc.stderr
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        t.join(30)
+        ended = time.monotonic() - t0
+        assert not t.is_alive()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.decode(errors="replace")
+    assert frames[-1] == "[DONE]", frames[-3:]
+    last = json.loads(frames[-2])
+    assert "error" in last and "shutting down" in last["error"]["message"], last
+    assert 1.0 < ended < 15, ended  # waited for the drain window, not for the 600 tokens
+    generated = sum(len(json.loads(f)["choices"][0]["text"]) for f in frames[:-2] if "choices" in f)
+    assert generated > 0
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-3000:]
