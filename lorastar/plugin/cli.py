@@ -8,6 +8,7 @@ server for people who have no app yet.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import sys
@@ -224,7 +225,7 @@ def serve(
 ) -> None:
     from lorastar.config import EngineConfig
     from lorastar.plugin.config import LoraStarConfig
-    from lorastar.plugin.plugin import create_app  # lazy: the app stack is only needed to serve
+    from lorastar.plugin.plugin import LoraStarPlugin, create_app  # lazy: only needed to serve
 
     # Everything checkable is checked before anything loads: paths, flags, then the port.
     if model is not None and model_opt is not None and model != model_opt:
@@ -279,11 +280,28 @@ def serve(
     sock = _bind(host, port)
     app = create_app(config)
     shown = f"[{host}]" if ":" in host else host
-    click.echo(
-        f"lorastar: listening on http://{shown}:{sock.getsockname()[1]}{config.path} (loading the model)",
-        err=True,
-    )
+    url = f"http://{shown}:{sock.getsockname()[1]}{config.path}"
+    app.plugins.get(LoraStarPlugin).public_url = url
+    _log_to_stderr(log_level)
+    click.echo(f"lorastar: listening on {url}; loading the model", err=True)
     run_server(app, sock, log_level)
+
+
+def _log_to_stderr(level: str) -> None:
+    """lorastar's own log lines (start-up summary, shutdown) on stderr, as uvicorn's are."""
+    log = logging.getLogger("lorastar")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%H:%M:%S")
+        )
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(
+        logging.getLevelName(level.upper())
+        if level.upper() in logging.getLevelNamesMapping()
+        else logging.INFO
+    )
 
 
 if __name__ == "__main__":  # python -m lorastar.plugin.cli

@@ -20,6 +20,7 @@ from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
 from lorastar.plugin.service import LoraStarService
 from lorastar.plugin.shutdown import drain_on_signal
+from lorastar.plugin.startup_log import log_startup
 
 if TYPE_CHECKING:
     from click import Group
@@ -39,13 +40,14 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     app's handlers as the ``lorastar_engine`` dependency).
     """
 
-    __slots__ = ("config", "service")
+    __slots__ = ("config", "public_url", "service")
 
     def __init__(self, config: LoraStarConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:
             raise ValueError("pass either a LoraStarConfig or keyword options, not both")
         self.config = config if config is not None else LoraStarConfig(**kwargs)
         self.service = LoraStarService(self.config)
+        self.public_url: str | None = None  # logged at start-up when set (``lorastar serve`` sets it)
 
     @property
     def engine(self) -> Any:
@@ -104,6 +106,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     @asynccontextmanager
     async def _lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         await self.service.start()
+        log_startup(self.service.engine, self.service.served_model_name, self.public_url)
         try:
             with drain_on_signal(self.service, self.config.shutdown_drain_timeout):
                 yield

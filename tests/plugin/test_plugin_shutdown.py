@@ -71,4 +71,7 @@ def test_sigint_drains_then_ends_streams_and_exits_0() -> None:
     generated = sum(len(json.loads(f)["choices"][0]["text"]) for f in frames[:-2] if "choices" in f)
     assert generated > 0
     assert proc.returncode == 0, stderr[-3000:]
+    # the start-up summary went to stderr before the server answered
+    assert "KV cache: 128 blocks of 16 tokens = 2048 tokens" in stderr, stderr[-3000:]
+    assert f"OpenAI API at http://127.0.0.1:{port}/v1" in stderr
     assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-3000:]
