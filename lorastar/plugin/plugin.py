@@ -17,6 +17,7 @@ from lorastar.plugin.errors import APIError, make_exception_handler, unauthorize
 from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
+from lorastar.plugin.routes.ops import build_ops_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
 from lorastar.plugin.routes.tokenize import build_tokenize_handlers
 from lorastar.plugin.service import LoraStarService
@@ -88,6 +89,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         if cfg.metrics_path:
             system.append(build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema))
         system += build_tokenize_handlers(service, guards=api_guards)  # vLLM serves these at the root
+        system += build_ops_handlers(service, guards=api_guards)  # the live page: /lorastar/
         if system:
             app_config.route_handlers.append(
                 Router(path="/", route_handlers=system, exception_handlers=own_handlers, tags=["lorastar"])
