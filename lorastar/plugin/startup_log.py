@@ -46,7 +46,9 @@ def startup_lines(engine: Any, served_name: str, url: str | None = None) -> list
         )
     adapters = list(engine.list_adapters()) if hasattr(engine, "list_adapters") else []
     if adapters:
-        shown = ", ".join(f"{a.name} (rank {a.rank}, {a.tier})" for a in adapters)
+        shown = ", ".join(
+            f"{a.name} (rank {getattr(a, 'rank', '?')}, {getattr(a, 'tier', '?')})" for a in adapters
+        )
         lines.append(f"Adapters ({len(adapters)}): {shown}")
     else:
         lines.append("Adapters: none loaded")
@@ -56,5 +58,10 @@ def startup_lines(engine: Any, served_name: str, url: str | None = None) -> list
 
 
 def log_startup(engine: Any, served_name: str, url: str | None = None) -> None:
-    for line in startup_lines(engine, served_name, url):
+    try:
+        lines = startup_lines(engine, served_name, url)
+    except Exception:  # a summary must never stop the server from starting
+        logger.warning("lorastar: could not summarize the engine", exc_info=True)
+        return
+    for line in lines:
         logger.info(line)

@@ -50,3 +50,11 @@ def test_summary_lines_and_progress_bar(
     with caplog.at_level(logging.INFO, logger="lorastar"):
         log_startup(engine, "tiny")
     assert [r.getMessage() for r in caplog.records if r.name == "lorastar"] == startup_lines(engine, "tiny")
+
+
+def test_summary_of_a_fake_engine_never_fails() -> None:
+    from plugin_fake_engine import FakeAsyncLLM
+
+    engine = FakeAsyncLLM()
+    lines = startup_lines(engine, "fake-model")
+    assert lines[0] == "Serving model 'fake-model'"

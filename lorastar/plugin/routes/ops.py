@@ -72,7 +72,8 @@ def stats_snapshot(service: LoraStarService) -> dict[str, Any]:
     for a in engine.list_adapters() if engine is not None else []:
         counts = live.get(a.name, {})
         rows.append(
-            dict(name=a.name, base=False, rank=a.rank, tier=a.tier, slot=a.slot,
+            dict(name=a.name, base=False, rank=getattr(a, "rank", None), tier=getattr(a, "tier", "?"),
+                 slot=getattr(a, "slot", None),
                  running=counts.get("running", 0), waiting=counts.get("waiting", 0),
                  requests=int(requests.get(a.name, 0)), prompt_tokens=int(prompt.get(a.name, 0)),
                  generation_tokens=int(generated.get(a.name, 0)))
