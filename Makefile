@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Passive OpenMP waits: spinning threads collapse throughput when the 2 cores are shared.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv demo test test-gpu bench lint clean
+.PHONY: venv browser demo test test-gpu bench lint clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/python examples/demo.py
 
-test: venv
+# The operator page's browser test drives Debian's chromium (playwright's own download does not
+# work offline); as root, install it when missing. Without it the test fails under CI=true.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || echo "chromium missing: apt-get install chromium (as root)"
+
+test: venv browser
 	$(BIN)/python -m pytest -q -x --durations=15
 
 test-gpu: venv

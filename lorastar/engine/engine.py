@@ -28,6 +28,7 @@ from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import (
+    AdapterError,
     AdapterNotFoundError,
     EngineOverloadedError,
     InvalidParamError,
@@ -73,10 +74,10 @@ class LLMEngine:
             self.model_dir = Path(default_model_dir())
             self.model_name = DEFAULT_MODEL_NAME
         else:
-            self.model_dir = Path(config.model).expanduser()
-            if not self.model_dir.is_dir():
-                raise ValueError(f"model folder {config.model!r} does not exist")
-            self.model_name = self.model_dir.name
+            from lorastar.hub import resolve_folder
+
+            self.model_dir = resolve_folder(config.model)  # a local folder or a Hugging Face id
+            self.model_name = Path(config.model).name
         self.hf_config = read_hf_config(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
@@ -203,9 +204,17 @@ class LLMEngine:
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
         """Read + validate (outside the engine lock: decoding goes on), then register."""
-        weights = self._read_adapter(str(path))
+        from lorastar.hub import is_hub_id, resolve_folder
+
+        local = str(path)
+        if is_hub_id(local):  # org/name that is no local path: the HF cache or a download
+            try:
+                local = str(resolve_folder(local, kind="adapter"))
+            except ValueError as exc:
+                raise AdapterError(str(exc)) from exc
+        weights = self._read_adapter(local)
         with self.lock:
-            self.registry.register(name, str(path), weights)
+            self.registry.register(name, local, weights)
         return next(i for i in self.registry.list() if i.name == name)
 
     def unload_adapter(self, name: str) -> None:

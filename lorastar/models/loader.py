@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM, check_architecture
@@ -136,15 +138,27 @@ def load_model(
     with torch.device(device):
         model = LlamaForCausalLM(cfg, dtype, quant, max_positions)
     loader = WeightLoader(model)
-    for f in safetensors_files(model_dir):
+    files = safetensors_files(model_dir)
+    total = 0
+    for f in files:  # headers only: the bar knows its total
+        with (
+            contextlib.suppress(OSError, RuntimeError),
+            safe_open(str(f), framework="pt", device="cpu") as sf,
+        ):
+            total += len(sf.keys())
+    # A per-tensor bar on a terminal (tqdm's disable=None: off when stderr is not a TTY, e.g. logs).
+    bar = tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=None)
+    for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
                     loader.load(name, sf.get_tensor(name).to(device))
+                    bar.update()
         except (OSError, RuntimeError) as e:  # safetensors raises these for corrupt files
             if "SafetensorError" in type(e).__name__ or "safetensors" in str(e).lower():
                 raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
             raise
+    bar.close()
     loader.finish()
     model.eval()
     return model, loader.kv_scales

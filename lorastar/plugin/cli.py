@@ -8,6 +8,7 @@ server for people who have no app yet.
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import sys
@@ -49,25 +50,46 @@ def parse_lora_modules(values: tuple[str, ...], option: str = "--lora-modules") 
     return adapters
 
 
-def _check_model(model: str | None) -> None:
+def _check_model(model: str | None) -> str | None:
+    """A local folder, or a Hugging Face id fetched (or found in the HF cache) now: the local folder."""
     if model is None:
-        return
-    p = Path(model).expanduser()
-    if not p.is_dir():
-        raise UsageProblem(f"model folder {model!r} does not exist")
+        return None
+    from lorastar.hub import resolve_folder
+
+    try:
+        p = resolve_folder(model)
+    except ValueError as exc:
+        raise UsageProblem(str(exc)) from exc
     if not (p / "config.json").is_file():
         raise UsageProblem(f"model folder {model!r} has no config.json (not a Hugging Face model folder)")
+    return model if Path(model).expanduser().is_dir() else str(p)
 
 
-def _check_adapters(adapters: dict[str, str], root: str | None) -> None:
+def _check_adapters(adapters: dict[str, str], root: str | None) -> dict[str, str]:
+    """Each adapter a PEFT folder (a Hugging Face id is fetched now); the local paths."""
+    from lorastar.hub import is_hub_id, resolve_folder
+
+    out: dict[str, str] = {}
     for name, path in adapters.items():
         p = Path(path).expanduser()
-        if not p.is_absolute() and not p.exists() and root is not None:
+        if (
+            not p.is_absolute()
+            and not p.exists()
+            and root is not None
+            and (Path(root).expanduser() / p).exists()
+        ):
             p = Path(root).expanduser() / p
+        elif is_hub_id(path):
+            try:
+                p = resolve_folder(path, kind="adapter")
+            except ValueError as exc:
+                raise UsageProblem(f"adapter {name!r}: {exc}") from exc
         if not (p / "adapter_config.json").is_file():
             raise UsageProblem(f"adapter {name!r}: {path!r} is not a PEFT folder (no adapter_config.json)")
+        out[name] = path if p == Path(path).expanduser() or not is_hub_id(path) else str(p)
     if root is not None and not Path(root).expanduser().is_dir():
         raise UsageProblem(f"--adapter-root {root!r} is not a folder")
+    return out
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -224,13 +246,12 @@ def serve(
 ) -> None:
     from lorastar.config import EngineConfig
     from lorastar.plugin.config import LoraStarConfig
-    from lorastar.plugin.plugin import create_app  # lazy: the app stack is only needed to serve
+    from lorastar.plugin.plugin import LoraStarPlugin, create_app  # lazy: only needed to serve
 
     # Everything checkable is checked before anything loads: paths, flags, then the port.
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
-    model = model or model_opt
-    _check_model(model)
+    model = _check_model(model or model_opt)
     if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
         raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
     all_adapters = parse_lora_modules(lora_modules)
@@ -238,7 +259,7 @@ def serve(
         if name in all_adapters:
             raise UsageProblem(f"adapter {name!r} given twice")
         all_adapters[name] = path
-    _check_adapters(all_adapters, adapter_root)
+    all_adapters = _check_adapters(all_adapters, adapter_root)
     try:
         engine = EngineConfig(
             device=device,
@@ -279,11 +300,28 @@ def serve(
     sock = _bind(host, port)
     app = create_app(config)
     shown = f"[{host}]" if ":" in host else host
-    click.echo(
-        f"lorastar: listening on http://{shown}:{sock.getsockname()[1]}{config.path} (loading the model)",
-        err=True,
-    )
+    url = f"http://{shown}:{sock.getsockname()[1]}{config.path}"
+    app.plugins.get(LoraStarPlugin).public_url = url
+    _log_to_stderr(log_level)
+    click.echo(f"lorastar: listening on {url}; loading the model", err=True)
     run_server(app, sock, log_level)
+
+
+def _log_to_stderr(level: str) -> None:
+    """lorastar's own log lines (start-up summary, shutdown) on stderr, as uvicorn's are."""
+    log = logging.getLogger("lorastar")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%H:%M:%S")
+        )
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(
+        logging.getLevelName(level.upper())
+        if level.upper() in logging.getLevelNamesMapping()
+        else logging.INFO
+    )
 
 
 if __name__ == "__main__":  # python -m lorastar.plugin.cli

@@ -22,9 +22,12 @@ from lorastar.plugin.errors import APIError, make_exception_handler, scoped_hand
 from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
+from lorastar.plugin.routes.ops import build_ops_handlers
 from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
+from lorastar.plugin.routes.tokenize import build_tokenize_handlers
 from lorastar.plugin.service import LoraStarService
 from lorastar.plugin.shutdown import drain_on_signal
+from lorastar.plugin.startup_log import log_startup
 
 if TYPE_CHECKING:
     from click import Group
@@ -44,13 +47,14 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     app's handlers as the ``lorastar_engine`` dependency).
     """
 
-    __slots__ = ("config", "service")
+    __slots__ = ("config", "public_url", "service")
 
     def __init__(self, config: LoraStarConfig | None = None, **kwargs: Any) -> None:
         if config is not None and kwargs:
             raise ValueError("pass either a LoraStarConfig or keyword options, not both")
         self.config = config if config is not None else LoraStarConfig(**kwargs)
         self.service = LoraStarService(self.config)
+        self.public_url: str | None = None  # logged at start-up when set (``lorastar serve`` sets it)
 
     @property
     def engine(self) -> Any:
@@ -92,6 +96,8 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
             system.append(
                 build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema, metrics_guards)
             )
+        system += build_tokenize_handlers(service, guards=api_guards)  # vLLM serves these at the root
+        system += build_ops_handlers(service, guards=api_guards)  # the live page: /lorastar/
         if system:
             app_config.route_handlers.append(
                 Router(path="/", route_handlers=system, exception_handlers=own_handlers, tags=["lorastar"])
@@ -118,6 +124,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     @asynccontextmanager
     async def _lifespan(self, _app: Litestar) -> AsyncIterator[None]:
         await self.service.start()
+        log_startup(self.service.engine, self.service.served_model_name, self.public_url)
         try:
             with drain_on_signal(self.service, self.config.shutdown_drain_timeout):
                 yield

@@ -45,6 +45,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     echo: bool | None = False
+    adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

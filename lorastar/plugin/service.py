@@ -204,6 +204,22 @@ class LoraStarService:
                 return model
         raise not_found(f"The model `{model}` does not exist.", "model")
 
+    async def resolve_adapter(self, model: str | None, adapter_id: str | None) -> str | None:
+        """The adapter a request selects: by ``model`` (vLLM), or by LoRAX's ``adapter_id`` (404 when
+        unknown, 400 when it contradicts an adapter named by ``model``, both naming ``adapter_id``)."""
+        adapter = await self.resolve_model(model)
+        if adapter_id is None:
+            return adapter
+        if adapter is not None and adapter != adapter_id:
+            raise APIError(
+                f"adapter_id '{adapter_id}' does not match the adapter '{adapter}' named by model.",
+                param="adapter_id",
+            )
+        try:
+            return await self.resolve_model(adapter_id)
+        except APIError as exc:
+            raise not_found(f"The adapter `{adapter_id}` does not exist.", "adapter_id") from exc
+
     async def _resolve_from_root(self, name: str) -> bool:
         # Only a plain folder name directly under the root: no separators, no dot-names.
         if not name or name.startswith(".") or "/" in name or "\\" in name or "\x00" in name:

@@ -5,7 +5,7 @@ waits for open responses without a time limit before it runs the lifespan shutdo
 would keep the server up to its end. :func:`drain_on_signal` chains onto the server's handlers: on
 the first signal new requests get 503, in-flight ones get ``shutdown_drain_timeout`` seconds, then
 every remaining one ends with an error (a stream: a final error frame and ``data: [DONE]``), so the
-server's own shutdown proceeds.
+server's own shutdown proceeds. A second signal ends them at once; a third is the server's force quit.
 """
 
 from __future__ import annotations
@@ -53,12 +53,20 @@ def drain_on_signal(service: Any, timeout: float) -> Iterator[None]:
     loop = asyncio.get_running_loop()
     started: list[asyncio.Task[int]] = []
 
+    signals: list[int] = []
+
     def on_signal(sig: int, frame: FrameType | None, prev: Any) -> None:
+        # 1st: the server's own handling (stop accepting) + drain; 2nd: end the requests now (the
+        # server then finishes its shutdown cleanly); 3rd: the server's handling again (force quit).
+        signals.append(sig)
+        if len(signals) == 2:
+            loop.call_soon_threadsafe(lambda: started.append(loop.create_task(drain(service, 0.0))))
+            return
         if callable(prev):
             prev(sig, frame)
         elif prev == signal.SIG_DFL and sig == signal.SIGINT:
             raise KeyboardInterrupt
-        if not started:
+        if len(signals) == 1:
             loop.call_soon_threadsafe(lambda: started.append(loop.create_task(drain(service, timeout))))
 
     previous: dict[int, Any] = {}

@@ -179,3 +179,18 @@ def test_logit_bias_applies_and_names_bad_ids(client: Any) -> None:
     for bias in ({str(vocab): 1}, {"-1": 1}, {"x": 1}):
         r = client.post(CMPL, json={**base, "logit_bias": bias})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_adapter_id_selects_an_adapter_like_model(client: Any) -> None:
+    """LoRAX's adapter_id picks the adapter as `model` does; unknown is 404, a contradiction 400."""
+    base = {"prompt": "hello there", "max_tokens": 6, "temperature": 0}
+    by_model = client.post(CMPL, json={**base, "model": "alpha"}).json()["choices"][0]["text"]
+    by_id = client.post(CMPL, json={**base, "adapter_id": "alpha"}).json()["choices"][0]["text"]
+    plain = client.post(CMPL, json=base).json()["choices"][0]["text"]
+    assert by_id == by_model != plain
+    chat = client.post(CHAT, json={"messages": HI, "max_tokens": 4, "temperature": 0, "adapter_id": "alpha"})
+    assert chat.status_code == 200
+    unknown = client.post(CMPL, json={**base, "adapter_id": "nope"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "adapter_id"
+    clash = client.post(CHAT, json={"messages": HI, "model": "alpha", "adapter_id": "other"})
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "adapter_id"

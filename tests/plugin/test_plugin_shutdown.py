@@ -14,17 +14,22 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from plugin_support import free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_sigint_drains_then_ends_streams_and_exits_0() -> None:
+@pytest.mark.parametrize("signals", [1, 2], ids=["one-sigint", "two-sigints"])
+def test_sigint_drains_then_ends_streams_and_exits_0(signals: int) -> None:
+    """One SIGINT: the 1.5 s drain window, then the error frame. Two: the stream ends at once (the
+    drain window is 60 s here), still with the error frame, exit 0 and no traceback."""
+    drain = "1.5" if signals == 1 else "60"
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "lorastar.plugin.cli", "serve", "--port", str(port), "--device", "cpu",
          "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "128",
-         "--shutdown-drain-timeout", "1.5"],
+         "--shutdown-drain-timeout", drain],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -55,6 +60,9 @@ def test_sigint_drains_then_ends_streams_and_exits_0() -> None:
         time.sleep(0.5)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
+        if signals == 2:
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
         t.join(30)
         ended = time.monotonic() - t0
         assert not t.is_alive()
@@ -67,8 +75,14 @@ def test_sigint_drains_then_ends_streams_and_exits_0() -> None:
     assert frames[-1] == "[DONE]", frames[-3:]
     last = json.loads(frames[-2])
     assert "error" in last and "shutting down" in last["error"]["message"], last
-    assert 1.0 < ended < 15, ended  # waited for the drain window, not for the 600 tokens
+    if signals == 1:
+        assert 1.0 < ended < 15, ended  # waited for the drain window, not for the 600 tokens
+    else:
+        assert ended < 10, ended  # not the 60 s window
     generated = sum(len(json.loads(f)["choices"][0]["text"]) for f in frames[:-2] if "choices" in f)
     assert generated > 0
     assert proc.returncode == 0, stderr[-3000:]
+    # the start-up summary went to stderr before the server answered
+    assert "KV cache: 128 blocks of 16 tokens = 2048 tokens" in stderr, stderr[-3000:]
+    assert f"OpenAI API at http://127.0.0.1:{port}/v1" in stderr
     assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-3000:]

@@ -14,6 +14,7 @@ from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
 from lorastar.errors import InvalidParamError
+from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
@@ -73,6 +74,23 @@ def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]
     return out
 
 
+async def render_messages(
+    engine: EngineClient, messages: list[ChatMessageParam], add_generation_prompt: bool
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The messages as the template takes them and their token ids, rendered on a worker thread;
+    a template that rejects them ("roles must alternate") is the client's 400, not our 500."""
+    normalized = _normalize_messages(messages)
+    try:
+        ids = await in_thread(engine.apply_chat_template, normalized, add_generation_prompt)
+    except (APIError, InvalidParamError):
+        raise
+    except Exception as exc:  # jinja's TemplateError and friends
+        raise APIError(
+            f"messages could not be rendered by the chat template: {exc}", param="messages"
+        ) from exc
+    return normalized, list(ids)
+
+
 def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:
     content: list[ChatLogprobToken] = []
     steps = out.logprobs or []
@@ -118,24 +136,14 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         data: ChatCompletionRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
         engine = await service.ready()
-        adapter = await service.resolve_model(data.model)
+        adapter = await service.resolve_adapter(data.model, data.adapter_id)
         if data.tools:
             raise APIError("tools are not supported.", param="tools")
         if data.response_format and data.response_format.get("type", "text") != "text":
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        messages = _normalize_messages(data.messages)
-        try:
-            prompt_ids = list(
-                await in_thread(engine.apply_chat_template, messages, data.add_generation_prompt)
-            )
-        except (APIError, InvalidParamError):
-            raise
-        except Exception as exc:  # jinja TemplateError ("roles must alternate", ...) is the client's input
-            raise APIError(
-                f"messages could not be rendered by the chat template: {exc}", param="messages"
-            ) from exc
+        messages, prompt_ids = await render_messages(engine, data.messages, data.add_generation_prompt)
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         if requested is not None and requested < 1:
             field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"

@@ -135,7 +135,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         data: CompletionRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
         engine = await service.ready()
-        adapter = await service.resolve_model(data.model)
+        adapter = await service.resolve_adapter(data.model, data.adapter_id)
         if data.suffix:
             raise APIError("suffix is not supported.", param="suffix")
         if data.best_of is not None and data.best_of != data.n:

@@ -1,0 +1,53 @@
+"""Model and adapter references: a local folder, or a Hugging Face Hub id (``org/name``).
+
+A hub id is fetched with ``huggingface_hub.snapshot_download`` (downloaded when the network allows,
+taken from the local HF cache otherwise); offline and not cached, the error names the id and
+``HF_HUB_OFFLINE``. Imports nothing from lorastar.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
+# Files a model or adapter folder needs (never the other weight formats a repo may carry).
+_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def is_hub_id(ref: str) -> bool:
+    """``org/name`` that is not an existing local path (local folders always win)."""
+    return bool(_REPO_ID.fullmatch(ref)) and ".." not in ref and not Path(ref).expanduser().exists()
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model") -> Path:
+    """The local folder for ``ref`` (a path, or a hub id fetched or found in the HF cache)."""
+    text = os.fspath(ref)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if not is_hub_id(text):
+        raise ValueError(
+            f"{kind} folder {text!r} does not exist (give a local folder or a Hugging Face id, org/name)"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as exc:  # pragma: no cover - transformers depends on huggingface_hub
+        raise ValueError(f"{kind} {text!r}: loading Hugging Face ids needs huggingface_hub") from exc
+    offline = _offline()
+    try:
+        return Path(snapshot_download(text, allow_patterns=_PATTERNS, local_files_only=offline))
+    except LocalEntryNotFoundError as exc:
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
+        raise ValueError(
+            f"{kind} {text!r} is not in the local Hugging Face cache and {why}: download it where the "
+            f"network allows (huggingface-cli download {text}), or unset HF_HUB_OFFLINE, or give a local folder"
+        ) from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"{kind} {text!r}: cannot fetch it from the Hugging Face Hub ({exc})") from exc

@@ -1,0 +1,66 @@
+// Polls stats (GET /lorastar/stats) once a second; tokens/s from the generated-token counter's deltas.
+"use strict";
+const POLL_MS = 1000, HISTORY = 120;
+const history = [];  // [time, tokens/s]
+let last = null;
+
+const $ = (id) => document.getElementById(id);
+const fmt = (v) => (v === null || v === undefined ? "–" : Number(v).toLocaleString("en-US"));
+
+function cell(text, cls) {
+  const td = document.createElement("td");
+  if (cls) td.className = cls;
+  td.textContent = text;
+  return td;
+}
+
+function render(s) {
+  $("model").textContent = s.model;
+  $("meta").textContent = [s.dtype, s.device, s.max_model_len && `max_model_len ${s.max_model_len}`,
+    s.healthy ? "healthy" : "not healthy"].filter(Boolean).join(" · ");
+  const kv = s.kv_cache_usage ?? 0;
+  $("kv").textContent = `${(kv * 100).toFixed(1)}%`;
+  $("kvbar").style.width = `${Math.min(100, kv * 100)}%`;
+  $("kvblocks").textContent = `${fmt(s.num_used_blocks)} / ${fmt(s.num_blocks)} blocks`;
+  $("running").textContent = fmt(s.num_running);
+  $("waiting").textContent = fmt(s.num_waiting);
+  $("gen").textContent = fmt(s.generation_tokens_total);
+  if (last && s.generation_tokens_total !== undefined) {
+    const dt = s.time - last.time;
+    const tps = dt > 0 ? (s.generation_tokens_total - last.generation_tokens_total) / dt : 0;
+    history.push([s.time, Math.max(0, tps)]);
+    if (history.length > HISTORY) history.shift();
+    $("tps").textContent = tps.toFixed(1);
+  }
+  last = s;
+  const peak = Math.max(1, ...history.map((h) => h[1]));
+  $("line").setAttribute("points", history.map((h, i) =>
+    `${(i / (HISTORY - 1)) * 630 + 5},${130 - (h[1] / peak) * 105}`).join(" "));
+  $("chartlabel").textContent = `tokens/s (last 2 min, peak ${peak.toFixed(1)})`;
+  const body = $("adapters");
+  body.replaceChildren(...s.adapters.map((a) => {
+    const tr = document.createElement("tr");
+    tr.dataset.adapter = a.name;
+    const tier = document.createElement("td");
+    const badge = document.createElement("span");
+    badge.className = `tier tier-${a.tier}`;
+    badge.textContent = a.tier === "device" ? `device slot ${a.slot}` : a.tier;
+    tier.append(badge);
+    tr.append(cell(a.name), tier, cell(a.rank ?? "–", "n"), cell(fmt(a.running), "n"), cell(fmt(a.waiting), "n"),
+      cell(fmt(a.requests), "n"), cell(fmt(a.prompt_tokens), "n"), cell(fmt(a.generation_tokens), "n"));
+    return tr;
+  }));
+}
+
+async function poll() {
+  try {
+    const r = await fetch("stats", { cache: "no-store" });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    render(await r.json());
+    $("error").textContent = "";
+  } catch (e) {
+    $("error").textContent = `stats unavailable: ${e.message}`;
+  }
+  setTimeout(poll, POLL_MS);
+}
+poll();
