@@ -152,7 +152,7 @@ class AsyncLLM:
             except BaseException as e:  # KeyboardInterrupt, SystemExit: stop for good
                 logger.exception("lorastar: engine step loop stopped")
                 self._error = e
-                self._fail_all(EngineDeadError("The engine has stopped."))
+                self.fail_streams(EngineDeadError("The engine has stopped."))
                 return
 
     def _recover(self, cause: Exception) -> None:
@@ -188,7 +188,7 @@ class AsyncLLM:
                 self._stop.wait(delay)
                 delay = min(2 * delay, self.restart_backoff[1])
         else:
-            self._fail_all(EngineDeadError("The engine was shut down while restarting."))
+            self.fail_streams(EngineDeadError("The engine was shut down while restarting."))
             return
         with self._swap_lock:
             for req in queued:  # never scheduled: the same request, unchanged, on the new engine
@@ -207,13 +207,6 @@ class AsyncLLM:
         with self._streams_lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._put(stream, exc)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._streams_lock:
-            streams = list(self._streams.values())
-            self._streams.clear()
-        for stream in streams:
             self._put(stream, exc)
 
     @staticmethod
