@@ -6,8 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Request, Response, post
-from litestar.openapi import ResponseSpec
+from litestar import Request, Response
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
@@ -15,15 +14,15 @@ from msgspec import UNSET
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
 from lorastar.errors import InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
-from lorastar.plugin.errors import APIError, error_responses
+from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
-    OK_DOC,
     check_length,
     choice_deltas,
     clamp_logprob,
     collect,
     decoded,
+    generation_route,
     in_thread,
     make_usage,
     prime_or_404,
@@ -47,7 +46,7 @@ from lorastar.plugin.schemas import (
     DeltaMessage,
 )
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
-from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, sse_response
+from lorastar.plugin.sse import sse_response
 
 
 def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
@@ -118,19 +117,12 @@ def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: i
 
 
 def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
-    auth = (401,) if guards else ()
-
-    @post(
+    @generation_route(
         "/chat/completions",
-        status_code=HTTP_200_OK,
-        guards=guards,
-        summary="OpenAI chat completions",
-        responses={
-            200: ResponseSpec(ChatCompletionResponse, description=OK_DOC),
-            STREAM_CHUNK: ResponseSpec(ChatCompletionStreamResponse, description="stream chunk"),
-            **error_responses(400, *auth, 404, 413, 503),
-        },
-        operation_class=StreamingOperation,
+        "OpenAI chat completions",
+        ChatCompletionResponse,
+        ChatCompletionStreamResponse,
+        guards,
     )
     async def create_chat_completion(
         data: ChatCompletionRequest, request: Request[Any, Any, Any]

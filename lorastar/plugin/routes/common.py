@@ -11,13 +11,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from litestar import post
+from litestar.openapi import ResponseSpec
+from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
-from lorastar.plugin.errors import APIError
+from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.schemas import PromptTokensDetails, UsageInfo
+from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation
 
 SAMPLING_FIELDS = (
     "temperature",
@@ -222,3 +226,20 @@ async def choice_deltas(
                         continue
                 sent[key] = (len(o.text), len(o.token_ids))
                 yield ChoiceDelta(i, out, o, delta, k0, t0, first)
+
+
+def generation_route(path: str, summary: str, response: type, chunk: type, guards: list[Any]) -> Any:
+    """The ``@post`` of a generating route: 200 with the JSON model or, streamed, ``chunk`` frames
+    (documented per SSE event), and the error statuses it can answer."""
+    return post(
+        path,
+        status_code=HTTP_200_OK,
+        guards=guards,
+        summary=summary,
+        responses={
+            200: ResponseSpec(response, description=OK_DOC),
+            STREAM_CHUNK: ResponseSpec(chunk, description="stream chunk"),
+            **error_responses(400, *((401,) if guards else ()), 404, 413, 503),
+        },
+        operation_class=StreamingOperation,
+    )

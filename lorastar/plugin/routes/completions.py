@@ -6,21 +6,20 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from litestar import Request, Response, post
-from litestar.openapi import ResponseSpec
+from litestar import Request, Response
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
-from lorastar.plugin.errors import APIError, error_responses
+from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
-    OK_DOC,
     check_length,
     choice_deltas,
     clamp_logprob,
     collect,
     decoded,
+    generation_route,
     in_thread,
     prime_or_404,
     random_id,
@@ -39,7 +38,7 @@ from lorastar.plugin.schemas import (
     CompletionStreamResponse,
 )
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
-from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, sse_response
+from lorastar.plugin.sse import sse_response
 
 
 def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
@@ -117,19 +116,8 @@ def _completion_logprobs(
 
 
 def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any:
-    auth = (401,) if guards else ()
-
-    @post(
-        "/completions",
-        status_code=HTTP_200_OK,
-        guards=guards,
-        summary="OpenAI completions",
-        responses={
-            200: ResponseSpec(CompletionResponse, description=OK_DOC),
-            STREAM_CHUNK: ResponseSpec(CompletionStreamResponse, description="stream chunk"),
-            **error_responses(400, *auth, 404, 413, 503),
-        },
-        operation_class=StreamingOperation,
+    @generation_route(
+        "/completions", "OpenAI completions", CompletionResponse, CompletionStreamResponse, guards
     )
     async def create_completion(
         data: CompletionRequest, request: Request[Any, Any, Any]
