@@ -50,6 +50,15 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
     # Qwen2: q/k/v bias, GQA, tied
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Long context, one layer: 4k-token prompts (prompt logprobs' memory bound)
+    "llama-long": dict(
+        arch="llama",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        max_position_embeddings=4608,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
     # Mistral: GQA, untied, sliding window wider than any test sequence
     "mistral": dict(
         arch="mistral",
@@ -91,12 +100,13 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
         eos_token_id=2,
     )
     torch.manual_seed(seed)
+    kw = {**common, **spec}
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, **spec))
+        model = LlamaForCausalLM(LlamaConfig(**kw))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, **spec))
+        model = MistralForCausalLM(MistralConfig(**kw))
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common, **spec))
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
         with torch.no_grad():  # random init leaves biases at zero: make them matter
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

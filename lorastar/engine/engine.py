@@ -22,6 +22,7 @@ from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lorastar.engine.prompt_logprobs import PromptTokenLogprobs
 from lorastar.engine.request import Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner
 from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
@@ -368,6 +369,8 @@ class LLMEngine:
             entry = self.registry.acquire(adapter) if adapter is not None else None
             req = Request(rid, text, ids, params, adapter_name=adapter, adapter_entry=entry,
                           adapter_key=entry.content_hash if entry is not None else None)  # fmt: skip
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None] * len(ids)
             if params.use_beam_search:
                 req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos)
             seq = req.sequences[0]
@@ -407,9 +410,26 @@ class LLMEngine:
             for sch in out.scheduled:  # before running: a failed step knows whom it involved
                 if sch.seq.request.first_scheduled_time is None:
                     sch.seq.request.first_scheduled_time = now
-            logits = self.runner.execute(out, self._adapter_slots(out))
+            result = self.runner.execute(out, self._adapter_slots(out))
             self.scheduler.update(out)
-            return self._process(out, logits)
+            self._store_prompt_logprobs(out, result.prompt_logprobs)
+            return self._process(out, result.logits)
+
+    @staticmethod
+    def _store_prompt_logprobs(
+        out: SchedulerOutput, chunks: dict[int, tuple[int, list[PromptTokenLogprobs]]]
+    ) -> None:
+        """File each chunk's prompt logprobs by position (a recomputed chunk after preemption
+        finds its positions filled and keeps the first values)."""
+        for s in out.scheduled:
+            chunk = chunks.get(s.seq.seq_id)
+            store = s.seq.request.prompt_logprobs
+            if chunk is None or store is None:
+                continue
+            first, entries = chunk
+            for pos, e in enumerate(entries, start=first):
+                if store[pos] is None:
+                    store[pos] = e
 
     def _adapter_slots(self, out: SchedulerOutput) -> dict[str, int] | None:
         slots: dict[str, int] = {}
@@ -599,6 +619,7 @@ class LLMEngine:
             finished=req.is_finished,
             adapter=req.adapter_name,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs_output(req),
             metrics=RequestMetrics(
                 req.arrival_time,
                 req.first_scheduled_time,
@@ -616,7 +637,33 @@ class LLMEngine:
             outs.append(CompletionOutput(i, text, list(h.token_ids), h.sum_logprob, None,
                                          "stop" if ended_on_eos else "length"))  # fmt: skip
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             adapter=req.adapter_name, num_cached_tokens=req.num_cached_tokens)  # fmt: skip
+                             adapter=req.adapter_name, num_cached_tokens=req.num_cached_tokens,
+                             prompt_logprobs=self._prompt_logprobs_output(req))  # fmt: skip
+
+    def _prompt_logprobs_output(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for position 0, then ``{token_id: Logprob}`` with the prompt token
+        and the top k. Built once, after the whole prompt has run (outputs start after that)."""
+        store = req.prompt_logprobs
+        if store is None:
+            return None
+        if req.prompt_logprobs_output is None:
+            if any(e is None for e in store[1:]):  # an abort before the prompt finished
+                return None
+            names: dict[int, str] = {}
+
+            def name(t: int) -> str:
+                if t not in names:
+                    names[t] = self.tokenizer.decode([t])
+                return names[t]
+
+            result: list[dict[int, Logprob] | None] = [None]
+            for tok, e in zip(req.prompt_token_ids[1:], store[1:]):
+                d = {tok: Logprob(e.logprob, e.rank, name(tok))}
+                for rank, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs), start=1):
+                    d.setdefault(t, Logprob(v, rank, name(t)))
+                result.append(d)
+            req.prompt_logprobs_output = result
+        return req.prompt_logprobs_output
 
     def _finish_request(self, req: Request) -> RequestOutput:
         req.finished_time = time.monotonic()

@@ -92,6 +92,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     aborted: bool = False
     beam: Any = None  # BeamState when params.use_beam_search
+    # params.prompt_logprobs set: one entry per prompt position, None until its chunk has run
+    # (position 0 stays None: nothing predicts it). Entries are PromptTokenLogprobs.
+    prompt_logprobs: list[Any] | None = None
+    prompt_logprobs_output: list[Any] | None = None  # the output form, built once
 
     def __post_init__(self) -> None:
         if not self.sequences:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from lorastar.engine.cuda_graphs import DecodeGraphs
-from lorastar.engine.scheduler import SchedulerOutput
+from lorastar.engine.prompt_logprobs import PromptTokenLogprobs, score_prompt_rows
+from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
 from lorastar.forward_context import ForwardContext, LoRAMetadata, padded_block_tables
 from lorastar.layers.attention import build_attention_metadata
 from lorastar.layers.lora import LoRADeviceState
@@ -27,6 +28,26 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results: fp32 ``logits [num_sampling, vocab]`` (one row per scheduled sequence
+    that samples this step, in schedule order) and, for sequences that asked for prompt logprobs,
+    ``{seq_id: (first position, one entry per scored prompt position)}``."""
+
+    logits: torch.Tensor
+    prompt_logprobs: dict[int, tuple[int, list[PromptTokenLogprobs]]] = field(default_factory=dict)
+
+
+def _prompt_span(s: ScheduledSeq) -> tuple[int, int]:
+    """Prompt positions ``[first, last)`` whose logprobs this chunk's rows produce (row ``r`` of
+    the chunk predicts position ``start + r + 1``); empty unless prompt logprobs were asked for."""
+    seq = s.seq
+    if seq.request.params.prompt_logprobs is None or seq.index != 0:
+        return 0, 0
+    first = s.start + 1
+    return first, max(first, min(s.start + s.num_new_tokens + 1, seq.num_prompt_tokens))
 
 
 class ModelRunner:
@@ -78,7 +99,7 @@ class ModelRunner:
         self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Inputs of one forward: ``input_ids [T]``, ``positions [T]``, the context, and the flat
-        row of each scheduled sequence's last token (where its logits come from)."""
+        row of each scheduled sequence's last token, in schedule order (its logits row)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -109,7 +130,6 @@ class ModelRunner:
             last_row[idx] = len(ids) - 1
             if adapter_slot is not None:
                 token_slots.extend([seq_slots[idx]] * n)
-        last_rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
 
         dev = self.device
         md = build_attention_metadata(
@@ -121,7 +141,7 @@ class ModelRunner:
         )  # fmt: skip
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, ctx, last_rows
+        return input_ids, positions, ctx, last_row
 
     def _prepare_lora(self, token_slots: list[int], q_lens: list[int]) -> LoRAMetadata | None:
         if all(s < 0 for s in token_slots):
@@ -169,18 +189,32 @@ class ModelRunner:
                 c[dst] = c[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None) -> torch.Tensor:
-        """Run one step; returns fp32 logits ``[num_sampling, vocab]``: one row per scheduled
-        sequence that samples this step (its last chunk), in schedule order."""
+    def execute(self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None) -> ModelRunnerOutput:
+        """Run one step: the sampling rows' logits and any prompt logprobs it produced."""
         self.copy_blocks(out.copies)
-        if self.graphs is not None and all(s.num_new_tokens == 1 for s in out.scheduled):
+        spans = [_prompt_span(s) for s in out.scheduled]
+        wants_prompt = any(a < b for a, b in spans)
+        if self.graphs is not None and not wants_prompt and all(s.num_new_tokens == 1 for s in out.scheduled):
             logits = self._execute_graph(self.graphs, out, adapter_slot)
             if logits is not None:
-                return logits
-        input_ids, positions, ctx, last_rows = self.prepare(out, adapter_slot)
+                return ModelRunnerOutput(logits)
+        input_ids, positions, ctx, last_row = self.prepare(out, adapter_slot)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()  # [B, vocab]
+        sampling = [last_row[i] for i, s in enumerate(out.scheduled) if s.samples]
+        rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
+        result = ModelRunnerOutput(self.model.compute_logits(hidden[rows]).float())  # [B, vocab]
+        if wants_prompt:
+            for s, end_row, (first, last) in zip(out.scheduled, last_row, spans):
+                if first >= last:
+                    continue
+                row0 = end_row - s.num_new_tokens + 1  # the chunk's first row predicts `first`
+                seq = s.seq
+                result.prompt_logprobs[seq.seq_id] = (first, score_prompt_rows(
+                    self.model.compute_logits, hidden[row0 : row0 + last - first],
+                    seq.token_ids[first:last], seq.request.params.prompt_logprobs or 0,
+                    self.model.vocab_size,
+                ))  # fmt: skip
+        return result
 
     def _execute_graph(
         self, graphs: DecodeGraphs, out: SchedulerOutput, adapter_slot: dict[str, int] | None

@@ -74,6 +74,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
+    # Top-k logprobs of every prompt position after the first, plus the prompt token's own
+    # (vLLM's ``prompt_logprobs``; 0: only the prompt token's). Raw model logprobs, computed
+    # chunk by chunk during prefill; such a request bypasses the prefix cache.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
     length_penalty: float = 1.0  # only meaningful with beam search
@@ -117,13 +121,12 @@ class SamplingParams:
                 "seed", f"seed must be an integer in [{_MIN_SEED}, {_MAX_SEED}] or None, got {self.seed!r}."
             )
 
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidParamError(
-                "logprobs",
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}.",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidParamError(
+                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}."
+                )
 
         # --- stops ---
         stop = self.stop

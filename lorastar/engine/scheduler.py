@@ -194,7 +194,9 @@ class Scheduler:
                 # (base-model requests hold no adapter slot: they go on).
                 j += 1
                 continue
-            cached = self.bm.lookup(seq)
+            # Prompt logprobs need every prompt position's logits: such a request computes its
+            # whole prompt (vLLM v1 does the same); its blocks still enter the cache for others.
+            cached = self.bm.lookup(seq) if seq.request.params.prompt_logprobs is None else []
             num_computed = len(cached) * self.bm.block_size if cached else seq.num_computed_tokens
             num_new = min(seq.num_tokens - num_computed, budget)
             copies = self.bm.allocate(seq, num_new, cached)

@@ -77,7 +77,7 @@ def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> 
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=1), adapter=a)
     out = eng.scheduler.schedule()
     assert len(out.scheduled) == len(prompts)
-    logits = eng.runner.execute(out, eng._adapter_slots(out))
+    logits = eng.runner.execute(out, eng._adapter_slots(out)).logits
     for row, (p, a) in enumerate(zip(prompts, order)):
         want = peft_last_logits(ref, p, a)
         torch.testing.assert_close(logits[row], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

@@ -47,7 +47,7 @@ def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path) -> N
     for p, a in zip(prompts, order):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=1), adapter=a)
     out = eng.scheduler.schedule()
-    logits = eng.runner.execute(out, eng._adapter_slots(out))
+    logits = eng.runner.execute(out, eng._adapter_slots(out)).logits
     for row, (p, a) in enumerate(zip(prompts, order)):
         with torch.no_grad():
             want = ref(input_ids=torch.tensor([p], device="cuda"), adapter_names=[a or "__base__"]).logits[
