@@ -45,6 +45,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     echo: bool | None = False
+    # vLLM's extension: top-k logprobs of every prompt position after the first (non-streaming).
+    prompt_logprobs: int | None = None
     adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
 
 
@@ -111,6 +113,18 @@ class UsageInfo(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PromptLogprob(msgspec.Struct):
+    """One entry of vLLM's ``prompt_logprobs``: ``{token_id: {logprob, rank, decoded_token}}``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# None for the first prompt position, then the prompt token and the top k at each position.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogProbs(msgspec.Struct):
     text_offset: list[int] = msgspec.field(default_factory=list)
     token_logprobs: list[float | None] = msgspec.field(default_factory=list)
@@ -124,7 +138,7 @@ class CompletionResponseChoice(msgspec.Struct):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -192,7 +206,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
-    prompt_logprobs: None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(msgspec.Struct):

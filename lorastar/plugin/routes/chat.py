@@ -26,6 +26,7 @@ from lorastar.plugin.routes.common import (
     in_thread,
     make_usage,
     prime_or_404,
+    prompt_logprobs_of,
     random_id,
     ranked,
     sampling_params,
@@ -224,7 +225,12 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         ]
         return Response(
             ChatCompletionResponse(
-                id=request_id, created=created, model=model_name, choices=choices, usage=usage_of(finals)
+                id=request_id,
+                created=created,
+                model=model_name,
+                choices=choices,
+                usage=usage_of(finals),
+                prompt_logprobs=prompt_logprobs_of(out, data.prompt_logprobs),
             ),
             status_code=HTTP_200_OK,
         )

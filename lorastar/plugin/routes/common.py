@@ -20,7 +20,7 @@ from lorastar.engine.sampling import SamplingParams
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, error_responses
-from lorastar.plugin.schemas import PromptTokensDetails, UsageInfo
+from lorastar.plugin.schemas import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
 from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation
 
 SAMPLING_FIELDS = (
@@ -51,16 +51,28 @@ def random_id(prefix: str) -> str:
 
 
 def sampling_params(
-    req: Any, *, max_tokens: int, logprobs: int | None, aliases: dict[str, str] | None = None
+    req: Any,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    aliases: dict[str, str] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters from a request body. ``aliases`` renames engine fields to the
-    wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
+    wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``).
+    ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
+    pl = req.prompt_logprobs  # an invalid value goes to the engine as sent: it names the field
+    if prompt_logprobs is not None and (pl is None or 0 <= pl < prompt_logprobs):
+        pl = prompt_logprobs
     kw: dict[str, Any] = {
         "n": req.n,
         "max_tokens": max_tokens,
         "stop": req.stop,
         "seed": req.seed,
         "logprobs": logprobs,
+        "prompt_logprobs": pl,
     }
     for name in SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
@@ -79,6 +91,27 @@ def sampling_params(
         if param and wire:  # name the field the client sent, in the message too
             message, param = message.replace(param, wire, 1), wire
         raise APIError(message, param=param) from exc
+
+
+def prompt_logprobs_of(out: RequestOutput, requested: int | None) -> PromptLogprobs | None:
+    """The response's ``prompt_logprobs`` when the body asked for them (the engine may have
+    computed more for echo: keep the prompt token and the top ``requested``)."""
+    if requested is None or out.prompt_logprobs is None:
+        return None
+    result: PromptLogprobs = []
+    for pos, entry in enumerate(out.prompt_logprobs):
+        if entry is None:
+            result.append(None)
+            continue
+        tok = out.prompt_token_ids[pos]
+        result.append(
+            {
+                t: PromptLogprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
+                for t, lp in entry.items()
+                if t == tok or (lp.rank is not None and lp.rank <= requested)
+            }
+        )
+    return result
 
 
 def clamp_logprob(value: float) -> float:

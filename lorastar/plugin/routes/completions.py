@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from litestar import Request, Response
@@ -11,7 +13,7 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
-from lorastar.engine.outputs import CompletionOutput, RequestOutput
+from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
     check_length,
@@ -22,6 +24,7 @@ from lorastar.plugin.routes.common import (
     generation_route,
     in_thread,
     prime_or_404,
+    prompt_logprobs_of,
     random_id,
     ranked,
     sampling_params,
@@ -78,25 +81,41 @@ def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]
     return prompts
 
 
+def _top(tokenizer: Any, step: dict[int, Logprob], tid: int, num_top: int) -> dict[str, float]:
+    """The legacy ``top_logprobs`` entry of one position: the top ``num_top`` and the chosen token."""
+    top: dict[str, float] = {}
+    for t, p in ranked(step)[: max(num_top, 0)]:
+        top[decoded(tokenizer, t, p)] = clamp_logprob(p.logprob)
+    chosen = step.get(tid)
+    if chosen is not None:
+        top.setdefault(decoded(tokenizer, tid, chosen), clamp_logprob(chosen.logprob))
+    return top
+
+
 def _completion_logprobs(
     tokenizer: Any,
     out: CompletionOutput,
     start: int,
     text_offset0: int,
     num_top: int,
-    prompt_ids: list[int] | None = None,
+    prompt: RequestOutput | None = None,
 ) -> CompletionLogProbs:
-    """vLLM's legacy completions ``logprobs`` for tokens ``start:`` (plus prompt tokens when echoing)."""
+    """vLLM's legacy completions ``logprobs`` for tokens ``start:``, after the prompt's tokens
+    when echoing (``prompt``): their logprobs are the engine's prompt logprobs (``None`` for the
+    first token, which nothing predicts) and their ``text_offset`` counts from 0."""
     lp = CompletionLogProbs()
-    offset = text_offset0
-    if prompt_ids:
-        for tid in prompt_ids:
-            tok = tokenizer.decode([tid])
+    if prompt is not None:
+        offset = 0
+        entries = prompt.prompt_logprobs or [None] * len(prompt.prompt_token_ids)
+        for tid, entry in zip(prompt.prompt_token_ids, entries):
+            chosen = entry.get(tid) if entry is not None else None
+            tok = decoded(tokenizer, tid, chosen)
             lp.tokens.append(tok)
-            lp.token_logprobs.append(None)
-            lp.top_logprobs.append(None)
+            lp.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen is not None else None)
+            lp.top_logprobs.append(_top(tokenizer, entry, tid, num_top) if entry is not None else None)
             lp.text_offset.append(offset)
             offset += len(tok)
+    offset = text_offset0
     steps = out.logprobs or []
     for i, tid in enumerate(out.token_ids[start:], start=start):
         step = steps[i] if i < len(steps) else {}
@@ -104,15 +123,38 @@ def _completion_logprobs(
         tok = decoded(tokenizer, tid, chosen)
         lp.tokens.append(tok)
         lp.token_logprobs.append(clamp_logprob(chosen.logprob) if chosen is not None else None)
-        top: dict[str, float] = {}
-        for t, p in ranked(step)[: max(num_top, 0)]:
-            top[decoded(tokenizer, t, p)] = clamp_logprob(p.logprob)
-        if chosen is not None:
-            top.setdefault(tok, clamp_logprob(chosen.logprob))
-        lp.top_logprobs.append(top)
+        lp.top_logprobs.append(_top(tokenizer, step, tid, num_top))
         lp.text_offset.append(offset)
         offset += len(tok)
     return lp
+
+
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """``echo`` with ``max_tokens: 0``: the prompt alone. The engine ran one token (vLLM does the
+    same) so the prompt's logprobs come from its prefill; that token is dropped here."""
+    return replace(
+        out,
+        outputs=[
+            CompletionOutput(
+                o.index,
+                "",
+                [],
+                None,
+                [] if o.logprobs is not None else None,
+                "length" if o.finished() else None,
+                None,
+            )  # fmt: skip
+            for o in out.outputs
+        ],
+    )
+
+
+async def _prompts_only(
+    merged: AsyncIterator[tuple[int, RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with aclosing(merged) as m:  # type: ignore[type-var]
+        async for i, out in m:
+            yield i, _prompt_only(out)
 
 
 def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any:
@@ -132,15 +174,29 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         max_model_len = int(engine.max_model_len)
         max_tokens = data.max_tokens
-        if max_tokens is not None and max_tokens < 1:
-            raise APIError(f"max_tokens must be an integer >= 1, got {max_tokens}.", param="max_tokens")
+        echo = bool(data.echo)
+        prompt_only = echo and max_tokens == 0
+        if max_tokens is not None and max_tokens < 1 and not prompt_only:
+            raise APIError(
+                f"max_tokens must be an integer >= 1 (0 only with echo), got {max_tokens}.",
+                param="max_tokens",
+            )
+        if prompt_only:
+            if data.n != 1 or data.use_beam_search:
+                raise APIError("max_tokens 0 (echo the prompt alone) needs n = 1.", param="n")
+            max_tokens = 1
         # Tokenized once, off the event loop (the engine refuses text over max_prompt_bytes first).
         token_ids = [p if isinstance(p, list) else await in_thread(tokenize, engine, p) for p in prompts]
         if max_tokens is None:  # the default 16, shortened when a prompt leaves less room
             max_tokens = max(1, min([16, *(max_model_len - len(ids) for ids in token_ids)]))
         for ids in token_ids:
             check_length(max_model_len, len(ids), max_tokens, chat=False)
-        params = sampling_params(data, max_tokens=max_tokens, logprobs=data.logprobs)
+        params = sampling_params(
+            data,
+            max_tokens=max_tokens,
+            logprobs=data.logprobs,
+            prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
+        )
         request_id = random_id("cmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
@@ -149,7 +205,6 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         ]
         n = params.n
         num_top = data.logprobs or 0
-        echo = bool(data.echo)
 
         def prompt_text(out: RequestOutput, i: int) -> str:
             p = prompts[i]
@@ -161,6 +216,8 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                 data.stream_options and data.stream_options.continuous_usage_stats
             )
             merged = await prime_or_404(merge_streams(streams), data.model)
+            if prompt_only:
+                merged = _prompts_only(merged)
 
             async def events() -> AsyncIterator[Any]:
                 finals: dict[int, RequestOutput] = {}
@@ -169,8 +226,9 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                     text = prompt_text(out, d.stream) + d.text if (echo and d.first) else d.text
                     lp = None
                     if data.logprobs is not None:
-                        echoed = out.prompt_token_ids if (echo and d.first) else None
-                        lp = _completion_logprobs(tokenizer, o, d.token_start, d.text_start, num_top, echoed)
+                        echoed = out if (echo and d.first) else None
+                        offset0 = d.text_start + (len(prompt_text(out, d.stream)) if echo else 0)
+                        lp = _completion_logprobs(tokenizer, o, d.token_start, offset0, num_top, echoed)
                     choice = CompletionStreamChoice(
                         index=d.stream * n + o.index,
                         text=text,
@@ -195,6 +253,8 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             return sse_response(events(), retry_after=service.config.retry_after_seconds)
 
         finals = await run_until_disconnect(collect(merge_streams(streams), data.model), request.receive)
+        if prompt_only:
+            finals = {i: _prompt_only(out) for i, out in finals.items()}
         choices: list[CompletionResponseChoice] = []
         for i in range(len(prompts)):
             out = finals[i]
@@ -208,7 +268,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         0,
                         len(prompt_text(out, i)) if echo else 0,
                         num_top,
-                        out.prompt_token_ids if echo else None,
+                        out if echo else None,
                     )
                 if echo:
                     text = prompt_text(out, i) + text
@@ -219,6 +279,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         logprobs=lp,
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
+                        prompt_logprobs=prompt_logprobs_of(out, data.prompt_logprobs),
                     )
                 )
         return Response(
