@@ -1,0 +1,110 @@
+"""Small local lm-evaluation-harness tasks (one per request kind) and helpers to run them.
+
+The tasks are written to a folder at run time (their YAML names their data files by absolute
+path); ``run`` evaluates them through lm-eval against either lorastar's server
+(``local-completions``) or lm-eval's own ``hf`` backend (the oracle), with samples logged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MC = [  # multiple choice (loglikelihood)
+    ("What is the capital of France?", ["Paris", "London", "Berlin", "Madrid"], 0),
+    ("What color is the sky on a clear day?", ["Green", "Blue", "Red", "Yellow"], 1),
+    ("How many legs does a spider have?", ["Six", "Four", "Eight", "Ten"], 2),
+    ("Which animal says meow?", ["Dog", "Cow", "Cat", "Duck"], 2),
+    ("What is 2 plus 2?", ["Three", "Four", "Five", "Six"], 1),
+    ("Which planet do we live on?", ["Mars", "Venus", "Jupiter", "Earth"], 3),
+    ("What do bees make?", ["Honey", "Milk", "Silk", "Wool"], 0),
+    ("What is frozen water called?", ["Steam", "Ice", "Sand", "Glass"], 1),
+]
+ROLLING = [  # loglikelihood_rolling (perplexity)
+    "The quick brown fox jumps over the lazy dog. It was a sunny day in the park.",
+    "Machine learning models are trained on data and evaluated on held-out examples.",
+    "Paris is the capital and most populous city of France, on the river Seine.",
+    "To make tea, boil water, pour it over the leaves and wait three minutes.",
+]
+GEN = [  # generate_until (exact match): continuations a small model can finish
+    ("The capital of France is", "Paris"),
+    ("3 + 4 =", "7"),
+    ("The opposite of hot is", "cold"),
+    ("Monday, Tuesday,", "Wednesday"),
+    ("One, two, three, four,", "five"),
+    ("The color of grass is", "green"),
+]
+TASKS = ["lorastar_mc", "lorastar_rolling", "lorastar_gen"]
+
+
+def write_tasks(folder: Path) -> Path:
+    """The three tasks' data and YAML under ``folder``; returns it (lm-eval's include_path)."""
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def data(name: str, rows: list[dict[str, Any]]) -> str:
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    mc = data("mc", [{"question": q, "choices": c, "answer": a} for q, c, a in MC])
+    rolling = data("rolling", [{"text": t} for t in ROLLING])
+    gen = data("gen", [{"question": q, "answer": a} for q, a in GEN])
+    common = "dataset_path: json\ntest_split: test\n"
+    (folder / "lorastar_mc.yaml").write_text(
+        f"task: lorastar_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {mc}\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+    )
+    (folder / "lorastar_rolling.yaml").write_text(
+        f"task: lorastar_rolling\n{common}dataset_kwargs:\n  data_files:\n    test: {rolling}\n"
+        "output_type: loglikelihood_rolling\n"
+        'doc_to_text: ""\n'
+        'doc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
+    (folder / "lorastar_gen.yaml").write_text(
+        f"task: lorastar_gen\n{common}dataset_kwargs:\n  data_files:\n    test: {gen}\n"
+        "output_type: generate_until\n"
+        'doc_to_text: "{{question}}"\n'
+        'doc_to_target: " {{answer}}"\n'
+        'generation_kwargs:\n  until: ["\\n", ".", ","]\n  max_gen_toks: 16\n  do_sample: false\n  temperature: 0\n'
+        "metric_list:\n  - metric: exact_match\n    ignore_case: true\n    ignore_punctuation: true\n"
+        "    regexes_to_ignore: ['^\\s+', '\\s+$']\n"
+    )
+    return folder
+
+
+def run(model: str, model_args: dict[str, Any], include_path: Path, **kw: Any) -> dict[str, Any]:
+    """lm-eval's ``simple_evaluate`` on the three tasks, samples logged."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(include_path)),
+        log_samples=True,
+        **kw,
+    )
+
+
+def scores(result: dict[str, Any]) -> dict[str, float]:
+    """Every numeric metric of every task, e.g. ``lorastar_mc/acc,none``."""
+    out: dict[str, float] = {}
+    for task, metrics in result["results"].items():
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and not k.endswith("_stderr,none") and "stderr" not in k:
+                out[f"{task}/{k}"] = float(v)
+    return out
+
+
+def per_request(result: dict[str, Any], task: str) -> list[Any]:
+    """Raw responses in (doc, request) order: (loglikelihood, is_greedy), a rolling
+    loglikelihood, or generated text."""
+    samples = sorted(result["samples"][task], key=lambda s: s["doc_id"])
+    return [r[0] for s in samples for r in s["resps"]]
