@@ -15,6 +15,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "SamplingParams",
+    "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",
     "EngineConfig",
@@ -26,12 +27,13 @@ if TYPE_CHECKING:
     from lorastar.engine.async_engine import AsyncLLM
     from lorastar.engine.llm import LLM
     from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from lorastar.engine.sampling import SamplingParams
+    from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 
 _LAZY = {
     "LLM": "lorastar.engine.llm",
     "AsyncLLM": "lorastar.engine.async_engine",
     "SamplingParams": "lorastar.engine.sampling",
+    "RequestOutputKind": "lorastar.engine.sampling",
     "RequestOutput": "lorastar.engine.outputs",
     "CompletionOutput": "lorastar.engine.outputs",
     "Logprob": "lorastar.engine.outputs",

@@ -14,6 +14,7 @@ unchanged. While it rebuilds, new work gets ``EngineUnavailableError`` (HTTP 503
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import threading
@@ -28,7 +29,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
-from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -143,8 +144,7 @@ class AsyncLLM:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                for out in eng.step():
-                    self._dispatch(out)
+                self._dispatch_many(eng.step())
                 self._retry_after = self.restart_backoff[0]
             except Exception as e:
                 logger.exception("lorastar: engine step failed; rebuilding the engine")
@@ -217,6 +217,29 @@ class AsyncLLM:
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
 
+    def _dispatch_many(self, outs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams with ONE wake-up per event loop (not one per
+        output: with 64 streams a per-output ``call_soon_threadsafe`` costs 64 self-pipe writes
+        and event-loop wake-ups per step, contending for the GIL with the step loop)."""
+        if len(outs) <= 1:
+            for out in outs:
+                self._dispatch(out)
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
+        with self._streams_lock:
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                pass
+
     def _dispatch(self, out: RequestOutput) -> None:
         with self._streams_lock:
             stream = self._streams.get(out.request_id)
@@ -234,8 +257,9 @@ class AsyncLLM:
         adapter: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs; the last has ``finished=True``. Closing the iterator early
-        (or cancelling its task) aborts the request."""
+        """Stream the request's outputs, of ``sampling_params.output_kind`` (cumulative by default;
+        DELTA: each holds what is new, FINAL_ONLY: one at the end); the last has ``finished=True``.
+        Closing the iterator early (or cancelling its task) aborts the request."""
         self._check_available()
         await self.start()
         rid = request_id or uuid.uuid4().hex
@@ -263,14 +287,15 @@ class AsyncLLM:
                 self._streams.pop(rid, None)
             raise
         self._wake.set()
+        delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
         finished = False
         try:
             while not finished:
                 item = await q.get()
-                while not q.empty():  # outputs are cumulative: skip to the newest
+                while not q.empty():  # several outputs waiting: hand out one that covers them
                     nxt = q.get_nowait()
                     if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
-                        item = nxt
+                        item = merge_deltas(item, nxt) if delta else nxt  # cumulative: the newest
                     else:
                         item = nxt if isinstance(nxt, BaseException) else item
                         break
@@ -342,3 +367,28 @@ class AsyncLLM:
 
     def kv_cache_usage(self) -> dict[str, float | int]:
         return self.engine.kv_cache_usage().as_dict()
+
+
+def _put_all(items: list[tuple[Any, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One DELTA output covering ``a`` then ``b`` (same request): texts, ids and logprobs joined;
+    finish state, cumulative logprob and metrics from ``b``; prompt logprobs from the first."""
+    mine = {o.index: o for o in a.outputs}
+    outs = []
+    for o in b.outputs:
+        p = mine.pop(o.index, None)
+        if p is not None:
+            o = dataclasses.replace(
+                o,
+                text=p.text + o.text,
+                token_ids=p.token_ids + o.token_ids,
+                logprobs=None if o.logprobs is None else (p.logprobs or []) + o.logprobs,
+            )
+        outs.append(o)
+    outs.extend(mine.values())
+    outs.sort(key=lambda o: o.index)
+    return dataclasses.replace(b, outputs=outs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)

@@ -26,7 +26,7 @@ from lorastar.engine.prompt_logprobs import PromptTokenLogprobs
 from lorastar.engine.request import Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner
 from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
-from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import (
     AdapterError,
@@ -491,7 +491,12 @@ class LLMEngine:
             self._beam_proposals(beam_rows, logits, touched)
         outputs: list[RequestOutput] = []
         for req in touched.values():
-            outputs.append(self._finish_request(req) if req.is_finished else self._output(req))
+            if req.is_finished:
+                outputs.append(self._finish_request(req))
+            elif req.params.output_kind == RequestOutputKind.CUMULATIVE or (
+                req.params.output_kind == RequestOutputKind.DELTA and req.beam is None
+            ):  # beam search streams nothing but its final hypotheses (they change wholesale)
+                outputs.append(self._output(req))
         return outputs
 
     # ---- beam search ------------------------------------------------------------------------
@@ -595,22 +600,31 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None and req.beam.done:
             return self._beam_output(req)
+        # DELTA (beam search excepted: its hypotheses change wholesale) hands out only what is new.
+        delta = req.params.output_kind == RequestOutputKind.DELTA and req.beam is None
+        want_lp = req.params.logprobs is not None
         outs = []
         for seq in req.sequences:
             text = seq.text
             if not seq.is_finished and req.params.stop:
                 text = text[: len(text) - hold_back(text, req.params.stop)]  # never stream a partial stop
+            first_tok = seq.num_prompt_tokens + (seq.sent_tokens if delta else 0)
+            lps = seq.logprobs[seq.sent_tokens :] if delta else list(seq.logprobs)
+            if delta:
+                text, seq.sent_chars = text[seq.sent_chars :], max(seq.sent_chars, len(text))
+                seq.sent_tokens = seq.num_output_tokens
             outs.append(
                 CompletionOutput(
                     index=seq.index,
                     text=text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if req.params.logprobs is not None else None,
-                    logprobs=list(seq.logprobs) if req.params.logprobs is not None else None,
+                    token_ids=seq.token_ids[first_tok:],
+                    cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+                    logprobs=lps if want_lp else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
+        req.num_outputs += 1
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
@@ -619,7 +633,7 @@ class LLMEngine:
             finished=req.is_finished,
             adapter=req.adapter_name,
             num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs_output(req),
+            prompt_logprobs=None if delta and req.num_outputs > 1 else self._prompt_logprobs_output(req),
             metrics=RequestMetrics(
                 req.arrival_time,
                 req.first_scheduled_time,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -9,7 +10,7 @@ from lorastar.adapters.registry import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.outputs import RequestOutput
-from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -90,6 +91,8 @@ class LLM:
         # Validate everything first, so a bad prompt queues nothing.
         for p in prompts:
             eng.validate_prompt(p)
+        # Only the final outputs are read here: the engine builds no per-step output for them.
+        params = [_final_only(sp) for sp in params]
         ids: list[str] = []
         try:
             for p, sp, ad in zip(prompts, params, adapters):
@@ -125,6 +128,14 @@ class LLM:
 
     def kv_cache_usage(self) -> dict[str, float | int]:
         return self.engine.kv_cache_usage().as_dict()
+
+
+def _final_only(sp: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    if sp is None:
+        sp = SamplingParams()
+    elif isinstance(sp, dict):
+        sp = SamplingParams.from_dict(sp)
+    return dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _per_prompt(value: Any, n: int, name: str, kind: type) -> list[Any]:

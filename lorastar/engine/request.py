@@ -45,6 +45,9 @@ class Sequence:
     detok: Any = None  # IncrementalDetokenizer, set by the output processor
     generator: Any = None  # torch.Generator for seeded sampling
     num_preemptions: int = 0
+    # DELTA outputs: what has been handed out already (text characters, output tokens).
+    sent_chars: int = 0
+    sent_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +99,7 @@ class Request:
     # (position 0 stays None: nothing predicts it). Entries are PromptTokenLogprobs.
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_output: list[Any] | None = None  # the output form, built once
+    num_outputs: int = 0  # outputs handed out (DELTA: only the first carries prompt_logprobs)
 
     def __post_init__(self) -> None:
         if not self.sequences:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,6 +57,14 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each of a request's outputs carries (vLLM's kinds and values)."""
+
+    CUMULATIVE = 0  # everything so far, every step (texts, ids and logprobs grow)
+    DELTA = 1  # only what is new since the previous output (streams); the first holds prompt_logprobs
+    FINAL_ONLY = 2  # nothing until the request finishes, then one complete output
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Defaults match vLLM (top_k=0 means off)."""
@@ -86,6 +95,8 @@ class SamplingParams:
     # {token_id: bias} added to the logits before penalties and sampling (OpenAI's logit_bias;
     # values clamped to [-100, 100] as OpenAI documents). Logprobs stay those of the raw logits.
     logit_bias: dict[int, float] | None = None
+    # Which outputs the engine builds for the request (no per-step copy for DELTA / FINAL_ONLY).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # --- counts ---
@@ -175,6 +186,14 @@ class SamplingParams:
                 bias[tok] = min(max(float(value), -100.0), 100.0)
             self.logit_bias = bias or None
 
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                raise InvalidParamError(
+                    "output_kind",
+                    f"output_kind must be 0, 1 or 2 (RequestOutputKind), got {self.output_kind!r}.",
+                ) from None
         for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):

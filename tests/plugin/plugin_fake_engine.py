@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
 
 
@@ -155,6 +155,7 @@ class FakeAsyncLLM:
             CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None)
             for i in range(sp.n)
         ]
+        sent: dict[int, tuple[int, int]] = {}  # DELTA: characters and tokens handed out per choice
         try:
             for step in range(sp.max_tokens):
                 await asyncio.sleep(self.step_delay)
@@ -163,6 +164,9 @@ class FakeAsyncLLM:
                 if rid not in self.running:
                     for o in outs:
                         o.finish_reason = "abort"
+                        if sp.output_kind == RequestOutputKind.DELTA:  # nothing new, only the end
+                            o.text, o.token_ids = o.text[sent.get(o.index, (0, 0))[0] :], []
+                            o.logprobs = [] if o.logprobs is not None else None
                     yield RequestOutput(
                         rid, prompt if isinstance(prompt, str) else None, ids, outs, True, adapter
                     )
@@ -186,22 +190,29 @@ class FakeAsyncLLM:
                         o.finish_reason = "length"
                 self.total_gen += sp.n
                 done = all(o.finish_reason for o in outs)
+                if sp.output_kind == RequestOutputKind.FINAL_ONLY and not done:
+                    continue
+                delta = sp.output_kind == RequestOutputKind.DELTA  # as the engine: only what is new
+                shown = []
+                for o in outs:
+                    c, t = sent.get(o.index, (0, 0)) if delta else (0, 0)
+                    shown.append(
+                        CompletionOutput(
+                            o.index,
+                            o.text[c:],
+                            o.token_ids[t:],
+                            None,
+                            o.logprobs[t:] if o.logprobs is not None else None,
+                            o.finish_reason,
+                            o.stop_reason,
+                        )
+                    )
+                    sent[o.index] = (max(c, len(o.text)), len(o.token_ids))
                 yield RequestOutput(
                     rid,
                     prompt if isinstance(prompt, str) else None,
                     ids,
-                    [
-                        CompletionOutput(
-                            o.index,
-                            o.text,
-                            list(o.token_ids),
-                            None,
-                            list(o.logprobs) if o.logprobs is not None else None,
-                            o.finish_reason,
-                            o.stop_reason,
-                        )
-                        for o in outs
-                    ],
+                    shown,
                     done,
                     adapter,
                     num_cached_tokens=0,

@@ -11,12 +11,13 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
-from lorastar.engine.outputs import CompletionOutput, RequestOutput
+from lorastar.engine.outputs import CompletionOutput
 from lorastar.errors import InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
+    ChoiceDelta,
     check_length,
     choice_deltas,
     clamp_logprob,
@@ -30,6 +31,7 @@ from lorastar.plugin.routes.common import (
     random_id,
     ranked,
     sampling_params,
+    stream_usage,
     usage_of,
 )
 from lorastar.plugin.schemas import (
@@ -169,12 +171,12 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
 
             async def events() -> AsyncIterator[Any]:
                 def chunk(
-                    choice: ChatStreamChoice, out: RequestOutput | None = None
+                    choice: ChatStreamChoice, d: ChoiceDelta | None = None
                 ) -> ChatCompletionStreamResponse:
                     # continuous_usage_stats (vLLM): every chunk carries the usage so far.
                     usage: Any = UNSET
                     if continuous:
-                        usage = usage_of({0: out}) if out is not None else make_usage(len(prompt_ids), 0, 0)
+                        usage = stream_usage([d]) if d is not None else make_usage(len(prompt_ids), 0, 0)
                     return ChatCompletionStreamResponse(
                         id=request_id, created=created, model=model_name, choices=[choice], usage=usage
                     )
@@ -184,10 +186,10 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
                     if echo_text:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
-                final: RequestOutput | None = None
+                final: ChoiceDelta | None = None
                 async for d in choice_deltas(primed):
                     o = d.choice
-                    lp = _chat_logprobs(tokenizer, o, d.token_start, num_top) if want_lp else None
+                    lp = _chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     yield chunk(
                         ChatStreamChoice(
                             index=o.index,
@@ -196,17 +198,17 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                             finish_reason=o.finish_reason,
                             stop_reason=o.stop_reason,
                         ),
-                        d.out,
+                        d,
                     )
                     if d.out.finished:
-                        final = d.out
+                        final = d
                 if include_usage:
                     yield ChatCompletionStreamResponse(
                         id=request_id,
                         created=created,
                         model=model_name,
                         choices=[],
-                        usage=usage_of({0: final} if final else {}),
+                        usage=stream_usage([final] if final else []),
                     )
 
             return sse_response(events(), retry_after=service.config.retry_after_seconds)

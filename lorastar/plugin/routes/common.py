@@ -1,11 +1,11 @@
 """What the OpenAI routes share: request -> ``SamplingParams``, usage, vLLM's length checks,
 priming a stream (submission errors become an HTTP status), collecting finals, and
-``choice_deltas``, the one streaming helper that turns cumulative outputs into per-choice deltas."""
+``choice_deltas``, the one streaming helper that turns DELTA outputs into per-choice frames."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +16,7 @@ from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, error_responses
@@ -73,6 +73,8 @@ def sampling_params(
         "seed": req.seed,
         "logprobs": logprobs,
         "prompt_logprobs": pl,
+        # Streams get what is new each step; a plain response only the complete final output.
+        "output_kind": RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
     }
     for name in SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
@@ -233,32 +235,42 @@ class ChoiceDelta:
     """New output of one choice since the last frame sent for it."""
 
     stream: int  # which request of the call (completions: one per prompt)
-    out: RequestOutput  # the cumulative output it came from
-    choice: CompletionOutput
+    out: RequestOutput  # the DELTA output it came from
+    choice: CompletionOutput  # the choice's new tokens (and their logprobs) only
     text: str  # new text
-    token_start: int  # index of its first new token in ``choice.token_ids``
     text_start: int  # length of the text already sent
     first: bool  # the first frame of this choice
+    completion_tokens: int  # tokens generated so far by the stream's request (all its choices)
 
 
 async def choice_deltas(
     merged: AsyncIterator[tuple[int, RequestOutput]], *, emit_first: bool = False
 ) -> AsyncIterator[ChoiceDelta]:
-    """Per-choice deltas from cumulative outputs: one per choice that has new text, new tokens or
-    a finish reason (``emit_first``: also a choice's first output, e.g. to echo the prompt)."""
-    sent: dict[tuple[int, int], tuple[int, int]] = {}  # (stream, choice) -> (chars, tokens) sent
+    """Per-choice frames from DELTA outputs: one per choice that has new text, new tokens or a
+    finish reason (``emit_first``: also a choice's first output, e.g. to echo the prompt)."""
+    sent: dict[tuple[int, int], int] = {}  # (stream, choice) -> characters sent
+    tokens: dict[int, int] = {}  # stream -> completion tokens so far (all its choices)
     async with aclosing(merged) as m:  # type: ignore[type-var]
         async for i, out in m:
+            tokens[i] = tokens.get(i, 0) + sum(len(o.token_ids) for o in out.outputs)
             for o in out.outputs:
                 key = (i, o.index)
                 first = key not in sent
-                t0, k0 = sent.get(key, (0, 0))
-                delta = o.text[t0:] if len(o.text) >= t0 else ""
-                if not delta and len(o.token_ids) <= k0 and o.finish_reason is None:
-                    if not (first and emit_first):
-                        continue
-                sent[key] = (len(o.text), len(o.token_ids))
-                yield ChoiceDelta(i, out, o, delta, k0, t0, first)
+                t0 = sent.get(key, 0)
+                if not o.text and not o.token_ids and o.finish_reason is None and not (first and emit_first):
+                    continue
+                sent[key] = t0 + len(o.text)
+                yield ChoiceDelta(i, out, o, o.text, t0, first, tokens[i])
+
+
+def stream_usage(last: Iterable[ChoiceDelta]) -> UsageInfo:
+    """Usage of a streamed call from the last frame of each of its requests."""
+    last = list(last)
+    return make_usage(
+        sum(len(d.out.prompt_token_ids) for d in last),
+        sum(d.completion_tokens for d in last),
+        sum(int(d.out.num_cached_tokens or 0) for d in last),
+    )
 
 
 def generation_route(path: str, summary: str, response: type, chunk: type, guards: list[Any]) -> Any:

@@ -16,6 +16,7 @@ from msgspec import UNSET
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
+    ChoiceDelta,
     check_length,
     choice_deltas,
     clamp_logprob,
@@ -28,6 +29,7 @@ from lorastar.plugin.routes.common import (
     random_id,
     ranked,
     sampling_params,
+    stream_usage,
     tokenize,
     usage_of,
     vocab_size,
@@ -220,7 +222,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                 merged = _prompts_only(merged)
 
             async def events() -> AsyncIterator[Any]:
-                finals: dict[int, RequestOutput] = {}
+                finals: dict[int, ChoiceDelta] = {}  # each request's last frame
                 async for d in choice_deltas(merged, emit_first=echo):
                     o, out = d.choice, d.out
                     text = prompt_text(out, d.stream) + d.text if (echo and d.first) else d.text
@@ -228,7 +230,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                     if data.logprobs is not None:
                         echoed = out if (echo and d.first) else None
                         offset0 = d.text_start + (len(prompt_text(out, d.stream)) if echo else 0)
-                        lp = _completion_logprobs(tokenizer, o, d.token_start, offset0, num_top, echoed)
+                        lp = _completion_logprobs(tokenizer, o, 0, offset0, num_top, echoed)
                     choice = CompletionStreamChoice(
                         index=d.stream * n + o.index,
                         text=text,
@@ -241,13 +243,17 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         created=created,
                         model=model_name,
                         choices=[choice],
-                        usage=usage_of({0: out}) if continuous else UNSET,
+                        usage=stream_usage([d]) if continuous else UNSET,
                     )
                     if out.finished:
-                        finals[d.stream] = out
+                        finals[d.stream] = d
                 if include_usage:
                     yield CompletionStreamResponse(
-                        id=request_id, created=created, model=model_name, choices=[], usage=usage_of(finals)
+                        id=request_id,
+                        created=created,
+                        model=model_name,
+                        choices=[],
+                        usage=stream_usage(finals.values()),
                     )
 
             return sse_response(events(), retry_after=service.config.retry_after_seconds)

@@ -1,0 +1,223 @@
+"""The HTTP path against the offline engine on the same workload (issue #12's serving table).
+
+``lorastar serve`` (a subprocess) with N streaming clients on ``/v1/completions`` against
+``LLM.generate`` in this process, same prompts (token ids), same greedy lengths (``ignore_eos``).
+Per concurrency: output tokens/s of each, their ratio, and for the server vLLM's serving metrics:
+TTFT and inter-token latency (ITL, the gap between stream frames) percentiles.
+
+The default model is the 1-layer, hidden-32 random Llama of ``host_overhead.py`` (SmolLM2's
+tokenizer): the model costs almost nothing, so the ratio measures what the HTTP layer and the step
+loop cost each other. ``--model smollm2`` uses the embedded SmolLM2-135M.
+
+    .venv/bin/python benchmarks/serving.py                      # 1, 16, 64 clients
+    .venv/bin/python benchmarks/serving.py --model smollm2 --clients 16 --prompt-len 128 --new-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+from host_overhead import tiny_model  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="1,16,64", help="concurrent streaming clients (= requests)")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--model", default="tiny", help="tiny (1 layer, hidden 32) or smollm2")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, server and offline alike")
+    p.add_argument("--other", type=Path, default=None, help="a second checkout whose server runs too")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def offline(model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> float:
+    """Output tokens/s of ``LLM.generate`` on the prompts (after a warm-up on the first few)."""
+    from lorastar import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], sp)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.engine.close()
+    return n / wall
+
+
+def start_server(
+    model: str, port: int, max_num_seqs: int, env: dict[str, str], checkout: Path
+) -> subprocess.Popen[bytes]:
+    """``lorastar serve`` with ``checkout``'s code (run from its root, so its package is imported)."""
+    import httpx
+
+    cmd = [sys.executable, "-c", "from lorastar.plugin.cli import main; main()", "serve", model, "--port", str(port),
+           "--served-model-name", "m", "--dtype", "float32", "--max-num-seqs", str(max_num_seqs),
+           "--max-waiting", "4096", "--uvicorn-log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"lorastar serve exited:\n{proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("lorastar serve did not become healthy")
+
+
+async def one_client(
+    client: Any, url: str, prompts: list[list[int]], new_tokens: int
+) -> list[dict[str, Any]]:
+    """Stream each prompt in turn; per request: TTFT, frame gaps, tokens."""
+    results = []
+    for prompt in prompts:
+        body = {"model": "m", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        tokens = 0
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    stamps.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        if not stamps:
+            raise RuntimeError("a stream produced no text")
+        results.append({"ttft": stamps[0] - t0, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
+                        "tokens": tokens or new_tokens})  # fmt: skip
+    return results
+
+
+async def serve_load(port: int, per_client: list[list[list[int]]], new_tokens: int) -> dict[str, float]:
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    limits = httpx.Limits(max_connections=len(per_client) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await one_client(client, url, per_client[0][:1], 4)  # warm-up
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(one_client(client, url, ps, new_tokens) for ps in per_client))
+        wall = time.perf_counter() - t0
+    reqs = [r for run in runs for r in run]
+    ttft = sorted(r["ttft"] for r in reqs)
+    gaps = sorted(g for r in reqs for g in r["gaps"]) or [0.0]
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+    return {
+        "tok_s": sum(r["tokens"] for r in reqs) / wall,
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * pct(ttft, 0.99),
+        "itl_p50_ms": 1e3 * statistics.median(gaps),
+        "itl_p99_ms": 1e3 * pct(gaps, 0.99),
+    }
+
+
+def main() -> None:
+    a = parse_args()
+    common.setup_torch(a.threads)
+    from transformers import AutoTokenizer
+
+    from lorastar.models.default import default_model_dir
+
+    if a.model == "tiny":
+        model = str(tiny_model(Path(tempfile.gettempdir()) / "lorastar_host_overhead_model"))
+    elif a.model == "smollm2":
+        model = str(default_model_dir())
+    else:
+        model = a.model
+    tok = AutoTokenizer.from_pretrained(model)
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    rows, data = [], []
+    checkouts = {"this": common.REPO, **({"other": a.other.resolve()} if a.other else {})}
+    for c in [int(x) for x in a.clients.split(",")]:
+        n = c * a.requests_per_client
+        prompts = common.text_prompts(tok, n, a.prompt_len, seed=c)
+        per_client = [prompts[i::c] for i in range(c)]
+        off = offline(model, prompts, a.new_tokens, max(c, 1))
+        for name, checkout in checkouts.items():
+            port = free_port()
+            server = start_server(model, port, max(c, 1), env, checkout)
+            try:
+                srv = asyncio.run(serve_load(port, per_client, a.new_tokens))
+            finally:
+                server.terminate()
+                server.wait(30)
+            ratio = srv["tok_s"] / off
+            print(
+                f"{name}, {c} clients: HTTP {srv['tok_s']:.0f} tok/s, offline {off:.0f}, ratio {ratio:.2f}",
+                flush=True,
+            )
+            rows.append([name, c, off, srv["tok_s"], ratio, srv["ttft_p50_ms"], srv["ttft_p99_ms"],
+                         srv["itl_p50_ms"], srv["itl_p99_ms"]])  # fmt: skip
+            data.append({"checkout": name, "clients": c, "offline_tok_s": off, **srv, "ratio": ratio})
+    table = common.markdown_table(
+        [
+            "checkout",
+            "clients",
+            "offline tok/s",
+            "HTTP tok/s",
+            "HTTP / offline",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "ITL p50 ms",
+            "ITL p99 ms",
+        ],  # fmt: skip
+        rows,
+    )
+    print(table)
+    env_desc = common.env_line(f"{a.threads} torch thread(s) per process")
+    desc = (
+        f"Model: {a.model}; prompts of {a.prompt_len} tokens, {a.new_tokens} greedy tokens each (ignore_eos), "
+        f"{a.requests_per_client} requests per client in turn; the server's max_num_seqs = clients."
+    )
+    common.write_results("serving", a.out, [desc, table], {"env": env_desc, "rows": data})
+    fig, (ax,) = common.new_figure(width=6.0, height=3.6)
+    this = [r for r in data if r["checkout"] == "this"]
+    xs = [r["clients"] for r in this]
+    ax.plot(xs, [r["offline_tok_s"] for r in this], "o-", label="offline LLM.generate", color="#999")
+    for name, color in zip(checkouts, ("#c33", "#36c")):
+        ys = [r["tok_s"] for r in data if r["checkout"] == name]
+        ax.plot(xs, ys, "o-", label=f"HTTP streaming ({name})", color=color)
+    common.log_x_axis(ax, xs)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    common.save_figure(fig, a.out / "serving.png", f"HTTP vs offline ({a.model}): {env_desc}")
+
+
+if __name__ == "__main__":
+    main()
