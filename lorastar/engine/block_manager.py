@@ -88,6 +88,11 @@ class BlockManager:
             hashes.append(h.digest())
         return hashes
 
+    def hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The prefix-cache keys of ``seq``'s first ``num_blocks`` full blocks (each one hashes
+        the model salt, the adapter and every token up to the block's end)."""
+        return self._hashes(seq, num_blocks)[:num_blocks]
+
     def lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks for the longest prefix of ``seq`` (never its last token: that one must be
         computed to produce logits)."""

@@ -22,9 +22,9 @@ from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from lorastar.engine.prompt_logprobs import PromptTokenLogprobs
+from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
 from lorastar.engine.request import Request, Sequence
-from lorastar.engine.runner import KVCacheSpec, ModelRunner
+from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
 from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
@@ -175,7 +175,9 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
             max_loras=config.max_loras,
             ensure_adapter=self._ensure_adapter,
+            prompt_logprobs_hits=self._prompt_logprobs_hits,
         )
+        self.prompt_logprobs_cache = PromptLogprobsCache()
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_id=list(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -410,26 +412,80 @@ class LLMEngine:
             for sch in out.scheduled:  # before running: a failed step knows whom it involved
                 if sch.seq.request.first_scheduled_time is None:
                     sch.seq.request.first_scheduled_time = now
+            self._seed_prompt_logprobs(out)
             result = self.runner.execute(out, self._adapter_slots(out))
             self.scheduler.update(out)
-            self._store_prompt_logprobs(out, result.prompt_logprobs)
+            self._store_prompt_logprobs(out, result)
             return self._process(out, result.logits)
 
-    @staticmethod
-    def _store_prompt_logprobs(
-        out: SchedulerOutput, chunks: dict[int, tuple[int, list[PromptTokenLogprobs]]]
-    ) -> None:
-        """File each chunk's prompt logprobs by position (a recomputed chunk after preemption
-        finds its positions filled and keeps the first values)."""
+    # ---- prompt logprobs and the prefix cache (see engine/prompt_logprobs.py) -----------------
+    def _prompt_logprobs_hits(self, seq: Sequence, n: int) -> int:
+        """How many of ``seq``'s first ``n`` cached blocks have their prompt logprobs kept."""
+        k = seq.request.params.prompt_logprobs or 0
+        hits = 0
+        for h in self.block_manager.hashes(seq, n):
+            if self.prompt_logprobs_cache.get(h, k) is None:
+                break
+            hits += 1
+        return hits
+
+    def _seed_prompt_logprobs(self, out: SchedulerOutput) -> None:
+        """A request admitted on a prefix-cache hit: its cached positions' logprobs come from the
+        kept blocks, the first computed position's from the last kept block's hidden row."""
+        bs = self.block_manager.block_size
         for s in out.scheduled:
-            chunk = chunks.get(s.seq.seq_id)
-            store = s.seq.request.prompt_logprobs
-            if chunk is None or store is None:
+            seq, req = s.seq, s.seq.request
+            store = req.prompt_logprobs
+            if store is None or seq.index != 0 or s.start == 0 or s.start >= seq.num_prompt_tokens:
                 continue
-            first, entries = chunk
-            for pos, e in enumerate(entries, start=first):
-                if store[pos] is None:
-                    store[pos] = e
+            if store[s.start] is not None:  # computed by an earlier chunk (or before a preemption)
+                continue
+            k = req.params.prompt_logprobs or 0
+            blocks = [
+                self.prompt_logprobs_cache.get(h, k) for h in self.block_manager.hashes(seq, s.start // bs)
+            ]
+            if not blocks or any(b is None for b in blocks):  # the scheduler admitted only kept hits
+                raise RuntimeError("prompt logprobs of a prefix-cache hit are missing")
+            for j, b in enumerate(blocks):
+                for i, e in enumerate(b.entries):  # type: ignore[union-attr]
+                    if store[j * bs + i] is None:
+                        store[j * bs + i] = e
+            (store[s.start],) = score_prompt_rows(
+                self.runner.model.compute_logits, blocks[-1].last_hidden[None],  # type: ignore[union-attr]
+                [seq.token_ids[s.start]], k, self.vocab_size,
+            )  # fmt: skip
+            req.prompt_blocks_kept = max(req.prompt_blocks_kept, len(blocks))
+
+    def _store_prompt_logprobs(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """File each chunk's prompt logprobs by position (a recomputed chunk after preemption
+        finds its positions filled and keeps the first values); keep complete prompt blocks."""
+        bs = self.block_manager.block_size
+        for s in out.scheduled:
+            seq, req = s.seq, s.seq.request
+            store = req.prompt_logprobs
+            if store is None or seq.index != 0:
+                continue
+            chunk = result.prompt_logprobs.get(seq.seq_id)
+            if chunk is not None:
+                first, entries = chunk
+                for pos, e in enumerate(entries, start=first):
+                    if store[pos] is None:
+                        store[pos] = e
+            if not self.block_manager.enable_prefix_caching:
+                continue
+            req.prompt_hidden.update(result.prompt_hidden.get(seq.seq_id, {}))
+            j = req.prompt_blocks_kept
+            while (j + 1) * bs <= seq.num_prompt_tokens and (j + 1) * bs - 1 in req.prompt_hidden:
+                if any(store[p] is None for p in range(max(1, j * bs), (j + 1) * bs)):
+                    break
+                block = KeptBlock(
+                    req.params.prompt_logprobs or 0,
+                    store[j * bs : (j + 1) * bs],
+                    req.prompt_hidden.pop((j + 1) * bs - 1),
+                )
+                self.prompt_logprobs_cache.put(self.block_manager.hashes(seq, j + 1)[j], block)
+                j += 1
+            req.prompt_blocks_kept = j
 
     def _adapter_slots(self, out: SchedulerOutput) -> dict[str, int] | None:
         slots: dict[str, int] = {}
@@ -670,10 +726,11 @@ class LLMEngine:
                     names[t] = self.tokenizer.decode([t])
                 return names[t]
 
+            k = req.params.prompt_logprobs or 0  # kept blocks may hold more than this request's k
             result: list[dict[int, Logprob] | None] = [None]
             for tok, e in zip(req.prompt_token_ids[1:], store[1:]):
                 d = {tok: Logprob(e.logprob, e.rank, name(tok))}
-                for rank, (t, v) in enumerate(zip(e.top_ids, e.top_logprobs), start=1):
+                for rank, (t, v) in enumerate(zip(e.top_ids[:k], e.top_logprobs[:k]), start=1):
                     d.setdefault(t, Logprob(v, rank, name(t)))
                 result.append(d)
             req.prompt_logprobs_output = result

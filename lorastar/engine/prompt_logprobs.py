@@ -5,6 +5,15 @@ A prefill chunk of ``n`` tokens starting at position ``s`` has hidden rows that 
 reduced in blocks of rows so about ``max_bytes`` of fp32 logits exist at once: a 4k-token
 prompt over a 49k vocabulary never materializes the 800 MB ``[prompt_len, vocab]`` tensor.
 
+Prefix caching (decided here): a request that asks for prompt logprobs may use cached KV blocks
+only where their positions' logprobs were kept too. ``PromptLogprobsCache`` keeps, per full prompt
+block (keyed by the prefix cache's own hash: model, adapter and every token up to the block's end),
+the entries of the block's positions and the final hidden row of its last token. A request whose
+first ``c`` blocks hit takes positions ``< c * block_size`` from the kept entries and scores
+position ``c * block_size`` from the kept row of block ``c - 1``; it computes the rest. Multiple
+choice evaluation (one context, several continuations) computes each context once. Values equal a
+cold run's up to the float order of a different batch (the tests hold them to 1e-4).
+
 Semantics (one block): ``lp = log_softmax(compute_logits(hidden).float()); tok = lp[r, target[r]];
 rank = (lp >= tok).sum(-1); top = lp.topk(k)`` — raw model logprobs (no temperature, penalties
 or logit_bias), the ranks counted as vLLM does.
@@ -12,6 +21,7 @@ or logit_bias), the ranks counted as vLLM does.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,10 +65,14 @@ def score_prompt_rows(
     for a in range(0, len(targets), step):
         b = min(a + step, len(targets))
         lp = torch.log_softmax(compute_logits(hidden[a:b]).float(), dim=-1)  # [rows, vocab]
-        lp.nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+        lp.nan_to_num_(nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
         tok_lp = lp.gather(1, tgt[a:b, None])  # [rows, 1]
-        ranks = (lp >= tok_lp).sum(dim=-1)  # [rows]
-        if k > 0:
+        # An int32 sum of the comparison: 7x faster than summing the bool tensor on this CPU.
+        ranks = torch.ge(lp, tok_lp).sum(dim=-1, dtype=torch.int32)  # [rows]
+        if k == 1:  # max: 1.5x faster than topk(1)
+            top_v, top_i = lp.max(dim=-1, keepdim=True)  # [rows, 1]
+            top_vl, top_il = top_v.tolist(), top_i.tolist()
+        elif k > 1:
             top_v, top_i = lp.topk(k, dim=-1)  # [rows, k]
             top_vl, top_il = top_v.tolist(), top_i.tolist()
         else:
@@ -67,3 +81,42 @@ def score_prompt_rows(
         for v, r, ti, tv in zip(tok_lp.squeeze(1).tolist(), ranks.tolist(), top_il, top_vl):
             out.append(PromptTokenLogprobs(v, r, ti, tv))
     return out
+
+
+@dataclass
+class KeptBlock:
+    """One full prompt block's prompt logprobs (``None`` at position 0) and its last row."""
+
+    k: int  # top-k kept per entry
+    entries: list[PromptTokenLogprobs | None]  # [block_size]
+    last_hidden: torch.Tensor  # [hidden] final hidden row of the block's last token
+
+
+class PromptLogprobsCache:
+    """LRU of ``KeptBlock`` by prefix-cache block hash, at most ``max_blocks`` (about 5 KB each
+    for SmolLM2 at k = 1: 16 entries and a 576-float row)."""
+
+    def __init__(self, max_blocks: int = 4096) -> None:
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[bytes, KeptBlock] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def get(self, key: bytes, k: int) -> KeptBlock | None:
+        """The kept block if it holds at least the top ``k`` (refreshing its LRU position)."""
+        b = self._blocks.get(key)
+        if b is None or b.k < k:
+            return None
+        self._blocks.move_to_end(key)
+        return b
+
+    def put(self, key: bytes, block: KeptBlock) -> None:
+        old = self._blocks.get(key)
+        if old is not None and old.k >= block.k:
+            self._blocks.move_to_end(key)
+            return
+        self._blocks[key] = block
+        self._blocks.move_to_end(key)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)

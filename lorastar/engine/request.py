@@ -100,6 +100,10 @@ class Request:
     prompt_logprobs: list[Any] | None = None
     prompt_logprobs_output: list[Any] | None = None  # the output form, built once
     num_outputs: int = 0  # outputs handed out (DELTA: only the first carries prompt_logprobs)
+    # Prompt blocks handed to the prompt-logprobs cache so far, and the block-ending hidden rows
+    # (position -> [hidden] tensor) waiting for their block's entries to complete.
+    prompt_blocks_kept: int = 0
+    prompt_hidden: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.sequences:

@@ -38,6 +38,9 @@ class ModelRunnerOutput:
 
     logits: torch.Tensor
     prompt_logprobs: dict[int, tuple[int, list[PromptTokenLogprobs]]] = field(default_factory=dict)
+    # {seq_id: {position: [hidden] row}} for prompt positions that end a KV block (kept with the
+    # block's prompt logprobs so a later prefix-cache hit can score the position after it).
+    prompt_hidden: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def _prompt_span(s: ScheduledSeq) -> tuple[int, int]:
@@ -193,7 +196,13 @@ class ModelRunner:
         """Run one step: the sampling rows' logits and any prompt logprobs it produced."""
         self.copy_blocks(out.copies)
         spans = [_prompt_span(s) for s in out.scheduled]
-        wants_prompt = any(a < b for a, b in spans)
+        wants = [
+            s.seq.request.params.prompt_logprobs is not None
+            and s.seq.index == 0
+            and s.start < s.seq.num_prompt_tokens
+            for s in out.scheduled
+        ]
+        wants_prompt = any(wants)
         if self.graphs is not None and not wants_prompt and all(s.num_new_tokens == 1 for s in out.scheduled):
             logits = self._execute_graph(self.graphs, out, adapter_slot)
             if logits is not None:
@@ -204,16 +213,22 @@ class ModelRunner:
         rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
         result = ModelRunnerOutput(self.model.compute_logits(hidden[rows]).float())  # [B, vocab]
         if wants_prompt:
-            for s, end_row, (first, last) in zip(out.scheduled, last_row, spans):
-                if first >= last:
+            bs = self.block_size
+            for s, end_row, (first, last), want in zip(out.scheduled, last_row, spans, wants):
+                if not want:
                     continue
-                row0 = end_row - s.num_new_tokens + 1  # the chunk's first row predicts `first`
+                row0 = end_row - s.num_new_tokens + 1  # the chunk's first row: position s.start
                 seq = s.seq
-                result.prompt_logprobs[seq.seq_id] = (first, score_prompt_rows(
-                    self.model.compute_logits, hidden[row0 : row0 + last - first],
-                    seq.token_ids[first:last], seq.request.params.prompt_logprobs or 0,
-                    self.model.vocab_size,
-                ))  # fmt: skip
+                if first < last:  # row0 predicts `first`
+                    result.prompt_logprobs[seq.seq_id] = (first, score_prompt_rows(
+                        self.model.compute_logits, hidden[row0 : row0 + last - first],
+                        seq.token_ids[first:last], seq.request.params.prompt_logprobs or 0,
+                        self.model.vocab_size,
+                    ))  # fmt: skip
+                end = min(s.start + s.num_new_tokens, seq.num_prompt_tokens)
+                ends = range(s.start + (bs - 1 - s.start % bs), end, bs)  # block-ending positions
+                if ends:
+                    result.prompt_hidden[seq.seq_id] = {p: hidden[row0 + p - s.start].clone() for p in ends}
         return result
 
     def _execute_graph(

@@ -85,7 +85,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (0: only the sampled one)
     # Top-k logprobs of every prompt position after the first, plus the prompt token's own
     # (vLLM's ``prompt_logprobs``; 0: only the prompt token's). Raw model logprobs, computed
-    # chunk by chunk during prefill; such a request bypasses the prefix cache.
+    # chunk by chunk during prefill; such a request uses the prefix cache only where those
+    # positions' logprobs were kept (engine/prompt_logprobs.py).
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False

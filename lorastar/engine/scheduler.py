@@ -73,6 +73,7 @@ class Scheduler:
         max_loras: int,
         ensure_adapter: EnsureAdapter | None = None,
         starvation_steps: int = 8,
+        prompt_logprobs_hits: Callable[[Sequence, int], int] | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -80,6 +81,8 @@ class Scheduler:
         self.max_loras = max_loras
         self.ensure_adapter = ensure_adapter or (lambda seq, pinned: True)
         self.starvation_steps = starvation_steps
+        # (seq, n) -> how many of seq's first n cached blocks also have its prompt logprobs kept.
+        self.prompt_logprobs_hits = prompt_logprobs_hits or (lambda seq, n: 0)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -194,9 +197,11 @@ class Scheduler:
                 # (base-model requests hold no adapter slot: they go on).
                 j += 1
                 continue
-            # Prompt logprobs need every prompt position's logits: such a request computes its
-            # whole prompt (vLLM v1 does the same); its blocks still enter the cache for others.
-            cached = self.bm.lookup(seq) if seq.request.params.prompt_logprobs is None else []
+            cached = self.bm.lookup(seq)
+            if cached and seq.request.params.prompt_logprobs is not None:
+                # Prompt logprobs need every prompt position's: a hit counts only as far as the
+                # engine kept those positions' logprobs (see engine/prompt_logprobs.py).
+                cached = cached[: self.prompt_logprobs_hits(seq, len(cached))]
             num_computed = len(cached) * self.bm.block_size if cached else seq.num_computed_tokens
             num_new = min(seq.num_tokens - num_computed, budget)
             copies = self.bm.allocate(seq, num_new, cached)

@@ -149,6 +149,38 @@ def test_warm_prefix_cache_gives_cold_values(model_dir: str) -> None:
     llm.engine.check_invariants()
 
 
+def test_multiple_choice_contexts_hit_the_prefix_cache_with_kept_logprobs(
+    model_dir: str, adapters: dict[str, str]
+) -> None:
+    """One context, several continuations (lm-eval's multiple choice): the first request keeps its
+    full prompt blocks' logprobs; the others hit the prefix cache for the shared context and still
+    equal HF at the cached positions, the first computed one and the rest. A smaller k reuses
+    (trimmed), a larger k or another adapter misses, and the cache serves PEFT rows the same way."""
+    ctx = list(range(300, 340))  # 40 tokens: blocks 0 and 1 are full and shared
+    conts = [[500, 501, 502], [600, 601], [700, 701, 702, 703]]
+    llm = LLM(model_dir, num_kv_blocks=64, max_model_len=256, enable_prefix_caching=True, block_size=16)
+    llm.load_adapter("a", adapters["a"])
+
+    def run(ids: list[int], k: int, adapter: str | None = None):  # noqa: ANN202
+        sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k)
+        return llm.generate([ids], sp, adapter=adapter)[0]
+
+    outs = [run(ctx + c, 2) for c in conts]
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
+    for c, o in zip(conts, outs):
+        _check(o.prompt_logprobs, ctx + c, _hf_logprobs(model_dir, ctx + c), k=2)
+    small, big = run(ctx + [9], 1), run(ctx + [8], 3)
+    assert (small.num_cached_tokens, big.num_cached_tokens) == (32, 0)
+    _check(small.prompt_logprobs, ctx + [9], _hf_logprobs(model_dir, ctx + [9]), k=1)
+    assert all(len(e) <= 2 for e in small.prompt_logprobs[1:])  # the kept top-2, trimmed to k = 1
+    _check(big.prompt_logprobs, ctx + [8], _hf_logprobs(model_dir, ctx + [8]), k=3)
+    first, second = run(ctx + [7], 1, "a"), run(ctx + [6, 5], 1, "a")
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 32)
+    _check(second.prompt_logprobs, ctx + [6, 5], _hf_logprobs(model_dir, ctx + [6, 5], adapters["a"]), k=1)
+    assert llm.engine.prompt_logprobs_cache.max_blocks >= len(llm.engine.prompt_logprobs_cache) > 0
+    _finish(llm)
+
+
 def test_preempted_prefill_keeps_its_logprobs(model_dir: str) -> None:
     """A cache too small for all requests at once: sequences are preempted and recomputed; the
     prompt logprobs still equal HF's and nothing leaks."""
