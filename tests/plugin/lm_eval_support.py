@@ -38,18 +38,45 @@ GEN = [  # generate_until (exact match): continuations a small model can finish
 TASKS = ["lorastar_mc", "lorastar_rolling", "lorastar_gen"]
 
 
-def write_tasks(folder: Path) -> Path:
-    """The three tasks' data and YAML under ``folder``; returns it (lm-eval's include_path)."""
+def synthetic(extra: int, seed: int = 0) -> tuple[list[Any], list[str], list[Any]]:
+    """``extra`` more multiple-choice docs, ``extra // 4`` texts and ``extra // 2`` continuations,
+    for a sweep big enough to time (``benchmarks/eval_sweep.py``). Each multiple-choice doc reads
+    a passage of 40-60 words before its question (arithmetic), as reading-comprehension and
+    HellaSwag-style tasks do: its four continuations share a context of about 70 tokens."""
+    import random
+
+    rng = random.Random(seed)
+    words = ROLLING[0].split() + ROLLING[1].split() + ROLLING[2].split()
+    mc, texts, gen = [], [], []
+    for _ in range(extra):
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        wrong = rng.sample([x for x in range(2, 41) if x != a + b], 3)
+        choices = [str(x) for x in [a + b, *wrong]]
+        rng.shuffle(choices)
+        passage = " ".join(rng.choice(words) for _ in range(rng.randint(40, 60)))
+        mc.append((f"{passage}. What is {a} plus {b}?", choices, choices.index(str(a + b))))
+    for _ in range(extra // 4):
+        texts.append(" ".join(rng.choice(words) for _ in range(rng.randint(20, 40))) + ".")
+    for _ in range(extra // 2):
+        n = rng.randint(1, 5)
+        gen.append((", ".join(str(n + i) for i in range(4)) + ",", str(n + 4)))
+    return mc, texts, gen
+
+
+def write_tasks(folder: Path, extra: int = 0) -> Path:
+    """The three tasks' data and YAML under ``folder`` (plus ``extra`` synthetic docs, see
+    ``synthetic``); returns it (lm-eval's include_path)."""
     folder.mkdir(parents=True, exist_ok=True)
+    more_mc, more_texts, more_gen = synthetic(extra) if extra else ([], [], [])
 
     def data(name: str, rows: list[dict[str, Any]]) -> str:
         path = folder / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(path)
 
-    mc = data("mc", [{"question": q, "choices": c, "answer": a} for q, c, a in MC])
-    rolling = data("rolling", [{"text": t} for t in ROLLING])
-    gen = data("gen", [{"question": q, "answer": a} for q, a in GEN])
+    mc = data("mc", [{"question": q, "choices": c, "answer": a} for q, c, a in MC + more_mc])
+    rolling = data("rolling", [{"text": t} for t in ROLLING + more_texts])
+    gen = data("gen", [{"question": q, "answer": a} for q, a in GEN + more_gen])
     common = "dataset_path: json\ntest_split: test\n"
     (folder / "lorastar_mc.yaml").write_text(
         f"task: lorastar_mc\n{common}dataset_kwargs:\n  data_files:\n    test: {mc}\n"
