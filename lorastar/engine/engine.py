@@ -128,17 +128,8 @@ class LLMEngine:
             kv_dtype,
         )
         spec.num_blocks = config.num_kv_blocks or self._auto_num_blocks(spec)
-        n = self.model.num_layers
-        if config.kv_cache_dtype != "auto" and ckpt_kv_scales:  # a partial set is a broken checkpoint
-            for i in range(n):
-                for which in ("k", "v"):
-                    if (i, which) not in ckpt_kv_scales:
-                        raise ValueError(
-                            f"model.layers.{i}.self_attn.{which}_scale: missing from the checkpoint"
-                        )
-        k_scales = [ckpt_kv_scales.get((i, "k"), 1.0) for i in range(n)]
-        v_scales = [ckpt_kv_scales.get((i, "v"), 1.0) for i in range(n)]
-        if config.kv_cache_dtype != "auto" and not ckpt_kv_scales:  # fp8 cache, no scales shipped
+        k_scales, v_scales = ckpt_kv_scales.resolve(config.kv_cache_dtype)  # 1.0 unless an fp8 cache
+        if config.kv_cache_dtype != "auto" and not ckpt_kv_scales.from_checkpoint:  # fp8, none shipped
             k_scales, v_scales = calibrate_kv_scales(
                 self.model, self.tokenizer.encode(CALIBRATION_TEXT)[:max_len], dtype=self.dtype, device=self.device,
                 block_size=config.block_size,

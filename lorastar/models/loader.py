@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM, check_architecture
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.kv_cache import parse_kv_scale_key
+from lorastar.quant.kv_cache import KVScales
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -75,16 +75,14 @@ class WeightLoader:
             fused = len(layer.slice_names) > 1
             for i, part in enumerate(layer.slice_names):
                 self._route[f"{block}.{part}"] = (layer, i if fused else None)
-        self.kv_scales: dict[tuple[int, str], float] = {}
+        self.kv_scales = KVScales(model.num_layers)
         self._plain = {n: p for n, p in model.named_parameters() if not _is_linear_param(n)}
         self._loaded_plain: set[str] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         if _IGNORED.search(name):
             return
-        kv = parse_kv_scale_key(name)
-        if kv is not None:
-            self.kv_scales[kv] = float(tensor.float().reshape(-1)[0])
+        if self.kv_scales.add(name, tensor):
             return
         module, _, suffix = name.rpartition(".")
         route = self._route.get(module)
@@ -130,7 +128,7 @@ def load_model(
     device: torch.device,
     quant: QuantConfig | None,
     max_positions: int,
-) -> tuple[LlamaForCausalLM, dict[tuple[int, str], float]]:
+) -> tuple[LlamaForCausalLM, KVScales]:
     """Build the model on ``device`` and fill it from the folder's safetensors.
 
     Returns the model and any per-layer KV-cache scales the checkpoint declares.
