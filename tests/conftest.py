@@ -50,6 +50,13 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
     # Qwen2: q/k/v bias, GQA, tied
     "qwen2": dict(arch="qwen2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    # Qwen3: per-head q/k RMSNorm, head_dim wider than hidden / heads, untied and tied
+    "qwen3": dict(
+        arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False
+    ),
+    "qwen3-tied": dict(
+        arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True
+    ),
     # Long context, one layer: 4k-token prompts (prompt logprobs' memory bound)
     "llama-long": dict(
         arch="llama",
@@ -71,7 +78,7 @@ TINY_CONFIGS: dict[str, dict] = {
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
-    """Write a tiny random Llama/Qwen2 checkpoint + SmolLM2's tokenizer into ``path``."""
+    """Write a tiny random Llama/Mistral/Qwen2/Qwen3 checkpoint + SmolLM2's tokenizer into ``path``."""
     import shutil
     from pathlib import Path
 
@@ -83,6 +90,8 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     from lorastar.models.default import default_model_dir
@@ -105,6 +114,12 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
         model = LlamaForCausalLM(LlamaConfig(**kw))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**kw))
+        with torch.no_grad():  # random init leaves the q/k norms at one: make them matter
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
         with torch.no_grad():  # random init leaves biases at zero: make them matter

@@ -74,7 +74,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
-        """Build the spec from a HF Llama/Mistral/Qwen2 config (object or dict)."""
+        """Build the spec from a HF Llama/Mistral/Qwen2/Qwen3 config (object or dict)."""
         get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
         hidden = int(get("hidden_size"))
         inter = int(get("intermediate_size"))

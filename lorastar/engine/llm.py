@@ -19,7 +19,7 @@ class LLM:
     """One base model, many adapters, batched generation.
 
     ``LLM()`` serves the embedded SmolLM2-135M-Instruct; ``LLM(model="path/to/hf_folder")`` any
-    Llama / Mistral / Qwen2 checkpoint. Keyword arguments are ``EngineConfig`` fields.
+    Llama / Mistral / Qwen2 / Qwen3 checkpoint. Keyword arguments are ``EngineConfig`` fields.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 One forward runs a flat batch of tokens (prefill chunks and decodes together). q/k/v and
 gate/up are fused linears whose slices carry LoRA; every linear carries a quant method.
@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -73,6 +74,13 @@ class Attention(nn.Module):
             params_dtype=dtype, quant_method=_linear_method(quant, f"{prefix}.o_proj"),
         )  # fmt: skip
         self.rope = rope
+        # Qwen3: RMSNorm over each head of q and k, before RoPE.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.get("model_type") == "qwen3":
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x, ctx)  # [T, q + 2 kv]
@@ -80,6 +88,8 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k, ctx)
         o = attention_forward(q, k, v, ctx, self.layer_idx, self.scale)  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size), ctx)
@@ -135,7 +145,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 decoder. ``forward`` returns hidden states ``[T, hidden]``;
+    """Llama / Mistral / Qwen2 / Qwen3 decoder. ``forward`` returns hidden states ``[T, hidden]``;
     ``compute_logits`` projects only the rows that are sampled.
 
     ``packed_modules_mapping`` (fused layer -> the checkpoint / PEFT modules it is made of, in slice

@@ -27,7 +27,7 @@ def mixed_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-llama3", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-llama3", "qwen2", "mistral", "qwen3", "qwen3-tied"])
 def test_tiny_models_match_hf(tiny_model_dir, name: str) -> None:
     path = tiny_model_dir(name)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
