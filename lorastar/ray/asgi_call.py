@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 Headers = list[tuple[bytes, bytes]]
+DISCONNECT_GRACE_S = 1.0  # the app's time to react to http.disconnect before it is cancelled
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterat
     """Run ``app`` on one request: yields one :class:`ResponseStart`, then the body's chunks.
 
     Closing the iterator early (the consumer disconnected) tells the app ``http.disconnect`` and
-    cancels it, so a streaming generation is aborted in the engine rather than left running.
+    cancels it after ``DISCONNECT_GRACE_S``, so a streaming generation is aborted in the engine
+    rather than left running.
     """
     sent: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
     disconnected = asyncio.Event()
@@ -88,6 +90,7 @@ async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterat
     finally:
         disconnected.set()
         if not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_GRACE_S)
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
