@@ -12,9 +12,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from lorastar.plugin.errors import APIError
 from lorastar.ray.asgi_call import ResponseStart
 
 ROUTINGS = ("multiplexed", "adapter_blind")
@@ -64,9 +66,13 @@ class LoraStarIngress:
             [(k.lower(), v) for k, v in request.headers.raw],
             body,
         )
-        start = await stream.__anext__()
-        if not isinstance(start, ResponseStart):
-            raise TypeError(f"replica sent {type(start).__name__} before the response start")
+        try:
+            start = await stream.__anext__()
+            if not isinstance(start, ResponseStart):
+                raise TypeError(f"replica sent {type(start).__name__} before the response start")
+        except Exception as exc:  # a replica died or Ray failed: an OpenAI error, never a bare 500
+            error = APIError(f"No replica could serve the request ({type(exc).__name__}).", 503)
+            return Response(msgspec.json.encode(error.body()), 503, media_type="application/json")
         content_type = (start.header(b"content-type") or b"").decode("latin-1")
         if content_type.startswith("text/event-stream"):
             response: Response = StreamingResponse(_rest(stream), status_code=start.status)

@@ -19,10 +19,11 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from ray import serve
 
 from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app
-from lorastar.plugin.errors import APIError
+from lorastar.plugin.errors import APIError, to_api_error
 from lorastar.plugin.service import confine
 from lorastar.ray.asgi_call import Headers, ResponseStart, call_asgi, http_scope
 
@@ -114,17 +115,24 @@ class ReplicaBase:
     async def handle_http(
         self, adapter: str | None, method: str, path: str, query_string: bytes, headers: Headers, body: bytes
     ) -> AsyncIterator[ResponseStart | bytes]:
-        """Serve one HTTP request with the plugin's app; ``adapter`` is pinned while it runs."""
+        """Serve one HTTP request with the plugin's app; ``adapter`` is pinned while it runs.
+
+        An adapter that fails to load (bad folder, rank above ``max_lora_rank``) is answered with
+        the plugin's OpenAI error, as the plugin answers a failed runtime load."""
         resident = None
-        if adapter and self.is_loadable(adapter):
-            while not (resident := await self.get_adapter(adapter)).acquire():
-                await asyncio.sleep(0)  # evicted between load and pin: load it again
         try:
-            extra = [
-                (REPLICA_HEADER.encode(), self.replica_id.encode()),
-                (LOADS_HEADER.encode(), str(self.adapter_loads).encode()),
-                (ENGINE_ADAPTERS_HEADER.encode(), ",".join(self.engine_adapters()).encode()),
-            ]
+            if adapter and self.is_loadable(adapter):
+                while not (resident := await self.get_adapter(adapter)).acquire():
+                    await asyncio.sleep(0)  # evicted between load and pin: load it again
+        except Exception as exc:
+            error = to_api_error(exc)
+            error_headers = [(b"content-type", b"application/json"), *self._headers()]
+            error_headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+            yield ResponseStart(error.status_code, error_headers)
+            yield msgspec.json.encode(error.body())
+            return
+        try:
+            extra = self._headers()
             scope = http_scope(method, path, query_string, headers)
             async for item in call_asgi(self.app, scope, body):
                 if isinstance(item, ResponseStart):
@@ -133,6 +141,13 @@ class ReplicaBase:
         finally:
             if resident is not None:
                 resident.release()
+
+    def _headers(self) -> Headers:
+        return [
+            (REPLICA_HEADER.encode(), self.replica_id.encode()),
+            (LOADS_HEADER.encode(), str(self.adapter_loads).encode()),
+            (ENGINE_ADAPTERS_HEADER.encode(), ",".join(self.engine_adapters()).encode()),
+        ]
 
     def stats(self) -> dict[str, Any]:
         """This replica's adapter counters (also sent on every response as headers)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -142,5 +143,22 @@ def test_call_asgi_reraises_app_errors() -> None:
         with pytest.raises(RuntimeError, match="boom"):
             async for _ in call_asgi(app, http_scope("GET", "/", b"", []), b""):
                 pass
+
+    asyncio.run(main())
+
+
+def test_replica_failure_is_an_openai_503() -> None:
+    class Dead(FakeReplicas):
+        def remote(self, *args: Any) -> AsyncIterator[Any]:
+            async def gen() -> AsyncIterator[Any]:
+                raise RuntimeError("actor died")
+                yield  # pragma: no cover
+
+            return gen()
+
+    async def main() -> None:
+        response = await LoraStarIngress(Dead([]), ["base"])(_request(b'{"model": "a1"}'))
+        assert response.status_code == 503
+        assert json.loads(response.body)["error"]["code"] == 503
 
     asyncio.run(main())

@@ -53,6 +53,8 @@ def model_and_root(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory
     root = tmp_path_factory.mktemp("ray-adapters")
     for i, name in enumerate(ADAPTERS):
         make_peft_adapter(model, root / name, seed=200 + i, r=4)
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text("{not json")
     return model, root
 
 
@@ -155,7 +157,9 @@ def test_streaming_through_the_handle(client: Any, expected: dict) -> None:
         assert len(chunks) > 2  # token by token, not one buffered body
 
 
-def test_unknown_model_is_404_and_models_route_answers(client: Any) -> None:
+def test_bad_models_get_openai_errors_and_models_route_answers(client: Any) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-adapter", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="broken"):  # the multiplex loader failed
+        client.completions.create(model="broken", prompt="x", max_tokens=2)
     assert "base" in [m.id for m in client.models.list().data]
