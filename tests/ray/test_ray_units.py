@@ -1,4 +1,4 @@
-"""The ingress and the in-process ASGI call without a Ray cluster: routing options, streaming, disconnect."""
+"""lorastar.ray without a Ray cluster: ingress routing options, streaming, the in-process ASGI call, eviction."""
 
 from __future__ import annotations
 
@@ -162,3 +162,58 @@ def test_replica_failure_is_an_openai_503() -> None:
         assert json.loads(response.body)["error"]["code"] == 503
 
     asyncio.run(main())
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.unloaded: list[str] = []
+
+    async def unload_adapter(self, name: str) -> None:
+        self.unloaded.append(name)
+
+
+def _replica() -> Any:
+    from lorastar.ray.replica import ReplicaBase
+
+    replica = object.__new__(ReplicaBase)  # no engine, no Ray: only the eviction bookkeeping
+    replica.plugin = type("P", (), {"engine": FakeEngine()})()
+    replica.resident = {}
+    replica.adapter_unloads = 0
+    return replica
+
+
+def test_eviction_waits_for_in_flight_requests() -> None:
+    from lorastar.ray.replica import ResidentAdapter
+
+    async def main() -> None:
+        replica = _replica()
+        resident = replica.resident["a1"] = ResidentAdapter(replica, "a1")
+        assert resident.acquire()
+        evicting = asyncio.create_task(resident.__del__())  # what Ray awaits on LRU eviction
+        await asyncio.sleep(0.05)
+        assert not evicting.done() and replica.plugin.engine.unloaded == []
+        assert not resident.acquire()  # new requests load it again instead of pinning this one
+        resident.release()
+        await asyncio.wait_for(evicting, 5)
+        assert replica.plugin.engine.unloaded == ["a1"] and replica.resident == {}
+
+    asyncio.run(main())
+
+
+def test_eviction_keeps_a_reloaded_adapter() -> None:
+    from lorastar.ray.replica import ResidentAdapter
+
+    async def main() -> None:
+        replica = _replica()
+        old = ResidentAdapter(replica, "a1")
+        new = replica.resident["a1"] = ResidentAdapter(replica, "a1")  # loaded again meanwhile
+        await old.__del__()
+        assert replica.plugin.engine.unloaded == [] and replica.resident == {"a1": new}
+
+    asyncio.run(main())
+
+
+def test_gc_never_awaits_eviction() -> None:
+    from lorastar.ray.replica import ResidentAdapter
+
+    assert "__del__" not in vars(ResidentAdapter)  # an instance attribute: Ray's hook, not Python's
