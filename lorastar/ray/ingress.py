@@ -1,0 +1,87 @@
+"""The ingress deployment: reads ``model`` from the JSON body and forwards to a replica.
+
+Adapter requests carry ``multiplexed_model_id=model`` on the handle, so Ray's router prefers a
+replica that already holds the adapter; requests for the base model (or for ``config.adapters``,
+which every replica holds) and every other route go to any replica. Responses stream through the
+handle (``stream=True``): server-sent events reach the client chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from lorastar.plugin.errors import APIError
+from lorastar.ray.asgi_call import ResponseStart
+
+ROUTINGS = ("multiplexed", "adapter_blind")
+
+
+def model_of(method: str, body: bytes) -> str | None:
+    """The ``model`` field of a JSON object body, else ``None`` (the routes report bad bodies)."""
+    if method.upper() != "POST" or not body:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+class LoraStarIngress:
+    """Thin HTTP front: no engine, no model weights; one per app is enough for CPU tests.
+
+    ``routing="adapter_blind"`` sends adapter requests without a multiplexed id (Serve's default
+    router, which ignores which adapters a replica holds): the benchmark's baseline.
+    """
+
+    def __init__(self, replicas: Any, base_names: list[str], routing: str = "multiplexed") -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        self.replicas = replicas
+        self.base_names = frozenset(base_names)
+        self.routing = routing
+
+    def adapter_of(self, method: str, body: bytes) -> str | None:
+        model = model_of(method, body)
+        return None if model is None or model in self.base_names else model
+
+    async def __call__(self, request: Request) -> Response:
+        body = await request.body()
+        adapter = self.adapter_of(request.method, body)
+        options: dict[str, Any] = {"stream": True}
+        if adapter is not None and self.routing == "multiplexed":
+            options["multiplexed_model_id"] = adapter
+        stream = self.replicas.options(**options).handle_http.remote(
+            adapter,
+            request.method,
+            request.url.path,
+            request.url.query.encode(),
+            [(k.lower(), v) for k, v in request.headers.raw],
+            body,
+        )
+        try:
+            start = await stream.__anext__()
+            if not isinstance(start, ResponseStart):
+                raise TypeError(f"replica sent {type(start).__name__} before the response start")
+        except Exception as exc:  # a replica died or Ray failed: an OpenAI error, never a bare 500
+            error = APIError(f"No replica could serve the request ({type(exc).__name__}).", 503)
+            return Response(msgspec.json.encode(error.body()), 503, media_type="application/json")
+        content_type = (start.header(b"content-type") or b"").decode("latin-1")
+        if content_type.startswith("text/event-stream"):
+            response: Response = StreamingResponse(_rest(stream), status_code=start.status)
+        else:
+            response = Response(b"".join([chunk async for chunk in stream]), status_code=start.status)
+        response.raw_headers = list(start.headers)
+        return response
+
+
+async def _rest(stream: Any) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        yield chunk
