@@ -94,10 +94,15 @@ class KVScales:
         ones = [1.0] * self.num_layers
         if not is_fp8_kv(kv_cache_dtype) or not self.from_checkpoint:
             return ones, list(ones)
-        for name, d in (("k_scale", self.k), ("v_scale", self.v)):
-            missing = [i for i in range(self.num_layers) if i not in d]
-            if missing:
-                raise ValueError(f"model.layers.{missing[0]}.self_attn.{name}: missing from the checkpoint")
+        missing = [
+            f"model.layers.{i}.self_attn.{which}_scale"
+            for i in range(self.num_layers)
+            for which, d in (("k", self.k), ("v", self.v))
+            if i not in d
+        ]
+        if missing:
+            more = f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""
+            raise ValueError(f"{', '.join(missing[:4])}{more}: missing from the checkpoint")
         return [self.k[i] for i in range(self.num_layers)], [self.v[i] for i in range(self.num_layers)]
 
 
