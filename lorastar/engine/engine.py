@@ -20,7 +20,7 @@ from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
-from lorastar.engine.metrics import EngineStats
+from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
 from lorastar.engine.request import Request, Sequence
@@ -169,6 +169,7 @@ class LLMEngine:
             prompt_logprobs_hits=self._prompt_logprobs_hits,
         )
         self.prompt_logprobs_cache = PromptLogprobsCache()
+        self.iteration_tokens = TokenHistogram()
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_id=list(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -405,6 +406,7 @@ class LLMEngine:
                     sch.seq.request.first_scheduled_time = now
             self._seed_prompt_logprobs(out)
             result = self.runner.execute(out, self._adapter_slots(out))
+            self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
             self.scheduler.update(out)
             self._store_prompt_logprobs(out, result)
             return self._process(out, result.logits)
@@ -775,6 +777,11 @@ class LLMEngine:
                 max_loras=self.config.max_loras,
                 adapters=adapters,
                 adapter_generation_tokens=dict(self.adapter_tokens),
+                adapter_tiers={a.name: a.tier for a in self.registry.list()},
+                block_size=self.block_manager.block_size,
+                cache_dtype=self.config.kv_cache_dtype,
+                enable_prefix_caching=self.block_manager.enable_prefix_caching,
+                iteration_tokens=self.iteration_tokens.snapshot(),
             )
 
     def check_invariants(self) -> None:

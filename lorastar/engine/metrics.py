@@ -22,3 +22,31 @@ class EngineStats:
     adapters: dict[str, dict[str, int]] = field(default_factory=dict)
     # adapter name -> generated tokens so far
     adapter_generation_tokens: dict[str, int] = field(default_factory=dict)
+    # adapter name -> "device" (holds a slot) | "cpu" (weights in host memory) | "disk"
+    adapter_tiers: dict[str, str] = field(default_factory=dict)
+    block_size: int = 0
+    cache_dtype: str = "auto"
+    enable_prefix_caching: bool = False
+    # Tokens per engine step (vLLM's iteration_tokens_total): cumulative bucket counts and sum.
+    iteration_tokens: TokenHistogram | None = None
+
+
+# vLLM's buckets for tokens per step.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class TokenHistogram:
+    """A Prometheus-style histogram kept by the engine (torch-free; one ``observe`` per step)."""
+
+    buckets: tuple[int, ...] = ITERATION_TOKEN_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))  # last: +Inf
+    total: float = 0.0
+
+    def observe(self, value: int) -> None:
+        i = next((j for j, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += 1
+        self.total += value
+
+    def snapshot(self) -> TokenHistogram:
+        return TokenHistogram(self.buckets, list(self.counts), self.total)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 CONTENT_TYPE = "text/plain; version=0.0.4"  # Litestar appends the charset
 
@@ -90,6 +90,9 @@ _E2E_BUCKETS = (
     7680.0,
 )
 
+# vLLM's 1-2-5 buckets for token counts (up to a 128k context).
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5) if m * 10**e <= 131072)
+
 
 def _get(obj: Any, name: str, default: Any = 0) -> Any:
     if isinstance(obj, dict):
@@ -154,6 +157,51 @@ class _EngineCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             _get(stats, "prefix_cache_hits"),
         )
+        # The names vLLM's production-stack router (and older dashboards) still read.
+        yield gauge(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage (older name of vllm:kv_cache_usage_perc).",
+            _get(stats, "kv_cache_usage", 0.0),
+        )
+        yield counter(
+            "vllm:gpu_prefix_cache_queries",
+            "Prefix cache queries, in tokens (older name of vllm:prefix_cache_queries).",
+            _get(stats, "prefix_cache_queries"),
+        )
+        yield counter(
+            "vllm:gpu_prefix_cache_hits",
+            "Prefix cache hits, in tokens (older name of vllm:prefix_cache_hits).",
+            _get(stats, "prefix_cache_hits"),
+        )
+        queries = _get(stats, "prefix_cache_queries")
+        yield gauge(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Prefix cache hit rate since start (hits / queried tokens).",
+            _get(stats, "prefix_cache_hits") / queries if queries else 0.0,
+        )
+        info_labels = {
+            "block_size": str(_get(stats, "block_size")),
+            "cache_dtype": str(_get(stats, "cache_dtype", "auto")),
+            "enable_prefix_caching": str(bool(_get(stats, "enable_prefix_caching", False))),
+            "num_cpu_blocks": "0",
+            "num_gpu_blocks": str(_get(stats, "num_blocks")),
+        }
+        cache_info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig.", labels=list(info_labels)
+        )
+        cache_info.add_metric(list(info_labels.values()), 1.0)
+        yield cache_info
+        hist = _get(stats, "iteration_tokens", None)
+        if hist is not None:
+            h = HistogramMetricFamily(
+                "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels=labels
+            )
+            cumulative, running_count = [], 0
+            for bound, n in zip([*map(str, hist.buckets), "+Inf"], hist.counts):
+                running_count += n
+                cumulative.append((bound, float(running_count)))
+            h.add_metric([name], cumulative, float(hist.total))
+            yield h
         yield counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", _get(stats, "prompt_tokens_total")
         )
@@ -170,10 +218,17 @@ class _EngineCollector:
         items = (
             adapters.items() if isinstance(adapters, dict) else ((_get(a, "name", ""), a) for a in adapters)
         )
+        tiers: dict[str, str] = _get(stats, "adapter_tiers", None) or {}
+        # "running" lists the adapters resident in device slots (routers read it as "loaded in GPU
+        # memory"; a warm adapter with no request in flight still routes best to this replica),
+        # plus any with requests running; "waiting": adapters with queued requests, not resident.
+        resident = {a for a, t in tiers.items() if t == "device"}
         for adapter, counts in items:
             if _get(counts, "running", _get(counts, "num_running", 0)):
-                running.append(str(adapter))
-            if _get(counts, "waiting", _get(counts, "num_waiting", 0)):
+                resident.add(str(adapter))
+        running = sorted(resident)
+        for adapter, counts in items:
+            if _get(counts, "waiting", _get(counts, "num_waiting", 0)) and str(adapter) not in resident:
                 waiting.append(str(adapter))
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
@@ -181,8 +236,17 @@ class _EngineCollector:
             labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
         )
         max_lora = _get(stats, "max_loras", None) or self._max_loras()
-        info.add_metric([str(max_lora), ",".join(sorted(waiting)), ",".join(sorted(running))], time.time())
+        info.add_metric([str(max_lora), ",".join(sorted(waiting)), ",".join(running)], time.time())
         yield info
+        held = GaugeMetricFamily(
+            "lorastar:lora_adapter_info",
+            "1 for each adapter this server holds, by tier: device (a LoRA slot) or cpu (host memory).",
+            labels=["model_name", "adapter", "tier"],
+        )
+        for adapter, tier in sorted(tiers.items()):
+            if tier in ("device", "cpu"):
+                held.add_metric([name, adapter, tier], 1.0)
+        yield held
 
 
 class PluginMetrics:
@@ -216,6 +280,35 @@ class PluginMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
+        self.prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            ["model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            ["model_name"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.phase = {
+            phase: Histogram(
+                f"vllm:request_{phase}_time_seconds",
+                doc,
+                ["model_name"],
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            )
+            for phase, doc in (
+                ("queue", "Histogram of time spent in WAITING phase for request."),
+                ("prefill", "Histogram of time spent in PREFILL phase for request."),
+                ("decode", "Histogram of time spent in DECODE phase for request."),
+                ("inference", "Histogram of time spent in RUNNING phase for request."),
+            )
+        }
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -260,11 +353,28 @@ class PluginMetrics:
             h.observe(per)
 
     def request_finished(
-        self, adapter: str, seconds: float, prompt_tokens: int, generation_tokens: int, reasons: list[str]
+        self,
+        adapter: str,
+        seconds: float,
+        prompt_tokens: int,
+        generation_tokens: int,
+        reason: str,
+        times: Any = None,
     ) -> None:
+        """One finished request (all its choices): ``reason`` is its first choice's finish reason;
+        ``times`` its ``RequestMetrics`` (engine timestamps) when the engine gave them."""
         name = self._model_name()
         self.e2e.labels(name).observe(max(seconds, 0.0))
+        self.prompt_tokens.labels(name).observe(prompt_tokens)
+        self.generation_tokens.labels(name).observe(generation_tokens)
         self.adapter_prompt_tokens.labels(name, adapter).inc(prompt_tokens)
         self.adapter_generation_tokens.labels(name, adapter).inc(generation_tokens)
-        for reason in reasons:
-            self.success.labels(name, reason or "unknown").inc()
+        self.success.labels(name, reason or "unknown").inc()
+        if times is None:
+            return
+        arrival, scheduled = times.arrival_time, times.first_scheduled_time
+        first, last = times.first_token_time, times.last_token_time
+        for phase, a, b in (("queue", arrival, scheduled), ("prefill", scheduled, first),
+                            ("decode", first, last), ("inference", scheduled, last)):  # fmt: skip
+            if a is not None and b is not None:
+                self.phase[phase].labels(name).observe(max(b - a, 0.0))

@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 
 from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import RequestOutputKind
 from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableError
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
@@ -258,7 +259,8 @@ class LoraStarService:
         self.metrics.request_started(label)
         t0 = time.monotonic()
         last_t: float | None = None
-        prev_tokens = 0
+        prev_tokens = 0  # generated so far (all choices)
+        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA  # outputs hold new tokens
         finished = False
         try:
             async with aclosing(
@@ -266,7 +268,8 @@ class LoraStarService:
             ) as gen:
                 async for out in gen:
                     now = time.monotonic()
-                    ntok = sum(len(o.token_ids) for o in out.outputs)
+                    got = sum(len(o.token_ids) for o in out.outputs)
+                    ntok = prev_tokens + got if delta else got
                     new = ntok - prev_tokens
                     if new > 0:
                         if last_t is None:
@@ -283,7 +286,8 @@ class LoraStarService:
                             now - t0,
                             len(out.prompt_token_ids),
                             ntok,
-                            [o.finish_reason or "unknown" for o in out.outputs],
+                            next((o.finish_reason for o in out.outputs if o.finish_reason), "unknown"),
+                            out.metrics,
                         )
                     yield out
         finally:
