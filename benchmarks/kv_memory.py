@@ -13,6 +13,11 @@
 3. Parallel sampling ``n=4``: peak blocks used by one request with ``SamplingParams(n=4)`` (the
    samples share the prompt's blocks, copy-on-write) against 4 separate requests for the same
    prompt with prefix caching off (and on, for reference).
+4. Sliding windows: blocks one long request holds as it grows (``--window-prompt`` + ``--window-new``
+   tokens, window ``--window``), on tiny random models written with transformers: Mistral-style
+   (every layer windowed: blocks outside the window are freed) and Gemma 2-style (alternating
+   local/global layers: one block table serves both, so every block is kept; the local layers'
+   share of the blocks behind their window is the measured waste of that simpler rule).
 
     .venv/bin/python benchmarks/kv_memory.py            # full run
     .venv/bin/python benchmarks/kv_memory.py --quick    # smoke run
@@ -55,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--share-prompts", type=str, default="100,300,500", help="prompt lengths for the n=4 test")
     p.add_argument("--share-new-tokens", type=int, default=32)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--window-prompt", type=int, default=1024)
+    p.add_argument("--window-new", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
@@ -63,6 +71,7 @@ def parse_args() -> argparse.Namespace:
     if a.quick:
         a.requests, a.prompt_range, a.output_range = 12, "16,96", "8,32"
         a.max_model_len, a.share_prompts, a.share_new_tokens = 256, "40", 8
+        a.window, a.window_prompt, a.window_new = 64, 200, 64
     a.prompt_lo, a.prompt_hi = (int(x) for x in a.prompt_range.split(","))
     a.out_lo, a.out_hi = (int(x) for x in a.output_range.split(","))
     a.share = [int(x) for x in a.share_prompts.split(",")]
@@ -213,6 +222,73 @@ def sharing(a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+# ------------------------------------------------------------------------------------ 4
+
+
+def _tiny_windowed(path: Path, family: str, window: int, max_pos: int) -> tuple[str, int, int]:
+    """A random 4-layer checkpoint; returns (path, local layers, layers)."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    kw = dict(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=49152, max_position_embeddings=max_pos,
+        sliding_window=window, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if family == "mistral":
+        model, local = MistralForCausalLM(MistralConfig(**kw)), 4
+    else:
+        model, local = Gemma2ForCausalLM(Gemma2Config(**kw)), 2
+    model.save_pretrained(path)
+    return str(path), local, 4
+
+
+def windows(a: argparse.Namespace) -> list[dict[str, Any]]:
+    import tempfile
+
+    from lorastar import LLM, SamplingParams
+    from lorastar.engine.block_manager import NULL_BLOCK
+    from lorastar.models.default import default_model_dir
+
+    bs, chunk = a.block_size, 256
+    total = a.window_prompt + a.window_new
+    rows = []
+    tok_dir = default_model_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in ("mistral", "gemma2"):
+            path, local, layers = _tiny_windowed(Path(tmp) / family, family, a.window, total + 64)
+            llm = LLM(path, tokenizer=str(tok_dir), block_size=bs, num_kv_blocks=blocks(total, bs) + 8,
+                      max_num_batched_tokens=chunk, max_model_len=total + 64, enable_prefix_caching=False)  # fmt: skip
+            eng = llm.engine
+            prompt = [random.Random(a.seed).randrange(3, 49152) for _ in range(a.window_prompt)]
+            eng.add_request(prompt, SamplingParams(max_tokens=a.window_new, temperature=0.0, ignore_eos=True))
+            held: list[tuple[int, int]] = []  # (tokens in the sequence, blocks held)
+            while eng.has_unfinished():
+                eng.step()
+                for seq in eng.scheduler.running:
+                    held.append((seq.num_computed_tokens, sum(b != NULL_BLOCK for b in seq.block_table)))
+            eng.check_invariants()
+            final_blocks = held[-1][1]
+            needed = blocks(a.window + 1, bs) + 1  # the window plus the block being written
+            # Hybrid rule: local layers keep all blocks; those behind their window are never read.
+            wasted = local / layers * max(0, final_blocks - needed) if family == "gemma2" else 0.0
+            rows.append(
+                {
+                    "model": "Mistral-style (all layers local)" if family == "mistral" else "Gemma 2-style (local/global)",
+                    "local_layers": f"{local}/{layers}",
+                    "window": a.window,
+                    "tokens": total,
+                    "full_attention_blocks": blocks(total, bs),
+                    "peak_blocks": max(h for _, h in held),
+                    "final_blocks": final_blocks,
+                    "wasted_block_equiv": wasted,
+                    "trace": held,
+                }
+            )
+    return rows
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -227,6 +303,8 @@ def main() -> None:
     mw = mixed_workload(a, mon)
     mon.sample()
     share = sharing(a)
+    mon.sample()
+    win = windows(a)
     mon.sample()
 
     t1 = markdown_table(
@@ -279,6 +357,15 @@ def main() -> None:
             for r in share
         ],
     )  # fmt: skip
+    t4 = markdown_table(
+        ["model", "local layers", "window", "tokens", "blocks, full attention", "peak blocks held",
+         "blocks held at the end", "waste (block-equivalents)"],
+        [
+            [r["model"], r["local_layers"], r["window"], r["tokens"], r["full_attention_blocks"], r["peak_blocks"],
+             r["final_blocks"], f"{r['wasted_block_equiv']:.1f} ({100 * r['wasted_block_equiv'] / r['final_blocks']:.0f}%)"]
+            for r in win
+        ],
+    )  # fmt: skip
     waste_ok = mw["waste_mean"] < 0.04 and mw["waste_max"] < 0.04
     targets = [
         f"Target (issue 2): KV waste < 4%: mean {100 * mw['waste_mean']:.2f}%, max {100 * mw['waste_max']:.2f}% -> "
@@ -294,6 +381,8 @@ def main() -> None:
         t2,
         "## Parallel sampling n=4: blocks with and without sharing",
         t3,
+        "## Sliding windows: blocks one long request holds",
+        t4,
     ]
     for s in text_sections:
         print(s + "\n")
@@ -310,23 +399,32 @@ def main() -> None:
         "copies the partly filled last prompt block on its first write. 'Separate' = 4 identical requests "
         "submitted together (with prefix caching on they are admitted in the same step, before any block is "
         "committed, so they mostly cannot share either). Ideal = full prompt blocks once + each sample's own tail.",
+        "Sliding windows: with every layer windowed, blocks wholly before the next query's window are freed as "
+        "the sequence advances (peak = window + one prefill chunk). With local and global layers one block table "
+        "serves both and every block is kept; the waste column counts the local layers' share of the blocks "
+        "behind their window (vLLM's hybrid KV manager gives each layer type its own tables to avoid it).",
         *targets,
     ]
     write_results(
         "kv_memory",
         a.out,
         text_sections,
-        {"env": env, "env_start": env_start, "args": vars(a), "mixed": mw, "sharing": share},
+        {"env": env, "env_start": env_start, "args": vars(a), "mixed": mw, "sharing": share, "windows": win},
         notes=notes,
     )
-    plot(a, mw, share, a.out / "kv_memory.png", env)
+    plot(a, mw, share, win, a.out / "kv_memory.png", env)
     print(f"wrote {a.out / 'kv_memory.md'} and kv_memory.png")
 
 
 def plot(
-    a: argparse.Namespace, mw: dict[str, Any], share: list[dict[str, Any]], path: Path, env: str
+    a: argparse.Namespace,
+    mw: dict[str, Any],
+    share: list[dict[str, Any]],
+    win: list[dict[str, Any]],
+    path: Path,
+    env: str,
 ) -> None:
-    fig, (ax, ax2, ax3) = new_figure(3, width=5.0)
+    fig, (ax, ax2, ax3, ax4) = new_figure(4, width=5.0)
     steps = [s["step"] for s in mw["samples"]]
     ax.plot(steps, [100 * s["waste"] for s in mw["samples"]], label="paged (measured)")
     ax.plot(
@@ -363,6 +461,16 @@ def plot(
     ax3.set_title(f"n=4 sampling, {a.share_new_tokens} new tokens")
     ax3.legend(fontsize=8)
     ax3.grid(alpha=0.3, axis="y")
+
+    for r in win:
+        ax4.plot([t for t, _ in r["trace"]], [h for _, h in r["trace"]], label=r["model"])
+    ax4.plot([0, win[0]["tokens"]], [0, win[0]["full_attention_blocks"]], color="gray", linestyle="--",
+             label="full attention")  # fmt: skip
+    ax4.set_xlabel("tokens in the sequence")
+    ax4.set_ylabel("KV blocks held")
+    ax4.set_title(f"sliding window {a.window}")
+    ax4.legend(fontsize=8)
+    ax4.grid(alpha=0.3)
     save_figure(fig, path, env)
 
 

@@ -66,6 +66,50 @@ TINY_CONFIGS: dict[str, dict] = {
         max_position_embeddings=4608,
         tie_word_embeddings=True,
     ),  # fmt: skip
+    # Sliding windows several times shorter than the test sequences: every layer (Mistral: blocks
+    # outside the window are freed), and only layers >= max_window_layers (Qwen2: all blocks kept)
+    "mistral-window": dict(
+        arch="mistral",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        sliding_window=24,
+    ),
+    "qwen2-window": dict(
+        arch="qwen2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=20,
+        max_window_layers=1,
+    ),
+    # Gemma 2: alternating local/global layers, both soft-caps, query_pre_attn_scalar != head_dim
+    "gemma2": dict(
+        arch="gemma2",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=8.0,
+        final_logit_softcapping=0.5,
+    ),
+    # Gemma 3: q/k norms, two RoPE bases (global one linearly scaled), local-global-local layers
+    "gemma3": dict(
+        arch="gemma3",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=20,
+        query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    ),
     # Mistral: GQA, untied, sliding window wider than any test sequence
     "mistral": dict(
         arch="mistral",
@@ -78,7 +122,7 @@ TINY_CONFIGS: dict[str, dict] = {
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
-    """Write a tiny random Llama/Mistral/Qwen2/Qwen3 checkpoint + SmolLM2's tokenizer into ``path``."""
+    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma checkpoint + SmolLM2's tokenizer into ``path``."""
     import shutil
     from pathlib import Path
 
@@ -112,6 +156,20 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
     kw = {**common, **spec}
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif arch in ("gemma2", "gemma3"):
+        from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+        kw.pop("rms_norm_eps")
+        if arch == "gemma2":
+            model = Gemma2ForCausalLM(Gemma2Config(**kw, rms_norm_eps=1e-6))
+        else:
+            model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, rms_norm_eps=1e-6))
+        with torch.no_grad():  # Gemma norms start at zero (weight 1 + 0): make them matter
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(0.0, 0.3)
+                elif "q_proj" in n or "k_proj" in n:  # attention logits big enough for the cap to bend
+                    p.normal_(0.0, 0.5)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw))
     elif arch == "qwen3":

@@ -5,6 +5,13 @@ Prefix cache: a *full* block is named by a hash chain over its tokens, the previ
 hash, the adapter's content hash and an engine salt (model + KV dtype), so only blocks whose
 KV is bit-for-bit reusable can match. Unreferenced blocks stay in the free queue with their
 hash (LRU: reused from the front) until their space is needed.
+
+Sliding windows: when every layer attends through the same window ``W`` (Mistral), a block whose
+last position is before the next query's window (``(i + 1) * BS <= computed - W + 1``) is never read
+again; ``release_outside_window`` gives it back and leaves ``NULL_BLOCK`` in its table entry, so a
+sequence holds at most ``ceil((W + chunk) / BS) + 1`` blocks however long it grows. Models that mix
+windowed and full layers (Gemma 2/3) keep every block: one block table serves all layers, and the
+full layers read them all (``benchmarks/kv_memory.py`` measures the memory the local layers waste).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from lorastar.engine.request import Sequence
+
+NULL_BLOCK = -1  # a block-table entry released by the sliding window (never read by attention)
 
 
 @dataclass
@@ -48,13 +57,20 @@ class KVCacheUsage:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: str = ""
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        salt: str = "",
+        sliding_window: int = 0,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window  # every layer's window (0: some layer attends fully)
         self._salt = hashlib.blake2b(salt.encode(), digest_size=16).digest()
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -118,7 +134,7 @@ class BlockManager:
         for i in range(seq.num_cached_blocks, full):
             bid = seq.block_table[i]
             h = hashes[i]
-            if self.block_hash[bid] is None and h not in self._cached:
+            if bid != NULL_BLOCK and self.block_hash[bid] is None and h not in self._cached:
                 self.block_hash[bid] = h
                 self._cached[h] = bid
         seq.num_cached_blocks = full
@@ -186,7 +202,8 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares all of ``parent``'s blocks (copy-on-write on its first write)."""
         for b in parent.block_table:
-            self.ref_counts[b] += 1
+            if b != NULL_BLOCK:
+                self.ref_counts[b] += 1
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_blocks = parent.num_cached_blocks
@@ -198,21 +215,45 @@ class BlockManager:
         # Check before changing anything: a double free leaves the state as it was.
         drops: dict[int, int] = {}
         for b in seq.block_table:
-            drops[b] = drops.get(b, 0) + 1
+            if b != NULL_BLOCK:
+                drops[b] = drops.get(b, 0) + 1
         for b, k in drops.items():
             if self.ref_counts[b] < k:
                 raise RuntimeError(f"block {b} freed twice (seq {seq.seq_id})")
         # Tail first: a later allocation then evicts suffix blocks before the shared prefix.
         for b in reversed(seq.block_table):
-            rc = self.ref_counts[b] - 1
-            self.ref_counts[b] = rc
-            if rc == 0:
-                self._free[b] = None
-                if self.block_hash[b] is None:
-                    self._free.move_to_end(b, last=False)
+            if b != NULL_BLOCK:
+                self._unref(b)
         seq.block_table = []
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0
+
+    def _unref(self, b: int) -> None:
+        rc = self.ref_counts[b] - 1
+        self.ref_counts[b] = rc
+        if rc == 0:
+            self._free[b] = None
+            if self.block_hash[b] is None:
+                self._free.move_to_end(b, last=False)
+
+    def release_outside_window(self, seq: Sequence) -> int:
+        """Give back ``seq``'s blocks that no future query can see (every layer's window has moved
+        past them); returns how many entries became ``NULL_BLOCK``. A no-op without a uniform window.
+        Cached content stays reusable as a prefix until its space is needed."""
+        w = self.sliding_window
+        if w <= 0:
+            return 0
+        # The next query sits at position num_computed_tokens and sees keys from computed - w + 1.
+        dead = min(max(0, seq.num_computed_tokens - w + 1) // self.block_size, len(seq.block_table))
+        released = 0
+        for i in range(dead - 1, -1, -1):  # newest first; stop at the entries released before
+            b = seq.block_table[i]
+            if b == NULL_BLOCK:
+                break
+            seq.block_table[i] = NULL_BLOCK
+            self._unref(b)
+            released += 1
+        return released
 
     def forget(self, seq: Sequence) -> None:
         """Drop the hash chain kept for a finished sequence."""
@@ -223,6 +264,8 @@ class BlockManager:
         fill: dict[int, int] = {}
         for s in seqs:
             for i, b in enumerate(s.block_table):
+                if b == NULL_BLOCK:
+                    continue
                 n = min(self.block_size, max(0, s.num_computed_tokens - i * self.block_size))
                 fill[b] = max(fill.get(b, 0), n)
         used = self.num_blocks - len(self._free)
@@ -233,8 +276,14 @@ class BlockManager:
         """Raise if reference counts disagree with the block tables (tests call this)."""
         expected = [0] * self.num_blocks
         for s in seqs:
-            for b in s.block_table:
-                expected[b] += 1
+            for i, b in enumerate(s.block_table):
+                if b != NULL_BLOCK:
+                    expected[b] += 1
+                elif (
+                    self.sliding_window <= 0
+                    or (i + 1) * self.block_size > s.num_computed_tokens - self.sliding_window + 1
+                ):
+                    raise RuntimeError(f"seq {s.seq_id}: block {i} released while still inside the window")
         if expected != self.ref_counts:
             bad = [i for i in range(self.num_blocks) if expected[i] != self.ref_counts[i]][:8]
             raise RuntimeError(f"block refcounts disagree with block tables at blocks {bad}")

@@ -36,6 +36,7 @@ from lorastar.errors import (
     LimitExceededError,
 )
 from lorastar.layers.lora import LoRADeviceState
+from lorastar.models.layer_types import uniform_window
 from lorastar.models.loader import DTYPES as _DTYPES
 from lorastar.models.loader import checkpoint_dtype, load_model, read_hf_config
 from lorastar.quant.kv_cache import KV_CACHE_DTYPES as _KV_DTYPES
@@ -85,12 +86,6 @@ class LLMEngine:
         cfg = self.hf_config
         max_pos = int(cfg.get("max_position_embeddings", 8192))
         max_len = config.max_model_len or min(max_pos, 8192)
-        if (
-            cfg.get("sliding_window")
-            and cfg.get("use_sliding_window", True)
-            and cfg["model_type"] == "mistral"
-        ):
-            max_len = min(max_len, int(cfg["sliding_window"]))  # no sliding-window attention: stay inside it
         if max_len > max_pos:
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
@@ -149,7 +144,14 @@ class LLMEngine:
             on_slot_assigned=lambda slot, w: self.lora_state.load_slot(slot, w.content_hash, w.weights),
         )
         self.kv_spec = spec
-        self.max_model_len = min(max_len, spec.num_blocks * spec.block_size)
+        # A sequence holds every block it wrote, unless all layers slide over one window: then at
+        # most the window plus one chunk (block_manager.release_outside_window), whatever its length.
+        window = uniform_window(self.model.layer_windows)
+        chunk = config.max_num_batched_tokens or max(2048, config.block_size)
+        held = -(-(window + chunk) // spec.block_size) + 2 if window else spec.num_blocks + 1
+        self.max_model_len = (
+            max_len if held <= spec.num_blocks else min(max_len, spec.num_blocks * spec.block_size)
+        )
         self.max_prompt_bytes = config.max_prompt_bytes or 64 * self.max_model_len
         self.runner = ModelRunner(
             self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
@@ -158,8 +160,9 @@ class LLMEngine:
         )  # fmt: skip
         salt = f"{self.model_dir.resolve()}|{self.dtype}|{kv_dtype}|{config.quantization}"
         self.block_manager = BlockManager(
-            spec.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, salt=salt
-        )
+            spec.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, salt=salt,
+            sliding_window=window,
+        )  # fmt: skip
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,

@@ -230,7 +230,8 @@ class Scheduler:
             if s.seq.status is not SeqStatus.RUNNING:
                 continue
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.bm.commit(s.seq)
+            self.bm.commit(s.seq)  # before the window releases any of its blocks
+            self.bm.release_outside_window(s.seq)
 
     def add_forked(self, parent: Sequence, child: Sequence) -> None:
         """A sample of ``parent``'s request that shares its blocks (n > 1, beam search)."""

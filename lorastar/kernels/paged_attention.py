@@ -13,6 +13,10 @@ Two Triton kernels, both with online softmax in fp32 and K/V read through the bl
 * prefill / chunked prefill / mixed: one program per (sequence, tile of query rows, query head),
   causal mask on absolute positions, so chunks with prior context in the cache work too.
 
+Sliding windows (``sliding_window`` w > 0) start each row's key loop at its window, so block-table
+entries wholly before every row's window are never read (the block manager may have freed them);
+attention-logit soft-capping (``softcap`` c > 0, Gemma 2) maps scores through ``c * tanh(s / c)``.
+
 FP8 caches (e4m3 / e5m2) convert exactly to the query dtype after the load; ``k_scale`` folds
 into the softmax scale and ``v_scale`` multiplies the output (scales are ignored for 16/32-bit caches).
 """
@@ -99,10 +103,19 @@ if HAS_TRITON:
         return tile.to(OUT_DTYPE)
 
     @triton.jit
+    def _softcap_log2(s, cap):
+        # cap * tanh(s / cap), then into the base-2 softmax domain; tanh via exp(-2|y|) (stable
+        # for any |y|, and the interpreter has no tanh).
+        y = s / cap
+        t = tl.exp(-2.0 * tl.abs(y))
+        th = (1.0 - t) / (1.0 + t)
+        return cap * tl.where(y >= 0, th, -th) * 1.4426950408889634
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
         tmp_acc_ptr, tmp_m_ptr, tmp_l_ptr,
-        qk_scale, v_scale, partition,
+        qk_scale, v_scale, partition, window, softcap,
         stride_qt, stride_qh, stride_qd,
         stride_cb, stride_cs, stride_ch, stride_cd,
         stride_bt,
@@ -110,7 +123,7 @@ if HAS_TRITON:
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -119,7 +132,10 @@ if HAS_TRITON:
         if tl.load(qsl_ptr + b + 1) == q_row:  # sequence with no token this step
             return
         seq_len = tl.load(seq_lens_ptr + b)
-        start = split * partition
+        ctx_lo = 0  # first key position the (single) query row sees
+        if window > 0:
+            ctx_lo = tl.maximum(seq_len - window, 0)
+        start = ctx_lo + split * partition
         if start >= seq_len:  # nothing of this sequence in this split (the reduce masks it out)
             return
         end = tl.minimum(start + partition, seq_len)
@@ -158,7 +174,11 @@ if HAS_TRITON:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))  # [BG, BN], log2 domain
+            if USE_SOFTCAP:
+                s = _softcap_log2(s * qk_scale, softcap)
+            else:
+                s = s * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))  # [BG, BN], log2 domain
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -194,7 +214,7 @@ if HAS_TRITON:
     @triton.jit
     def _decode_reduce_kernel(
         tmp_acc_ptr, tmp_m_ptr, tmp_l_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-        partition,
+        partition, window,
         stride_ot, stride_oh, stride_od,
         NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -205,7 +225,10 @@ if HAS_TRITON:
         if tl.load(qsl_ptr + b + 1) == q_row:
             return
         seq_len = tl.load(seq_lens_ptr + b)
-        num_valid = tl.cdiv(seq_len, partition)  # splits that saw any context (others wrote nothing)
+        span = seq_len
+        if window > 0:
+            span = tl.minimum(seq_len, window)
+        num_valid = tl.cdiv(span, partition)  # splits that saw any context (others wrote nothing)
         offs_s = tl.arange(0, BLOCK_S)
         mask_s = (offs_s < num_valid) & (offs_s < NUM_SPLITS)
         row = (b * NUM_Q_HEADS + h) * NUM_SPLITS + offs_s
@@ -228,14 +251,14 @@ if HAS_TRITON:
     @triton.jit
     def _prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-        qk_scale, v_scale,
+        qk_scale, v_scale, window, softcap,
         stride_qt, stride_qh, stride_qd,
         stride_cb, stride_cs, stride_ch, stride_cd,
         stride_bt,
         stride_ot, stride_oh, stride_od,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        IEEE: tl.constexpr,
+        IEEE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -270,7 +293,11 @@ if HAS_TRITON:
         offs_n = tl.arange(0, BLOCK_N)
         # Causal: the last row of this tile sees keys up to its own position, nothing beyond.
         hi = tl.minimum(seq_len, ctx_before + (pid_m + 1) * BLOCK_M)
-        for n0 in range(0, hi, BLOCK_N):
+        # Sliding window: the first row of this tile sees nothing before its own window.
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(ctx_before + pid_m * BLOCK_M - window + 1, 0)
+        for n0 in range(lo, hi, BLOCK_N):
             pos = n0 + offs_n
             mask_n = pos < hi
             blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=mask_n, other=0)
@@ -288,17 +315,26 @@ if HAS_TRITON:
             else:
                 s = tl.dot(q, tl.trans(k))
             visible = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s * qk_scale, float("-inf"))  # [BM, BN]; key 0 always visible
+            if window > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            if USE_SOFTCAP:
+                s = _softcap_log2(s * qk_scale, softcap)
+            else:
+                s = s * qk_scale
+            s = tl.where(visible, s, float("-inf"))  # [BM, BN]
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            # A row may see no key of a tile before its window opens: keep exp2 away from -inf - -inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc * v_scale / l_i[:, None]
+        # Rows past q_len (never stored) may have seen no key at all: no 0 / 0 for them.
+        out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr
             + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot
@@ -338,11 +374,15 @@ def paged_attention(
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its paged KV cache (Triton).
 
     Semantics: ``for b: rows = qsl[b]:qsl[b+1]; L = seq_lens[b]; K = gather(k_cache, block_tables[b], L) * k_scale;``
-    ``out[rows] = softmax(scale * q[rows] @ K.T + causal(L - len(rows)), -1) @ V`` (GQA: head h reads kv head h // G).
+    ``out[rows] = softmax(cap(scale * q[rows] @ K.T) + causal(L - len(rows), w), -1) @ V`` (GQA: head h reads
+    kv head h // G; ``cap(s) = c * tanh(s / c)`` when ``softcap`` c > 0; row at position p sees keys
+    ``max(0, p - w + 1)..p`` when ``sliding_window`` w > 0, else ``0..p``).
 
     Args:
         q: ``[T, Hq, D]`` queries (any strides).
@@ -357,6 +397,9 @@ def paged_attention(
         k_scale, v_scale: FP8 dequantization scales.
         out: optional ``[T, Hq, D]`` output buffer.
         num_splits: force the decode kernel's context splits (tests); ``None`` picks.
+        sliding_window: keys per row (0: unlimited); entries of ``block_tables`` before every row's
+            window are never read (they may be freed blocks).
+        softcap: attention-logit soft-capping (0: none).
 
     Returns:
         ``[T, Hq, D]`` in ``q.dtype`` (or ``out``). Rows past ``query_start_loc[B]`` are not written.
@@ -377,7 +420,10 @@ def paged_attention(
         k_scale = v_scale = 1.0
     ieee = q.dtype == torch.float32  # fp32 models get exact fp32 dots, not tf32
     # Softmax in base 2; the FP8 key scale folds in here: (q . k * ks) * scale = q . k * (ks * scale).
-    qk_scale = float(scale) * float(k_scale) * _LOG2E
+    use_softcap = softcap > 0
+    qk_scale = float(scale) * float(k_scale) * (1.0 if use_softcap else _LOG2E)  # softcap: log2 after tanh
+    window = max(0, int(sliding_window))
+    span = min(max_seq_len, window) if window else max_seq_len  # keys the longest decode row reads
     on_gpu = q.is_cuda
     common_strides = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -396,10 +442,10 @@ def paged_attention(
             block_n = 32 if (ieee and block_d > 64) else (128 if fp8 and block_d <= 128 else 64)
         else:
             block_n = 32
-        splits = num_splits or _decode_splits(batch, num_kv_heads, max_seq_len, block_n, q.device)
+        splits = num_splits or _decode_splits(batch, num_kv_heads, span, block_n, q.device)
         # Whole BLOCK_N tiles per split, so only the last split of a sequence has a ragged tile.
-        partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
-        splits = triton.cdiv(max(max_seq_len, 1), partition)
+        partition = triton.cdiv(triton.cdiv(max(span, 1), splits), block_n) * block_n
+        splits = triton.cdiv(max(span, 1), partition)
         if splits > 1:
             tmp_acc = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
             tmp_m = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
@@ -409,18 +455,18 @@ def paged_attention(
         _decode_kernel[(batch, num_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
             tmp_acc, tmp_m, tmp_l,
-            qk_scale, float(v_scale), partition,
+            qk_scale, float(v_scale), partition, window, float(softcap),
             *common_strides,
             NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             NUM_SPLITS=splits,
             BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
-            IEEE=ieee,
+            IEEE=ieee, USE_SOFTCAP=use_softcap,
             num_warps=4,
         )  # fmt: skip
         if splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
                 tmp_acc, tmp_m, tmp_l, seq_lens, query_start_loc, out,
-                partition,
+                partition, window,
                 out.stride(0), out.stride(1), out.stride(2),
                 NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
                 BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
@@ -435,11 +481,11 @@ def paged_attention(
     grid = (batch, triton.cdiv(max_query_len, block_m), num_q_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        qk_scale, float(v_scale),
+        qk_scale, float(v_scale), window, float(softcap),
         *common_strides,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        IEEE=ieee,
+        IEEE=ieee, USE_SOFTCAP=use_softcap,
         num_warps=4,
     )  # fmt: skip
     return out

@@ -54,11 +54,15 @@ def ref_paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its paged context, in fp32.
 
-    Row ``i`` of sequence ``b`` (``q_len`` new rows) sits at position ``seq_lens[b] - q_len + i``
-    and attends to positions ``0..`` that one. GQA: query head ``h`` reads kv head ``h // G``.
+    Row ``i`` of sequence ``b`` (``q_len`` new rows) sits at position ``p = seq_lens[b] - q_len + i``
+    and attends to positions ``0..p`` (with ``sliding_window`` w > 0: ``p - w + 1..p``, as
+    transformers' ``kv_idx > q_idx - w``; block-table entries before that are never read). GQA: query
+    head ``h`` reads kv head ``h // G``. ``softcap`` c > 0: scores become ``c * tanh(scores / c)``.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -73,7 +77,12 @@ def ref_paged_attention(
             continue
         # Gather the context one position at a time: obviously right, no index arithmetic tricks.
         keys, vals = [], []
+        lo = max(0, ctx - q_len - sliding_window + 1) if sliding_window > 0 else 0
         for pos in range(ctx):
+            if pos < lo:  # outside every row's window (its block may be freed): zeros, masked below
+                keys.append(torch.zeros_like(k_cache[0, 0], dtype=torch.float32))
+                vals.append(torch.zeros_like(v_cache[0, 0], dtype=torch.float32))
+                continue
             blk = int(block_tables[b, pos // block_size])
             keys.append(k_cache[blk, pos % block_size].float() * k_scale)  # [Hkv, D]
             vals.append(v_cache[blk, pos % block_size].float() * v_scale)
@@ -81,9 +90,14 @@ def ref_paged_attention(
         v = torch.stack(vals).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
         qb = q[start:end].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale  # [Hq, q_len, ctx]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
         k_pos = torch.arange(ctx, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if sliding_window > 0:
+            hidden = hidden | (k_pos <= q_pos - sliding_window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         result[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     result = result.to(q.dtype)

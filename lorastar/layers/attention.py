@@ -1,9 +1,12 @@
 """Attention over the paged KV cache, one backend per device, each with its own metadata.
 
 * Triton (CUDA): ``kernels/paged_attention.py`` reads the common ``AttentionMetadata`` directly.
-* Torch (CPU): ``TorchAttentionMetadata`` adds what SDPA needs, precomputed once per step (not per
-  layer): decode rows (one new token each) run as ONE batched SDPA over K/V gathered block-wise;
-  prefill chunks run one SDPA each (a step holds few of them).
+* Torch (CPU): ``TorchAttentionMetadata`` adds what SDPA needs, precomputed once per step and window
+  size (not per layer): decode rows (one new token each) run as ONE batched SDPA over K/V gathered
+  block-wise; prefill chunks run one SDPA each (a step holds few of them).
+
+Both take a per-layer ``sliding_window`` (keys a row sees; 0 = all) and ``softcap`` (Gemma 2's
+attention-logit soft-capping) and never read block-table entries before every row's window.
 
 ``build_attention_metadata`` picks the backend from the device; ``attention_forward`` runs the
 backend whose metadata it is given.
@@ -21,16 +24,71 @@ from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
 
 
 @dataclass
-class TorchAttentionMetadata(AttentionMetadata):
-    """The CPU backend's metadata: the common fields plus the per-step gather plan."""
+class TorchPlan:
+    """The CPU backend's gather plan for one window size (0: full causal), built once per step.
 
-    # Decode rows (q == 1): the blocks to gather and a padding mask over their slots.
+    Decode rows (q == 1) gather, per row, the blocks from the one holding its first visible key to
+    its last, as one rectangular ``[Bd, nblk]`` index (short rows padded and masked), and run as ONE
+    batched SDPA. Prefill chunks run one SDPA each over their visible blocks. Blocks before every
+    row's window are never gathered (the block manager may have freed them: ``-1`` entries)."""
+
     decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
     decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
-    # Prefill rows: (row_start, q, context length, context block ids or None when the chunk is the
-    # whole sequence so far and K/V come straight from this step's tensors).
-    prefill_seqs: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
+    # (row_start, q, context length, first key position read, its blocks or None when the chunk is
+    # the whole sequence so far and K/V come straight from this step's tensors).
+    prefill_seqs: list[tuple[int, int, int, int, torch.Tensor | None]] = field(default_factory=list)
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The CPU backend's metadata: the common fields plus host copies and per-window plans."""
+
+    host_query_lens: list[int] = field(default_factory=list)
+    host_seq_lens: list[int] = field(default_factory=list)
+    host_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    plans: dict[int, TorchPlan] = field(default_factory=dict)
+
+    def plan(self, window: int) -> TorchPlan:
+        """The gather plan for layers with ``window`` (0: full attention), made on first use."""
+        got = self.plans.get(window)
+        if got is None:
+            got = self.plans[window] = _build_plan(self, window)
+        return got
+
+
+def _build_plan(md: TorchAttentionMetadata, window: int) -> TorchPlan:
+    bs = md.block_size
+    tables = md.host_block_tables
+    assert tables is not None
+    plan = TorchPlan()
+    qsl = [0]
+    for q in md.host_query_lens:
+        qsl.append(qsl[-1] + q)
+    dec = [i for i, q in enumerate(md.host_query_lens) if q == 1]
+    if dec:
+        lens = torch.tensor([md.host_seq_lens[i] for i in dec])  # [Bd]
+        lo = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)  # first key seen
+        first = lo // bs  # [Bd] first block read
+        nblk = int(((lens + bs - 1) // bs - first).max())
+        idx = (first[:, None] + torch.arange(nblk)[None, :]).clamp(max=tables.shape[1] - 1)
+        plan.decode_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.int64)
+        # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index (holes/padding masked).
+        plan.decode_gather = tables[dec].long().gather(1, idx).clamp(min=0)  # [Bd, nblk]
+        p = first[:, None] * bs + torch.arange(nblk * bs)[None, :]  # absolute key positions
+        plan.decode_mask = ((p < lens[:, None]) & (p >= lo[:, None]))[:, None, None, :]
+    for i, (q, L) in enumerate(zip(md.host_query_lens, md.host_seq_lens)):
+        if q == 1:
+            continue
+        if L == q:  # the whole sequence is in this chunk: K/V are the fresh tensors
+            plan.prefill_seqs.append((qsl[i], q, L, 0, None))
+            continue
+        # Earlier chunks or a cached prefix: read the visible context blocks from the cache.
+        lo = max(0, L - q - window + 1) if window > 0 else 0
+        first = lo // bs
+        blocks = tables[i, first : -(-L // bs)].long().clamp(min=0)
+        plan.prefill_seqs.append((qsl[i], q, L, first * bs, blocks))
+    return plan
 
 
 def build_attention_metadata(
@@ -58,24 +116,12 @@ def build_attention_metadata(
     }
     if device.type == "cuda":
         return AttentionMetadata(**common)
-    md = TorchAttentionMetadata(**common)
-    dec = [i for i, q in enumerate(query_lens) if q == 1]
-    if dec:
-        lens = torch.tensor([seq_lens[i] for i in dec])
-        nblk = -(-int(lens.max()) // block_size)
-        md.decode_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.int64)
-        # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index.
-        md.decode_gather = block_tables[dec, :nblk].long()  # [Bd, nblk]
-        p = torch.arange(nblk * block_size)
-        md.decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, nblk * BS]
-    for i, (q, L) in enumerate(zip(query_lens, seq_lens)):
-        if q == 1:
-            continue
-        ctx_blocks = None
-        if L != q:  # earlier chunks or cached prefix: read the context blocks from the cache
-            ctx_blocks = block_tables[i, : -(-L // block_size)].long()
-        md.prefill_seqs.append((qsl[i], q, L, ctx_blocks))
-    return md
+    return TorchAttentionMetadata(
+        **common,
+        host_query_lens=list(query_lens),
+        host_seq_lens=list(seq_lens),
+        host_block_tables=block_tables,
+    )
 
 
 def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -89,6 +135,31 @@ def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype:
     return x
 
 
+def _sdpa(
+    q: torch.Tensor,  # [..., Hq, q, D]
+    k: torch.Tensor,  # [..., Hkv, L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # broadcastable to [..., Hq, q, L], True = attend; None: causal
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    gqa = q.shape[-3] != k.shape[-3]
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+    # Soft-capped logits (Gemma 2): SDPA has no hook between the scores and the softmax.
+    if gqa:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., Hq, q, L]
+    s = softcap * torch.tanh(s / softcap)
+    if mask is None:
+        mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v)
+
+
 def attention_forward(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
@@ -96,7 +167,12 @@ def attention_forward(
     ctx: ForwardContext,
     layer_idx: int,
     scale: float,
+    *,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
+    """Write this step's K/V into layer ``layer_idx``'s cache and attend (``sliding_window`` w > 0:
+    a row at position p sees keys p - w + 1..p; ``softcap`` c > 0: scores -> c * tanh(s / c))."""
     md = ctx.attn
     k_cache, v_cache = ctx.kv_caches[layer_idx]
     ks = ctx.k_scales[layer_idx] if ctx.k_scales else 1.0
@@ -106,31 +182,34 @@ def attention_forward(
         return paged_attention(
             q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
             scale=scale, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            k_scale=ks, v_scale=vs,
+            k_scale=ks, v_scale=vs, sliding_window=sliding_window, softcap=softcap,
         )  # fmt: skip
 
+    plan = md.plan(sliding_window)
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k.shape[1]
-    if md.decode_rows is not None and md.decode_rows.numel() > 0:
-        rows = md.decode_rows
-        kd = _read_blocks(k_cache, md.decode_gather, ks, q.dtype)  # [Bd, nblk * BS, Hkv, D]
-        vd = _read_blocks(v_cache, md.decode_gather, vs, q.dtype)
+    if plan.decode_rows is not None and plan.decode_rows.numel() > 0:
+        rows = plan.decode_rows
+        kd = _read_blocks(k_cache, plan.decode_gather, ks, q.dtype)  # [Bd, nblk * BS, Hkv, D]
+        vd = _read_blocks(v_cache, plan.decode_gather, vs, q.dtype)
         qd = q[rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-        od = F.scaled_dot_product_attention(
-            qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=md.decode_mask, scale=scale, enable_gqa=gqa
-        )  # [Bd, Hq, 1, D]
-        out[rows] = od.squeeze(2)
-    for start, qlen, L, ctx_blocks in md.prefill_seqs:
+        od = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), plan.decode_mask, scale, softcap)
+        out[rows] = od.squeeze(2)  # [Bd, Hq, D]
+    for start, qlen, L, k0, ctx_blocks in plan.prefill_seqs:
         qs = q[start : start + qlen].transpose(0, 1)  # [Hq, q, D]
         if ctx_blocks is None:  # the whole sequence is in this chunk: K/V are the fresh tensors
             kk = k[start : start + qlen].transpose(0, 1)
             vv = v[start : start + qlen].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+            mask = None
+            if sliding_window > 0:
+                mask = torch.ones(qlen, qlen, dtype=torch.bool).tril().triu(-(sliding_window - 1))
         else:
-            kk = _read_blocks(k_cache, ctx_blocks, ks, q.dtype)[:L].transpose(0, 1)  # [Hkv, L, D]
-            vv = _read_blocks(v_cache, ctx_blocks, vs, q.dtype)[:L].transpose(0, 1)
-            # Row i sits at position L - q + i and sees keys 0..L - q + i.
-            mask = torch.ones(qlen, L, dtype=torch.bool).tril(diagonal=L - qlen)
-            o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            kk = _read_blocks(k_cache, ctx_blocks, ks, q.dtype)[: L - k0].transpose(0, 1)  # [Hkv, L - k0, D]
+            vv = _read_blocks(v_cache, ctx_blocks, vs, q.dtype)[: L - k0].transpose(0, 1)
+            # Row i sits at position L - q + i and sees keys k0 + j for j <= L - q + i - k0
+            # (and, with a window, k0 + j > L - q + i - w).
+            mask = torch.ones(qlen, L - k0, dtype=torch.bool).tril(diagonal=L - qlen - k0)
+            if sliding_window > 0:
+                mask = mask.triu(diagonal=L - qlen - k0 - sliding_window + 1)
+        o = _sdpa(qs, kk, vv, mask, scale, softcap)
         out[start : start + qlen] = o.transpose(0, 1)
     return out

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in fp32 and cast back (as transformers' Llama does)."""
+"""RMSNorm, computed in fp32 and cast back (as transformers' Llama does), and Gemma's ``(1 + w)`` variant."""
 
 from __future__ import annotations
 
@@ -17,3 +17,18 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as ``w - 1`` and multiplies in fp32 before the cast back
+    (transformers' Gemma2/Gemma3RMSNorm; Llama casts first, then multiplies)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

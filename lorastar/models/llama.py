@@ -18,6 +18,7 @@ from lorastar.layers.embedding import Int8Embedding
 from lorastar.layers.linear import Linear
 from lorastar.layers.norm import RMSNorm
 from lorastar.layers.rotary import RotaryEmbedding
+from lorastar.models.layer_types import layer_windows
 from lorastar.quant.base import QuantConfig
 
 SUPPORTED_ARCHITECTURES = {
@@ -28,14 +29,19 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-def check_architecture(hf_config: dict[str, Any]) -> str:
+def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SUPPORTED_ARCHITECTURES) -> str:
     archs = hf_config.get("architectures") or [hf_config.get("model_type", "?")]
     for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
+        if a in supported:
             return a
-    raise ValueError(
-        f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-    )
+    raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(supported))}")
+
+
+# Gated-MLP activations by config name (transformers' ACT2FN spelling).
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's GeGLU
+}
 
 
 def _linear_method(quant: QuantConfig | None, prefix: str):  # noqa: ANN202
@@ -50,9 +56,11 @@ class Attention(nn.Module):
         dtype: torch.dtype,
         quant: QuantConfig | None,
         rope: RotaryEmbedding,
+        sliding_window: int = 0,
     ) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
+        self.sliding_window = sliding_window  # keys each query sees (0: all)
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
@@ -74,6 +82,7 @@ class Attention(nn.Module):
             params_dtype=dtype, quant_method=_linear_method(quant, f"{prefix}.o_proj"),
         )  # fmt: skip
         self.rope = rope
+        self.softcap = 0.0  # attention-logit soft-capping (Gemma 2); 0: none
         # Qwen3: RMSNorm over each head of q and k, before RoPE.
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -91,7 +100,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k, ctx)
-        o = attention_forward(q, k, v, ctx, self.layer_idx, self.scale)  # [T, Hq, D]
+        o = attention_forward(
+            q, k, v, ctx, self.layer_idx, self.scale, sliding_window=self.sliding_window, softcap=self.softcap
+        )  # [T, Hq, D]
         return self.o_proj(o.reshape(-1, self.q_size), ctx)
 
 
@@ -103,8 +114,9 @@ class MLP(nn.Module):
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         prefix = f"model.layers.{layer_idx}.mlp"
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act]
         bias = bool(cfg.get("mlp_bias", False))
         self.inter = inter
         self.gate_up_proj = Linear(
@@ -120,7 +132,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, ctx)  # [T, 2 * inter]
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return self.down_proj(F.silu(gate) * up, ctx)
+        return self.down_proj(self.act(gate) * up, ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -131,11 +143,12 @@ class DecoderLayer(nn.Module):
         dtype: torch.dtype,
         quant: QuantConfig | None,
         rope: RotaryEmbedding,
+        sliding_window: int = 0,
     ) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
-        self.self_attn = Attention(cfg, layer_idx, dtype, quant, rope)
+        self.self_attn = Attention(cfg, layer_idx, dtype, quant, rope, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
         self.mlp = MLP(cfg, layer_idx, dtype, quant)
 
@@ -157,13 +170,14 @@ class LlamaForCausalLM(nn.Module):
         "gate_up_proj": ["gate_proj", "up_proj"],
     }
     supported_lora_modules: ClassVar[list[str]] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    architectures: ClassVar[dict[str, str]] = SUPPORTED_ARCHITECTURES  # HF class name -> family
 
     def __init__(
         self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
     ) -> None:
         super().__init__()
         self.config = cfg
-        self.architecture = check_architecture(cfg)
+        self.architecture = check_architecture(cfg, self.architectures)
         if quant is not None:
             quant.packed_modules_mapping = self.packed_modules_mapping
         hidden = cfg["hidden_size"]
@@ -176,10 +190,13 @@ class LlamaForCausalLM(nn.Module):
         embed.weight.requires_grad_(False)
         # nn.Embedding as loaded; Int8Embedding after quantize_embeddings (embedding_quantization="int8").
         self.embed_tokens: nn.Embedding | Int8Embedding = embed
-        rope = RotaryEmbedding(cfg, self.head_dim, max_positions)
+        rope = self.make_rope(cfg, max_positions)
         self.rope = rope
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, quant, rope) for i in range(self.num_layers))
-        self.norm = RMSNorm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
+        self.layer_windows = layer_windows(cfg)  # per layer: sliding window (0: full attention)
+        self.layers = nn.ModuleList(
+            self.make_layer(cfg, i, dtype, quant, rope, self.layer_windows[i]) for i in range(self.num_layers)
+        )
+        self.norm = self.make_norm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         # None: tied (logits use embed_tokens); Int8Embedding after quantize_embeddings.
         self.lm_head: nn.Parameter | Int8Embedding | None
@@ -189,6 +206,24 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(
                 torch.empty(self.vocab_size, hidden, dtype=dtype), requires_grad=False
             )
+
+    def make_layer(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        rope: RotaryEmbedding,
+        sliding_window: int,
+    ) -> nn.Module:
+        """One decoder layer (families with another layer shape override this)."""
+        return DecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
+
+    def make_rope(self, cfg: dict[str, Any], max_positions: int) -> RotaryEmbedding:
+        return RotaryEmbedding(cfg, self.head_dim, max_positions)
+
+    def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
+        return RMSNorm(size, eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]

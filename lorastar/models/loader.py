@@ -13,7 +13,8 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from lorastar.layers.linear import Linear, load_shard
-from lorastar.models.llama import LlamaForCausalLM, check_architecture
+from lorastar.models.llama import LlamaForCausalLM
+from lorastar.models.registry import check_architecture, model_class
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.kv_cache import KVScales
 
@@ -134,7 +135,7 @@ def load_model(
     Returns the model and any per-layer KV-cache scales the checkpoint declares.
     """
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, dtype, quant, max_positions)
+        model = model_class(cfg)(cfg, dtype, quant, max_positions)
     loader = WeightLoader(model)
     files = safetensors_files(model_dir)
     total = 0

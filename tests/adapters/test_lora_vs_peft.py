@@ -59,7 +59,7 @@ def peft_last_logits(model: PeftModel, prompt: list[int], adapter: str | None) -
         return model(input_ids=torch.tensor([prompt]), adapter_names=[adapter or "__base__"]).logits[0, -1]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3"])
 def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> None:
     base_dir = tiny_model_dir(name)
     paths = make_adapters(base_dir, tmp_path)

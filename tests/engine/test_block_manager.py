@@ -440,3 +440,42 @@ def test_check_invariants_detects_bad_cache_and_overrun() -> None:
     del bm._cached[h]
     with pytest.raises(RuntimeError, match="hash"):
         bm.check_invariants([a])
+
+
+# ---- sliding window -----------------------------------------------------------------------------
+
+
+def test_sliding_window_releases_blocks_before_the_window() -> None:
+    from lorastar.engine.block_manager import NULL_BLOCK
+
+    bm = BlockManager(32, BS, sliding_window=6)
+    seq = make_seq(list(range(10, 40)))  # 30 tokens
+    compute(bm, seq, 9)
+    # Next query at position 9 sees keys 4..9: block 0 (positions 0..3) is dead, block 1 is not.
+    assert bm.release_outside_window(seq) == 1
+    assert seq.block_table[0] == NULL_BLOCK and seq.block_table[1] != NULL_BLOCK
+    assert bm.release_outside_window(seq) == 0  # idempotent
+    bm.check_invariants([seq])
+    child = make_seq(list(range(10, 40)))
+    bm.fork(seq, child)  # the hole is shared, not referenced
+    bm.check_invariants([seq, child])
+    compute(bm, seq)  # all 30: next query at 30 sees 25..30
+    bm.release_outside_window(seq)
+    assert seq.block_table[:6] == [NULL_BLOCK] * 6 and NULL_BLOCK not in seq.block_table[6:]
+    bm.check_invariants([seq, child])
+    held = bm.num_blocks - bm.num_free_blocks
+    bm.free(child)
+    bm.free(seq)
+    bm.check_invariants([])
+    assert held > 0 and bm.num_free_blocks == bm.num_blocks
+    # The released blocks kept their prefix-cache hashes: the same prompt hits them again.
+    again = make_seq(list(range(10, 40)))
+    assert len(bm.lookup(again)) == 7
+
+
+def test_no_release_without_a_uniform_window() -> None:
+    bm = BlockManager(32, BS)
+    seq = make_seq(list(range(40)))
+    compute(bm, seq)
+    assert bm.release_outside_window(seq) == 0
+    bm.check_invariants([seq])

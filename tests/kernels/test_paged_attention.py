@@ -141,6 +141,54 @@ def test_fp8_cache(cache_dtype: torch.dtype, kind: str) -> None:
     torch.testing.assert_close(got, ref, **_tol(torch.float16))
 
 
+def _free_outside_window(d: dict, window: int) -> None:
+    """Point every block-table entry wholly before all of a row's windows at a never-written
+    (NaN) block, as if the block manager had freed it: a kernel that reads one returns NaN."""
+    bs = d["k_cache"].shape[1]
+    used = set(d["block_tables"].flatten().tolist())
+    poison = next(b for b in range(d["k_cache"].shape[0]) if b not in used)
+    qsl, lens = d["query_start_loc"].tolist(), d["seq_lens"].tolist()
+    for b, L in enumerate(lens):
+        first_needed = max(0, L - (qsl[b + 1] - qsl[b]) - window + 1)  # first row's window start
+        d["block_tables"][b, : first_needed // bs] = poison
+
+
+# Sequences several windows long; chunks that start inside, at and before the window.
+WINDOW_DECODE = [(70, 1), (5, 1), (40, 1), (16, 1)]
+WINDOW_MIXED = [(0, 50), (70, 1), (33, 17), (3, 9), (45, 30)]
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [1, 7, 16, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sliding_window(kind: str, window: int, dtype: torch.dtype) -> None:
+    seqs = WINDOW_DECODE if kind == "decode" else WINDOW_MIXED
+    d = _build(seqs, 4, 2, 32, 16, dtype, seed=4, num_blocks=40)
+    _free_outside_window(d, window)
+    got, ref = _run(d, sliding_window=window)
+    torch.testing.assert_close(got, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_sliding_window_split_k(num_splits: int) -> None:
+    d = _build(WINDOW_DECODE, 4, 2, 32, 16, torch.float32, seed=5, num_blocks=40)
+    _free_outside_window(d, 40)
+    got, ref = _run(d, sliding_window=40, num_splits=num_splits)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [0, 16])
+def test_softcap(kind: str, window: int) -> None:
+    seqs = WINDOW_DECODE if kind == "decode" else WINDOW_MIXED
+    d = _build(seqs, 4, 2, 32, 16, torch.float32, seed=6, num_blocks=40)
+    d["q"] = d["q"] * 8  # large scores, so the cap bends them
+    got, ref = _run(d, softcap=5.0, sliding_window=window)
+    torch.testing.assert_close(got, ref, **_tol(torch.float32))
+    plain, _ = _run(d, sliding_window=window)
+    assert not torch.allclose(got, plain, atol=1e-2)  # the cap changed the result
+
+
 def test_paged_attention_strided_q() -> None:
     # q as a column slice of a fused qkv projection (non-contiguous rows).
     d = _build(MIXED[:3], 4, 2, 32, 16, torch.float32, seed=3)

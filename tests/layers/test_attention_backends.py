@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lorastar.forward_context import AttentionMetadata, ForwardContext, padded_block_tables
+from lorastar.kernels.reference import ref_paged_attention
 from lorastar.layers.attention import TorchAttentionMetadata, attention_forward, build_attention_metadata
 
 BS, HQ, HKV, D = 4, 4, 2, 16
@@ -44,3 +45,52 @@ def test_torch_and_triton_backends_agree(kv_dtype: torch.dtype) -> None:
         outs.append(attention_forward(q, k, v, ctx, 0, D**-0.5))
     tol = 2e-4 if kv_dtype == torch.float32 else 2e-3
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (3, 0.0), (6, 0.0), (0, 2.0), (5, 2.0)])
+def test_windows_and_softcap_match_reference(window: int, softcap: float) -> None:
+    """Both backends against the plain reference, with sliding windows (block-table entries wholly
+    before every row's window set to -1, as the block manager frees them) and logit soft-capping."""
+    gen = torch.Generator().manual_seed(1)
+    # (context already cached, new tokens): decodes and chunks several windows long.
+    seqs = [(13, 1), (0, 11), (9, 6), (2, 1), (17, 3), (0, 1)]
+    tables, slots, q_lens, seq_lens, nxt = [], [], [], [], 0
+    for ctx, q in seqs:
+        n = -(-(ctx + q) // BS)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx, ctx + q)]
+        q_lens.append(q)
+        seq_lens.append(ctx + q)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, h, D, generator=gen) * 3 for h in (HQ, HKV, HKV))
+    cache = torch.randn(nxt, BS, HKV, D, generator=gen)
+    freed = [list(tb) for tb in tables]
+    if window:
+        for tb, (ctx, _) in zip(freed, seqs):
+            for i in range(max(0, ctx - window + 1) // BS):
+                tb[i] = -1
+    md = build_attention_metadata(
+        slots, q_lens, seq_lens, padded_block_tables(freed), block_size=BS, device=torch.device("cpu")
+    )
+    common = {f.name: getattr(md, f.name) for f in dataclasses.fields(AttentionMetadata)}
+    outs = []
+    for attn in (md, AttentionMetadata(**common)):
+        caches = [(cache.clone(), cache.clone())]
+        ctx = ForwardContext(attn=attn, kv_caches=caches)
+        outs.append(attention_forward(q, k, v, ctx, 0, D**-0.5, sliding_window=window, softcap=softcap))
+    k_cache, v_cache = cache.clone(), cache.clone()
+    from lorastar.kernels.paged_attention import reshape_and_cache
+
+    reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+    ref = ref_paged_attention(
+        q, k_cache, v_cache, padded_block_tables(tables), md.seq_lens, md.query_start_loc,
+        scale=D**-0.5, sliding_window=window, softcap=softcap,
+    )  # fmt: skip
+    for got in outs:
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
+    if window:  # the window matters for these sequences
+        full = ref_paged_attention(
+            q, k_cache, v_cache, padded_block_tables(tables), md.seq_lens, md.query_start_loc, scale=D**-0.5
+        )
+        assert not torch.allclose(full, ref, atol=1e-3)

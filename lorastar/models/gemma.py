@@ -1,0 +1,143 @@
+"""Gemma 2 and Gemma 3 (text) decoders, assembled from the Llama family's layers.
+
+What differs from Llama (transformers' Gemma2/Gemma3 modeling is the reference):
+* RMSNorm stores ``w - 1`` and multiplies in fp32 (``GemmaRMSNorm``); four norms per layer (before and
+  after attention, before and after the MLP);
+* token embeddings scaled by ``sqrt(hidden)`` (cast to the weight dtype first, as transformers does);
+* GeGLU MLP (tanh-approximated GELU); softmax scale ``query_pre_attn_scalar ** -0.5``;
+* alternating local (sliding-window) and global layers (``models/layer_types.py``);
+* Gemma 2: attention-logit and final-logit soft-capping ``c * tanh(x / c)``;
+* Gemma 3: per-head q/k norms (Gemma style) and a RoPE base per layer type (local 10k, global 1M,
+  the global one possibly linearly scaled).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lorastar.forward_context import ForwardContext
+from lorastar.layers.norm import GemmaRMSNorm
+from lorastar.layers.rotary import RotaryEmbedding
+from lorastar.models.llama import MLP, Attention, LlamaForCausalLM
+from lorastar.quant.base import QuantConfig
+
+GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+
+
+def _rope_config(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The config one layer type's RoPE reads: Gemma 3 nests ``rope_parameters`` by layer type
+    (transformers 5) or keeps the local base in ``rope_local_base_freq`` (older configs)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        return {**cfg, "rope_parameters": params[layer_type], "rope_scaling": None}
+    if cfg.get("model_type") in ("gemma3", "gemma3_text") and layer_type == "sliding_attention":
+        theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        return {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    return cfg
+
+
+class GemmaAttention(Attention):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        rope: RotaryEmbedding,
+        sliding_window: int,
+    ) -> None:
+        super().__init__(cfg, layer_idx, dtype, quant, rope, sliding_window)
+        self.scale = float(cfg.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
+        self.softcap = float(cfg.get("attn_logit_softcapping") or 0.0)
+        if cfg.get("model_type") in ("gemma3", "gemma3_text"):
+            eps = cfg.get("rms_norm_eps", 1e-6)
+            self.q_norm = GemmaRMSNorm(self.head_dim, eps, dtype)
+            self.k_norm = GemmaRMSNorm(self.head_dim, eps, dtype)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        rope: RotaryEmbedding,
+        sliding_window: int,
+    ) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.self_attn = GemmaAttention(cfg, layer_idx, dtype, quant, rope, sliding_window)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        self.mlp = MLP({**cfg, "hidden_act": act}, layer_idx, dtype, quant)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), ctx))
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 / Gemma 3 text decoder: the Llama model with Gemma's layers, norms, embedding scale,
+    per-layer-type RoPE and final-logit soft-capping. Same checkpoint and LoRA module names."""
+
+    architectures: ClassVar[dict[str, str]] = GEMMA_ARCHITECTURES
+
+    def __init__(
+        self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
+    ) -> None:
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (embedding models) is not supported")
+        self._max_positions = max_positions
+        self._ropes: dict[str, RotaryEmbedding] = {}
+        super().__init__(cfg, dtype, quant, max_positions)
+        self.local_rope = self._ropes.get("sliding_attention")  # registered as submodules
+        self.global_rope = self._ropes.get("full_attention")
+        self.final_softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+
+    def _rope_for(self, cfg: dict[str, Any], layer_type: str) -> RotaryEmbedding:
+        if layer_type not in self._ropes:
+            self._ropes[layer_type] = RotaryEmbedding(
+                _rope_config(cfg, layer_type), self.head_dim, self._max_positions
+            )
+        return self._ropes[layer_type]
+
+    def make_rope(self, cfg: dict[str, Any], max_positions: int) -> RotaryEmbedding:
+        return self._rope_for(cfg, "full_attention")
+
+    def make_layer(
+        self,
+        cfg: dict[str, Any],
+        layer_idx: int,
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        rope: RotaryEmbedding,
+        sliding_window: int,
+    ) -> nn.Module:
+        layer_type = "sliding_attention" if sliding_window > 0 else "full_attention"
+        rope = self._rope_for(cfg, layer_type)
+        return GemmaDecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
+
+    def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
+        return GemmaRMSNorm(size, eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = x * torch.tensor(self.config["hidden_size"] ** 0.5, dtype=x.dtype)  # as transformers rounds it
+        # Two RoPE bases (local / global): each layer reads its own table (no step-wide cos/sin).
+        ctx.attn.rope_cos = ctx.attn.rope_sin = None
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)  # [rows, vocab]
+        if self.final_softcap > 0:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
