@@ -275,7 +275,9 @@ def windows(a: argparse.Namespace) -> list[dict[str, Any]]:
             wasted = local / layers * max(0, final_blocks - needed) if family == "gemma2" else 0.0
             rows.append(
                 {
-                    "model": "Mistral-style (all layers local)" if family == "mistral" else "Gemma 2-style (local/global)",
+                    "model": "Mistral-style (all layers local)"
+                    if family == "mistral"
+                    else "Gemma 2-style (local/global)",
                     "local_layers": f"{local}/{layers}",
                     "window": a.window,
                     "tokens": total,
@@ -358,7 +360,7 @@ def main() -> None:
         ],
     )  # fmt: skip
     t4 = markdown_table(
-        ["model", "local layers", "window", "tokens", "blocks, full attention", "peak blocks held",
+        ["model", "local layers", "window", "tokens", "blocks, full attention", "most blocks held after a step",
          "blocks held at the end", "waste (block-equivalents)"],
         [
             [r["model"], r["local_layers"], r["window"], r["tokens"], r["full_attention_blocks"], r["peak_blocks"],
@@ -400,7 +402,7 @@ def main() -> None:
         "submitted together (with prefix caching on they are admitted in the same step, before any block is "
         "committed, so they mostly cannot share either). Ideal = full prompt blocks once + each sample's own tail.",
         "Sliding windows: with every layer windowed, blocks wholly before the next query's window are freed as "
-        "the sequence advances (peak = window + one prefill chunk). With local and global layers one block table "
+        "the sequence advances (between steps it holds the window plus the block being written; a prefill chunk adds its blocks for the step). With local and global layers one block table "
         "serves both and every block is kept; the waste column counts the local layers' share of the blocks "
         "behind their window (vLLM's hybrid KV manager gives each layer type its own tables to avoid it).",
         *targets,

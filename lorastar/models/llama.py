@@ -30,7 +30,15 @@ SUPPORTED_ARCHITECTURES = {
 
 
 def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SUPPORTED_ARCHITECTURES) -> str:
-    archs = hf_config.get("architectures") or [hf_config.get("model_type", "?")]
+    """The config's first architecture in ``supported`` (HF class name -> model_type); a config saved
+    without ``architectures`` is matched by its ``model_type``."""
+    archs = hf_config.get("architectures")
+    if not archs:
+        model_type = hf_config.get("model_type", "?")
+        by_type = {family: arch for arch, family in supported.items()}
+        if model_type in by_type:
+            return by_type[model_type]
+        archs = [model_type]
     for a in archs:
         if a in supported:
             return a

@@ -6,6 +6,7 @@ from typing import Any
 
 from lorastar.models.gemma import GemmaForCausalLM
 from lorastar.models.llama import LlamaForCausalLM
+from lorastar.models.llama import check_architecture as _check
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.architectures, LlamaForCausalLM),
@@ -13,13 +14,12 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
+SUPPORTED = {**LlamaForCausalLM.architectures, **GemmaForCausalLM.architectures}  # HF class -> model_type
+
+
 def check_architecture(hf_config: dict[str, Any]) -> str:
     """The config's first supported architecture name, or a ValueError listing what is supported."""
-    archs = hf_config.get("architectures") or [hf_config.get("model_type", "?")]
-    for a in archs:
-        if a in MODEL_CLASSES:
-            return a
-    raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(MODEL_CLASSES))}")
+    return _check(hf_config, SUPPORTED)
 
 
 def model_class(hf_config: dict[str, Any]) -> type[LlamaForCausalLM]:

@@ -1,0 +1,116 @@
+"""The int4 / FP8 loaders on every family's module names.
+
+Quantized checkpoints of Mistral, Qwen3 and Gemma name their linears as Llama does; what differs is
+everything around them (q/k norms, Gemma's norms and soft-caps, sliding windows). Each real fixture
+(made by AutoAWQ / gptqmodel / llm-compressor, see scripts/make_quant_fixtures.py) is transplanted into
+a tiny random model of each family with the fixture's shapes: the quantized tensors keep their names,
+the family's other tensors come from transformers. Reference: transformers' model of that family with
+each linear set to the fixture's dequantized weight, read from lorastar's Llama on the fixture (which
+``test_quant_e2e`` checks against the quantization tools' own loaders).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from quant_fixtures import checkpoint, present, read_config
+from safetensors.torch import save_file
+from test_quant_e2e import FP8_TOL, INT4_TOL, _forward_logits, _load
+
+FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3")
+
+
+def _hf_family(family: str, fx: dict) -> torch.nn.Module:
+    import transformers as tf
+
+    shapes = {
+        k: fx[k]
+        for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "num_hidden_layers", "vocab_size", "max_position_embeddings")
+    }  # fmt: skip
+    shapes["tie_word_embeddings"] = fx.get("tie_word_embeddings", False)
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**shapes, sliding_window=16))
+    elif family == "qwen3":
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shapes))
+    elif family == "gemma2":
+        model = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(**shapes, sliding_window=16, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
+                            final_logit_softcapping=10.0)
+        )  # fmt: skip
+    else:
+        model = tf.Gemma3ForCausalLM(
+            tf.Gemma3TextConfig(**shapes, sliding_window=16, query_pre_attn_scalar=32)
+        )
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(1.0 if "gemma" not in family else 0.0, 0.3)
+    return model.eval()
+
+
+def _fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x rounded through float8_e4m3fn with one scale per token (max |x| / 448)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+def _dequantized(name: str) -> dict[str, torch.Tensor]:
+    """``{checkpoint module: W [out, in]}`` as lorastar's Llama computes each quantized linear."""
+    llama, _ = _load(name)
+    mapping = type(llama).packed_modules_mapping
+    out = {}
+    with torch.inference_mode():
+        for prefix, layer in llama.linears().items():
+            w = layer.quant_method.apply(layer, torch.eye(layer.input_size), None).T  # [out, in]
+            block, _, fused = prefix.rpartition(".")
+            parts = mapping.get(fused, [fused])
+            for part, piece in zip(parts, w.split(layer.output_sizes, dim=0)):
+                out[f"{block}.{part}"] = piece.float().clone()
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", present(("awq_g32", "gptq_act", "fp8_channel")))
+def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: str) -> None:
+    fx = read_config(name)
+    hf = _hf_family(family, fx)
+    quantized = {k: v for k, v in checkpoint(name).items() if "_proj." in k}
+    plain = {k: v.contiguous() for k, v in hf.state_dict().items() if "_proj." not in k}
+    if hf.config.tie_word_embeddings:
+        plain.pop("lm_head.weight", None)
+    save_file({**quantized, **plain}, str(tmp_path / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = fx["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    from lorastar.models.loader import load_model
+    from lorastar.quant import get_quant_config
+
+    model, _ = load_model(
+        tmp_path, cfg, dtype=torch.float32, device=torch.device("cpu"),
+        quant=get_quant_config(cfg, None, torch.float32), max_positions=256,
+    )  # fmt: skip
+    assert type(model).__name__ == ("GemmaForCausalLM" if "gemma" in family else "LlamaForCausalLM")
+    with torch.no_grad():
+        for module, w in _dequantized(name).items():
+            hf.get_submodule(module).weight.copy_(w)
+    if name.startswith(
+        "fp8"
+    ):  # W8A8: each linear's input is quantized per token (dynamic), as llm-compressor's
+        for module in _dequantized(name):  # FP8_DYNAMIC scheme runs it: emulate that in the reference
+            hf.get_submodule(module).register_forward_pre_hook(lambda _m, args: (_fp8_per_token(args[0]),))
+    gen = torch.Generator().manual_seed(3)
+    for length in (5, 48):  # shorter and three times longer than the sliding window
+        ids = torch.randint(0, fx["vocab_size"], (length,), generator=gen).tolist()
+        with torch.no_grad():
+            want = hf(input_ids=torch.tensor([ids])).logits[0].float()  # [T, vocab]
+        got = _forward_logits(model, ids)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"{family}/{name} ({length} tokens): max logit error {err:.2e}")
+        tol = FP8_TOL if name.startswith("fp8") else INT4_TOL
+        assert err < tol, f"{family}/{name}, {length} tokens: logits differ by {err:.2e} relative"
