@@ -54,14 +54,21 @@ from common import (  # noqa: E402
     write_results,
 )
 
-SYSTEMS = ("lorastar", "hf_serial", "hf_static", "hf_cb")
+SYSTEMS = ("lorastar", "lorastar_torch_gemm", "hf_serial", "hf_static", "hf_cb")
 LABELS = {
     "lorastar": "lorastar",
+    "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
     "hf_serial": "HF generate, one at a time",
     "hf_static": "HF generate, static batch (left pad)",
     "hf_cb": "HF generate_batch (paged|sdpa)",
 }
-COLORS = {"lorastar": "tab:blue", "hf_serial": "tab:red", "hf_static": "tab:green", "hf_cb": "tab:orange"}
+COLORS = {
+    "lorastar": "tab:blue",
+    "lorastar_torch_gemm": "tab:purple",
+    "hf_serial": "tab:red",
+    "hf_static": "tab:green",
+    "hf_cb": "tab:orange",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -92,10 +99,10 @@ def parse_args() -> argparse.Namespace:
 
 
 class Lorastar:
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, cpu_gemm: str = "auto") -> None:
         from lorastar import LLM, SamplingParams
 
-        self.llm = LLM(device="cpu", max_num_seqs=max_num_seqs)
+        self.llm = LLM(device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm)
         self.SamplingParams = SamplingParams
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -203,6 +210,8 @@ def main() -> None:
     systems: dict[str, Any] = {}
     if "lorastar" in a.sys:
         systems["lorastar"] = Lorastar(max_num_seqs=max(64, *a.conc))
+    if "lorastar_torch_gemm" in a.sys:  # the same engine on torch's default GEMM (before issue #16)
+        systems["lorastar_torch_gemm"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_gemm="torch")
     if {"hf_serial", "hf_static"} & set(a.sys):
         systems["hf"] = HF(cb=False)
     if "hf_cb" in a.sys:
@@ -220,8 +229,9 @@ def main() -> None:
     warm = text_prompts(tok, 2, 16, seed=99)
 
     # Warm up every system once (first-call allocations, lazy imports).
-    if "lorastar" in systems:
-        systems["lorastar"].run(warm, 4)
+    for name in ("lorastar", "lorastar_torch_gemm"):
+        if name in systems:
+            systems[name].run(warm, 4)
     if "hf" in systems:
         systems["hf"].static(warm, 4)
     if "hf_cb" in systems:
@@ -241,6 +251,7 @@ def main() -> None:
         batch = prompts[:c]
         for name, fn in (
             ("lorastar", lambda b: systems["lorastar"].run(b, a.new_tokens)),
+            ("lorastar_torch_gemm", lambda b: systems["lorastar_torch_gemm"].run(b, a.new_tokens)),
             ("hf_static", lambda b: systems["hf"].static(b, a.new_tokens)),
             ("hf_cb", lambda b: systems["hf_cb"].continuous(b, a.new_tokens)),
         ):
@@ -330,7 +341,9 @@ def main() -> None:
         f"{a.hf_serial_requests} requests and that rate is repeated (extrapolated) in every row.",
         "HF static batch: one `generate` call over the whole wave, left padded. HF CB: `generate_batch` with "
         "`attn_implementation='paged|sdpa'`, page 256, KV cache sized to the workload, max_batch_tokens 2048.",
-        "lorastar: default engine (block 16, token budget 2048, prefix caching on; no prompt shares a block).",
+        "lorastar: default engine (block 16, token budget 2048, prefix caching on; no prompt shares a block); "
+        "its CPU GEMM is oneDNN with prepacked weights where that measures faster at load (cpu_gemm='auto'); "
+        "'torch GEMM' is the same engine with cpu_gemm='torch' (F.linear, MKL).",
     ]
     notes.append(roof_note)
     if target:

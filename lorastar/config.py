@@ -11,6 +11,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANT = (None, "awq", "gptq", "fp8")
 _EMBED_QUANT = (None, "int8")
+_CPU_GEMM = ("auto", "torch", "onednn")
 
 
 @dataclass
@@ -52,6 +53,11 @@ class EngineConfig:
     quantization: str | None = None
     """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"`` check it;
     ``"fp8"`` quantizes a 16-bit checkpoint at load time (or checks an FP8 one)."""
+
+    cpu_gemm: str = "auto"
+    """GEMM for 32-bit linears and the lm_head on CPU: ``"onednn"`` (weights prepacked once at load;
+    2-3x torch's default on SmolLM2's shapes, see ``layers/cpu_gemm.py``), ``"torch"`` (``F.linear``),
+    or ``"auto"``: both timed at load on the model's largest linear, the faster one kept."""
 
     embedding_quantization: str | None = None
     """``None`` keeps the token embedding and lm_head as loaded (16-bit, as AWQ/GPTQ checkpoints store
@@ -122,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization not in _QUANT:
             raise ValueError(f"quantization must be one of {_QUANT}, got {self.quantization!r}")
+        if self.cpu_gemm not in _CPU_GEMM:
+            raise ValueError(f"cpu_gemm must be one of {_CPU_GEMM}, got {self.cpu_gemm!r}")
         if self.embedding_quantization not in _EMBED_QUANT:
             raise ValueError(
                 f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"

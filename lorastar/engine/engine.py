@@ -104,6 +104,19 @@ class LLMEngine:
             max_positions=max_len,
         )
         quantize_embeddings(self.model, config.embedding_quantization)  # before the KV cache is sized
+        self.cpu_gemm = "torch"  # the GEMM behind 32-bit CPU linears (layers/cpu_gemm.py)
+        if self.device.type == "cpu":
+            from lorastar.layers.cpu_gemm import choose_backend
+            from lorastar.layers.linear import UnquantizedLinearMethod
+
+            dense = [
+                lin.weight for lin in self.model.linears().values()
+                if isinstance(lin.quant_method, UnquantizedLinearMethod)
+            ]  # fmt: skip
+            largest = max(dense, key=lambda w: w.numel(), default=None)
+            self.cpu_gemm = choose_backend(config.cpu_gemm, largest)
+            if self.cpu_gemm == "onednn":
+                self.model.pack_for_cpu()
         self.tokenizer = _load_tokenizer(
             Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
         )

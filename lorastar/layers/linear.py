@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lorastar.layers.cpu_gemm import pack, packed_linear
+
 if TYPE_CHECKING:
     from lorastar.forward_context import ForwardContext, LoRAMetadata
 
@@ -110,7 +112,8 @@ class QuantMethod(ABC):
 
 
 class UnquantizedLinearMethod(QuantMethod):
-    """Plain dense weight ``[out, in]``."""
+    """Plain dense weight ``[out, in]``; on CPU optionally prepacked for oneDNN (``pack_for_cpu``),
+    which then replaces the dense copy (``dequantized_weight`` unpacks on demand)."""
 
     def create_weights(
         self, layer: Linear, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
@@ -120,10 +123,24 @@ class UnquantizedLinearMethod(QuantMethod):
         layer.register_parameter("weight", w)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        packed = layer.weight_packed
+        if packed is not None:
+            return packed_linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
+        if layer.weight_packed is not None:
+            return layer.weight_packed.to_dense()
         return layer.weight.data
+
+    def pack_for_cpu(self, layer: Linear) -> bool:
+        """Reorder the weight for oneDNN and drop the dense copy (32-bit CPU weights only)."""
+        w = layer.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            return False
+        layer.weight_packed = pack(w.data)
+        w.data = torch.empty(0, dtype=w.dtype)  # the packed copy replaces it
+        return True
 
 
 class Linear(nn.Module):
@@ -158,6 +175,7 @@ class Linear(nn.Module):
         else:
             self.bias = None
         self.lora: LoRAHook | None = None
+        self.weight_packed: torch.Tensor | None = None  # oneDNN-packed weight (CPU backend), else None
 
     def weight_loader(self, name: str, loaded: torch.Tensor, shard: int | None, source: str) -> None:
         """Route checkpoint tensor ``source`` (suffix ``name``: ``weight``, ``qweight``, ``bias``, ...)

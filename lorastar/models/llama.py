@@ -14,8 +14,9 @@ from torch import nn
 
 from lorastar.forward_context import ForwardContext
 from lorastar.layers.attention import attention_forward
+from lorastar.layers.cpu_gemm import pack, packed_linear
 from lorastar.layers.embedding import Int8Embedding
-from lorastar.layers.linear import Linear
+from lorastar.layers.linear import Linear, UnquantizedLinearMethod
 from lorastar.layers.norm import RMSNorm
 from lorastar.layers.rotary import RotaryEmbedding
 from lorastar.models.layer_types import layer_windows
@@ -206,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = self.make_norm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.head_packed: torch.Tensor | None = None  # oneDNN-packed lm_head (CPU backend)
         # None: tied (logits use embed_tokens); Int8Embedding after quantize_embeddings.
         self.lm_head: nn.Parameter | Int8Embedding | None
         if self.tie_word_embeddings:
@@ -241,11 +243,28 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_packed is not None:
+            return packed_linear(hidden, self.head_packed)  # [rows, vocab]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         if isinstance(head, Int8Embedding):
             return head.logits(hidden)  # [rows, vocab], no full-precision table
         w = head.weight if isinstance(head, nn.Embedding) else head
         return F.linear(hidden, w)  # [rows, vocab]
+
+    def pack_for_cpu(self) -> int:
+        """Prepack every 32-bit CPU linear and the lm_head for oneDNN (``layers/cpu_gemm.py``); a tied
+        head gets its own packed copy (the embedding lookup keeps the table). Returns linears packed."""
+        n = 0
+        for lin in self.linears().values():
+            if isinstance(lin.quant_method, UnquantizedLinearMethod):
+                n += lin.quant_method.pack_for_cpu(lin)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        w = head.weight if isinstance(head, nn.Embedding) else head
+        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32:
+            self.head_packed = pack(w.data)
+            if self.lm_head is not None:
+                w.data = torch.empty(0, dtype=w.dtype)  # untied: the packed copy replaces it
+        return n
 
     def linears(self) -> dict[str, Linear]:
         return {m.prefix: m for m in self.modules() if isinstance(m, Linear)}

@@ -197,6 +197,10 @@ main.add_command(make_lora_group())
 @click.option(
     "--embedding-quantization", default=None, type=click.Choice(["int8"]), help="int8 embedding / lm_head."
 )
+@click.option(
+    "--cpu-gemm", default="auto", show_default=True, type=click.Choice(["auto", "torch", "onednn"]),
+    help="GEMM for 32-bit CPU linears (auto: the faster of the two, timed at load).",
+)  # fmt: skip
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
 @click.option(
@@ -239,6 +243,7 @@ def serve(
     quantization: str | None,
     kv_cache_dtype: str,
     embedding_quantization: str | None,
+    cpu_gemm: str,
     enforce_eager: bool,
     max_waiting: int | None,
     shutdown_drain_timeout: float,
@@ -278,6 +283,7 @@ def serve(
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             embedding_quantization=embedding_quantization,
+            cpu_gemm=cpu_gemm,
             enforce_eager=enforce_eager,
             tokenizer=tokenizer,
             chat_template=_chat_template(chat_template),

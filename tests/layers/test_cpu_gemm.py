@@ -1,0 +1,74 @@
+"""The oneDNN CPU GEMM backend: same products as ``F.linear`` (fp32 rounding only), same greedy
+tokens as transformers, the dense copy dropped and recoverable, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lorastar import LLM, SamplingParams
+from lorastar.config import EngineConfig
+from lorastar.layers.cpu_gemm import choose_backend, onednn_available, pack, packed_linear
+from lorastar.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    x = torch.randn(rows, 80, generator=g)
+    torch.testing.assert_close(packed_linear(x, pack(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_pack_drops_dense_copy_and_unpacks_on_demand() -> None:
+    lin = Linear(32, [16, 8], bias=True, prefix="p", slice_names=["a", "b"], params_dtype=torch.float32)
+    with torch.no_grad():
+        lin.weight.normal_()
+        lin.bias.normal_()
+    w = lin.weight.detach().clone()
+    x = torch.randn(5, 32)
+    want = lin(x)
+    assert lin.quant_method.pack_for_cpu(lin)
+    assert lin.weight.numel() == 0 and lin.weight_packed is not None
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.quant_method.dequantized_weight(lin), w)
+
+
+def test_engine_backends_agree_with_transformers(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
+
+    path = tiny_model_dir("llama-gqa")  # untied: the lm_head's dense copy is dropped too
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = mixed_prompts(11, [3, 40, 17])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = {}
+    for backend in ("torch", "onednn"):
+        llm = LLM(path, num_kv_blocks=64, cpu_gemm=backend)
+        assert llm.engine.cpu_gemm == backend
+        outs[backend] = llm.generate(prompts, sp)
+    model = llm.engine.model
+    assert model.head_packed is not None and model.lm_head.numel() == 0
+    for p, a, b in zip(prompts, outs["torch"], outs["onednn"]):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf, p, 10)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in la.items():
+                assert abs(lb[tok].logprob - lp.logprob) < 1e-4
+
+
+def test_choices_and_errors() -> None:
+    w = torch.randn(64, 64)
+    assert choose_backend("torch", w) == "torch"
+    assert choose_backend("onednn", w) == "onednn"
+    assert choose_backend("auto", w) in ("torch", "onednn")
+    assert choose_backend("auto", w.half()) == "torch"  # 32-bit weights only
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        choose_backend("mkl", w)
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        EngineConfig(cpu_gemm="blas")
