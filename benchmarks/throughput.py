@@ -54,10 +54,11 @@ from common import (  # noqa: E402
     write_results,
 )
 
-SYSTEMS = ("lorastar", "lorastar_torch_gemm", "hf_serial", "hf_static", "hf_cb")
+SYSTEMS = ("lorastar", "lorastar_torch_gemm", "vllm_cpu", "hf_serial", "hf_static", "hf_cb")
 LABELS = {
     "lorastar": "lorastar",
     "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
+    "vllm_cpu": "vLLM-cpu",
     "hf_serial": "HF generate, one at a time",
     "hf_static": "HF generate, static batch (left pad)",
     "hf_cb": "HF generate_batch (paged|sdpa)",
@@ -65,6 +66,7 @@ LABELS = {
 COLORS = {
     "lorastar": "tab:blue",
     "lorastar_torch_gemm": "tab:purple",
+    "vllm_cpu": "tab:brown",
     "hf_serial": "tab:red",
     "hf_static": "tab:green",
     "hf_cb": "tab:orange",
@@ -83,12 +85,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--profile", type=int, default=0, metavar="C", help="only cProfile lorastar at concurrency C"
     )
+    p.add_argument(
+        "--vllm-python", type=Path, default=None,
+        help="python of a venv with vllm-cpu (make bench-peers: .peers/vllm/bin/python); adds its column",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
     if a.quick:
         a.concurrency, a.prompt_len, a.new_tokens, a.hf_serial_requests = "1,4", 32, 8, 1
     a.conc = [int(x) for x in a.concurrency.split(",")]
     a.sys = [s for s in a.systems.split(",") if s]
+    if a.vllm_python is None and "vllm_cpu" in a.sys:
+        a.sys.remove("vllm_cpu")  # a peer runs only where its venv is given
     for s in a.sys:
         if s not in SYSTEMS:
             p.error(f"--systems: unknown system {s!r}")
@@ -96,6 +104,34 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------- systems
+
+
+def run_vllm_cpu(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
+    """vLLM's CPU build on the same prompt ids, in its own venv (benchmarks/peers/vllm_cpu.py)."""
+    import json
+    import subprocess
+    import tempfile
+
+    from lorastar.models.default import default_model_dir
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [
+        str(a.vllm_python), str(Path(__file__).resolve().parent / "peers" / "vllm_cpu.py"),
+        "--model", str(default_model_dir()), "--prompts", f.name, "--concurrency", a.concurrency,
+        "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    Path(f.name).unlink()
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm-cpu run failed:\n{out.stderr[-3000:]}")
+    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{\"version\""))
+    rates = json.loads(line)["rates"]
+    # Tokens / seconds as the other systems report them (all c prompts x new tokens).
+    return {
+        int(c): {"tokens": int(c) * a.new_tokens, "seconds": int(c) * a.new_tokens / r}
+        for c, r in rates.items()
+    }
 
 
 class Lorastar:
@@ -265,6 +301,12 @@ def main() -> None:
                 flush=True,
             )
 
+    if "vllm_cpu" in a.sys:
+        for c, r in run_vllm_cpu(a, prompts).items():
+            results["vllm_cpu"][c] = r
+            print(f"c={c:3d} vllm_cpu   {r['tokens'] / r['seconds']:8.1f} tok/s", flush=True)
+        mon.sample()
+
     def rate(s: str, c: int) -> float:
         r = results[s].get(c)
         return r["tokens"] / r["seconds"] if r else float("nan")
@@ -276,6 +318,7 @@ def main() -> None:
             "lorastar / HF 1-at-a-time",
             "lorastar / HF static",
             "lorastar / HF CB",
+            "lorastar / vLLM-cpu",
             "lorastar median TTFT s",
         ]
     )
@@ -291,6 +334,7 @@ def main() -> None:
                 ls / base,
                 ls / rate("hf_static", c),
                 ls / rate("hf_cb", c),
+                ls / rate("vllm_cpu", c),
                 ttft if ttft is not None else float("nan"),
             ]
         )
