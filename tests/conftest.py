@@ -110,6 +110,24 @@ TINY_CONFIGS: dict[str, dict] = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
         },
     ),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, untied, GQA
+    "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # Phi-4-mini: partial rotary (3/4 of each head), longrope (short / long factors, attention factor)
+    "phi4-mini": dict(
+        arch="phi3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        original_max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)],  # rotary dims / 2 = 16 * 0.75 / 2
+            "long_factor": [1.0 + 0.9 * i for i in range(6)],
+            "original_max_position_embeddings": 64,
+        },
+    ),
     # Mistral: GQA, untied, sliding window wider than any test sequence
     "mistral": dict(
         arch="mistral",
@@ -122,7 +140,7 @@ TINY_CONFIGS: dict[str, dict] = {
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
-    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma checkpoint + SmolLM2's tokenizer into ``path``."""
+    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 checkpoint + SmolLM2's tokenizer into ``path``."""
     import shutil
     from pathlib import Path
 
@@ -156,6 +174,10 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
     kw = {**common, **spec}
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**kw))
+    elif arch == "phi3":
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        model = Phi3ForCausalLM(Phi3Config(**kw, pad_token_id=0))
     elif arch in ("gemma2", "gemma3"):
         from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 

@@ -35,6 +35,9 @@ MODULE_GROUP: dict[str, str] = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+    # Checkpoints with fused projections (Phi-3): adapters target the fused module itself.
+    "qkv_proj": "self_attn",
+    "gate_up_proj": "mlp",
 }
 SUPPORTED_MODULES: tuple[str, ...] = tuple(MODULE_GROUP)
 
@@ -74,7 +77,7 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
-        """Build the spec from a HF Llama/Mistral/Qwen2/Qwen3 config (object or dict)."""
+        """Build the spec from a HF Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 config (object or dict)."""
         get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
         hidden = int(get("hidden_size"))
         inter = int(get("intermediate_size"))
@@ -82,18 +85,18 @@ class ModelSpec:
         n_kv = int(get("num_key_value_heads") or n_heads)
         head_dim = int(get("head_dim") or hidden // n_heads)
         q_out, kv_out = n_heads * head_dim, n_kv * head_dim
-        return cls(
-            num_layers=int(get("num_hidden_layers")),
-            module_shapes={
+        shapes = {"o_proj": (q_out, hidden), "down_proj": (inter, hidden)}
+        if get("model_type") == "phi3":  # the base's own modules are fused: so are its adapters'
+            shapes |= {"qkv_proj": (hidden, q_out + 2 * kv_out), "gate_up_proj": (hidden, 2 * inter)}
+        else:
+            shapes |= {
                 "q_proj": (hidden, q_out),
                 "k_proj": (hidden, kv_out),
                 "v_proj": (hidden, kv_out),
-                "o_proj": (q_out, hidden),
                 "gate_proj": (hidden, inter),
                 "up_proj": (hidden, inter),
-                "down_proj": (inter, hidden),
-            },
-        )
+            }
+        return cls(num_layers=int(get("num_hidden_layers")), module_shapes=shapes)
 
 
 @dataclass

@@ -70,6 +70,11 @@ def load_shard(
             pack = getattr(param, "output_pack", 1)
             offset = sum(output_sizes[:shard]) // pack
             target = target.narrow(out_dim, offset, output_sizes[shard] // pack)
+    if shard is None and getattr(param, "output_dim", 0) is None and loaded.numel() == 1 < target.numel():
+        # One per-tensor value for a fused tensor (a fused checkpoint's scale): every shard has it.
+        target.copy_(loaded.reshape(()).to(target.dtype).expand_as(target))
+        mark_loaded(param, shard)
+        return
     if tuple(target.shape) != tuple(loaded.shape):
         raise ValueError(
             f"{source}: shape {tuple(loaded.shape)} does not match expected {tuple(target.shape)}"

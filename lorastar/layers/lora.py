@@ -163,10 +163,17 @@ class LoRADeviceState:
         registry's record, not kept here."""
         allocated = self._num_buffers()
         for layer_idx, lora in self.slots:
+            per_slice = {name: w for name in lora.layer.slice_names if (w := weights.get((layer_idx, name)))}
+            fused = weights.get((layer_idx, lora.layer.prefix.rpartition(".")[2]))
+            if fused is not None and len(lora.layer.slice_names) > 1:
+                # A LoRA on the fused module (Phi-3's qkv_proj): one A for every slice, B split by rows.
+                a, b = fused
+                per_slice = dict(
+                    zip(lora.layer.slice_names, ((a, p) for p in b.split(lora.layer.output_sizes)))
+                )
             lora.set_slot(slot, {
-                name: (w[0].to(self.device, lora.dtype), w[1].to(self.device, lora.dtype))
-                for name in lora.layer.slice_names
-                if (w := weights.get((layer_idx, name))) is not None
+                name: (a.to(self.device, lora.dtype), b.to(self.device, lora.dtype))
+                for name, (a, b) in per_slice.items()
             })  # fmt: skip
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.ranks_host[slot] = rank

@@ -1,4 +1,12 @@
-"""Rotary position embedding (default, linear and llama3 scaling), exactly as transformers computes it."""
+"""Rotary position embedding (default, linear, llama3 and longrope scaling; partial rotary), exactly as
+transformers computes it.
+
+LongRoPE (Phi-3 / Phi-4-mini): transformers switches between the short and the long factors on the
+length of the whole forward, so one sequence's cached keys can carry the short factors and its later
+ones the long. A paged cache cannot recompute old keys, so the choice is made once per engine, as vLLM
+does: the long factors when the engine's ``max_model_len`` exceeds ``original_max_position_embeddings``,
+else the short ones. Both match transformers on any sequence that stays on one side of that length.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,7 @@ from torch import nn
 
 from lorastar.forward_context import ForwardContext
 
-SUPPORTED_ROPE = ("default", "llama3", "linear")
+SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope")
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -18,6 +26,8 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn") and "short_factor" in params:  # Phi-3's older spellings of longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE:
         raise ValueError(
             f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE)}"
@@ -26,12 +36,34 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """Inverse frequencies, computed exactly as transformers does for each rope type."""
+def rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
+    """Dimensions of each head that rotate (``partial_rotary_factor`` < 1: the first ones only)."""
+    p = _rope_parameters(cfg)
+    factor = float(p.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    return int(head_dim * factor)
+
+
+def rope_inv_freq(
+    cfg: dict[str, Any], head_dim: int, max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling ("attention factor"), computed exactly as
+    transformers does for each rope type. ``max_positions``: the engine's longest sequence (longrope
+    picks its factors from it, see the module docstring)."""
     p = _rope_parameters(cfg)
     base = float(p["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if p["rope_type"] == "linear":
+    dim = rotary_dim(cfg, head_dim)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = 1.0
+    if p["rope_type"] == "longrope":
+        orig = int(p.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        factor = p.get("factor") or cfg["max_position_embeddings"] / orig
+        scaling = p.get("attention_factor")
+        if scaling is None:
+            scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        long = max_positions is not None and max_positions > orig
+        ext = torch.tensor(p["long_factor"] if long else p["short_factor"], dtype=torch.float32)
+        inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    elif p["rope_type"] == "linear":
         inv_freq = inv_freq / float(p["factor"])
     elif p["rope_type"] == "llama3":
         factor = float(p["factor"])
@@ -46,18 +78,19 @@ def rope_inv_freq(cfg: dict[str, Any], head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
-    return inv_freq
+    return inv_freq, float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg, head_dim)  # [head_dim / 2]
+        inv_freq, scaling = rope_inv_freq(cfg, head_dim, max_positions)  # [rotary_dim / 2]
+        self.rotary_dim = 2 * inv_freq.shape[0]  # < head_dim: partial rotary (the rest passes through)
         pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_pos, head_dim]
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_pos, rotary_dim]
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(dtype)[:, None, :]  # [T, 1, D]
@@ -71,7 +104,12 @@ class RotaryEmbedding(nn.Module):
             cos, sin = ctx.attn.rope_cos, ctx.attn.rope_sin
         else:
             cos, sin = self.cos_sin(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        r = self.rotary_dim
+        if r == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q_rot = q[..., :r] * cos + _rotate_half(q[..., :r]) * sin
+        k_rot = k[..., :r] * cos + _rotate_half(k[..., :r]) * sin
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) over the paged KV cache.
 
 One forward runs a flat batch of tokens (prefill chunks and decodes together). q/k/v and
 gate/up are fused linears whose slices carry LoRA; every linear carries a quant method.
@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj checkpoints
 }
 
 

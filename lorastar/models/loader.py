@@ -65,7 +65,9 @@ class WeightLoader:
     """Routes checkpoint tensors into the model's (fused, possibly quantized) parameters.
 
     Each linear's checkpoint modules are its slice names (from the model's
-    ``packed_modules_mapping``): ``{block}.q_proj.*`` goes to shard 0 of ``{block}.qkv_proj``."""
+    ``packed_modules_mapping``): ``{block}.q_proj.*`` goes to shard 0 of ``{block}.qkv_proj``. A
+    checkpoint that stores the fused tensor itself (Phi-3's ``qkv_proj`` / ``gate_up_proj``) fills
+    every shard at once."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
@@ -76,6 +78,8 @@ class WeightLoader:
             fused = len(layer.slice_names) > 1
             for i, part in enumerate(layer.slice_names):
                 self._route[f"{block}.{part}"] = (layer, i if fused else None)
+            if fused:
+                self._route.setdefault(prefix, (layer, None))  # the fused tensor, all shards
         self.kv_scales = KVScales(model.num_layers)
         self._plain = {n: p for n, p in model.named_parameters() if not _is_linear_param(n)}
         self._loaded_plain: set[str] = set()
@@ -109,7 +113,8 @@ class WeightLoader:
             for pname, p in layer.named_parameters(recurse=False):
                 if not hasattr(p, "output_dim"):  # not a checkpoint tensor (derived by the method)
                     continue
-                lost = want - getattr(p, "loaded_shards", set())
+                loaded = getattr(p, "loaded_shards", set())
+                lost = set() if None in loaded else want - loaded  # None: loaded fused, whole
                 if lost:
                     block = prefix.rsplit(".", 1)[0]
                     names = [f"{block}.{layer.slice_names[s or 0]}.{pname}" for s in sorted(lost, key=str)]

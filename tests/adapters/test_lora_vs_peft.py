@@ -21,10 +21,22 @@ ADAPTERS = {
 }  # fmt: skip
 
 
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}  # fmt: skip
+
+
+def _targets_of(base: torch.nn.Module, names: list[str]) -> list[str]:
+    """The same targets on a base whose checkpoint fuses q/k/v and gate/up (Phi-3): the fused modules."""
+    if not hasattr(base.model.layers[0].self_attn, "qkv_proj"):
+        return names
+    return sorted({_FUSED.get(n, n) for n in names})
+
+
 def make_adapters(base_dir: str, out: Path, scale: float = 0.3) -> dict[str, str]:
     paths = {}
     for i, (name, kw) in enumerate(ADAPTERS.items()):
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        kw = {**kw, "target_modules": _targets_of(base, kw["target_modules"])}
         model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **kw))
         g = torch.Generator().manual_seed(100 + i)
         with torch.no_grad():
@@ -59,12 +71,16 @@ def peft_last_logits(model: PeftModel, prompt: list[int], adapter: str | None) -
         return model(input_ids=torch.tensor([prompt]), adapter_names=[adapter or "__base__"]).logits[0, -1]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "phi3", "phi4-mini"]
+)
 def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> None:
     base_dir = tiny_model_dir(name)
     paths = make_adapters(base_dir, tmp_path)
     ref = peft_reference(base_dir, paths)
-    llm = LLM(base_dir, num_kv_blocks=256, max_loras=4, max_lora_rank=16)
+    # phi4-mini: short LongRoPE factors, as transformers uses them below 64 tokens (layers/rotary.py).
+    extra = {"max_model_len": 64} if name == "phi4-mini" else {}
+    llm = LLM(base_dir, num_kv_blocks=256, max_loras=4, max_lora_rank=16, **extra)
     for n, p in paths.items():
         llm.load_adapter(n, p)
     rng = random.Random(7)

@@ -27,7 +27,9 @@ def mixed_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "llama-mha-llama3", "qwen2", "mistral", "qwen3", "qwen3-tied"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "llama-mha-llama3", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3"]
+)
 def test_tiny_models_match_hf(tiny_model_dir, name: str) -> None:
     path = tiny_model_dir(name)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -94,3 +96,32 @@ def test_smollm2_matches_hf() -> None:
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 10)
     assert outs[0].outputs[0].text.startswith(" Paris")
+
+
+@pytest.mark.parametrize("regime", ["short", "long"])
+def test_longrope_partial_rotary_matches_hf(tiny_model_dir, regime: str) -> None:
+    """Phi-4-mini's rope (3/4 of each head rotates; LongRoPE). transformers picks short or long factors
+    on each forward's length; the engine picks once from max_model_len (layers/rotary.py). They agree
+    when a sequence stays on one side of original_max_position_embeddings (64 here): the short regime
+    with every sequence within 64 tokens, the long one with every prompt past it."""
+    path = tiny_model_dir("phi4-mini")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if regime == "short":
+        prompts, llm = mixed_prompts(8, [1, 9, 33, 50]), LLM(path, num_kv_blocks=64, max_model_len=64)
+    else:
+        prompts, llm = mixed_prompts(9, [65, 80, 200]), LLM(path, num_kv_blocks=64, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12), f"prompt of {len(p)} tokens"
+    # Logits of the longest prompt's last position, within 1e-4 relative.
+    eng = llm.engine
+    eng.add_request(prompts[-1], SamplingParams(temperature=0, max_tokens=1))
+    out = eng.scheduler.schedule()
+    while out.scheduled and not out.scheduled[0].samples:  # chunked prefill: run to the last chunk
+        eng.runner.execute(out, None)
+        eng.scheduler.update(out)
+        out = eng.scheduler.schedule()
+    got = eng.runner.execute(out, None).logits[0]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([prompts[-1]])).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())

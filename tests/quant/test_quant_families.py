@@ -20,7 +20,31 @@ from quant_fixtures import checkpoint, present, read_config
 from safetensors.torch import save_file
 from test_quant_e2e import FP8_TOL, INT4_TOL, _forward_logits, _load
 
-FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3")
+FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "phi3")
+# Phi-3 checkpoints store q/k/v and gate/up fused: the fixture's tensors are concatenated along their
+# output dimension (dim 1 for AWQ/GPTQ's packed qweight/qzeros/scales, 0 for FP8 weight and scales).
+# GPTQ with act-order has one g_idx per module, which a fused module cannot hold: gptq_sym instead.
+_FUSE = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fuse(tensors: dict[str, torch.Tensor], int4: bool) -> dict[str, torch.Tensor]:
+    out = dict(tensors)
+    for key in list(tensors):
+        for fused, parts in _FUSE.items():
+            block, _, rest = key.partition(f".{parts[0]}.")
+            if not rest:
+                block, _, rest = key.partition(f".{parts[0]}")
+                if rest or not key.endswith(parts[0]):
+                    continue
+            names = [f"{block}.{p}.{rest}" if rest else f"{block}.{p}" for p in parts]
+            pieces = [out.pop(n) for n in names]
+            new = f"{block}.{fused}.{rest}" if rest else f"{block}.{fused}"
+            if rest == "g_idx":
+                assert all(torch.equal(pieces[0], x) for x in pieces)
+                out[new] = pieces[0]
+            else:
+                out[new] = torch.cat(pieces, dim=1 if int4 else 0)
+    return out
 
 
 def _hf_family(family: str, fx: dict) -> torch.nn.Module:
@@ -33,7 +57,9 @@ def _hf_family(family: str, fx: dict) -> torch.nn.Module:
     }  # fmt: skip
     shapes["tie_word_embeddings"] = fx.get("tie_word_embeddings", False)
     torch.manual_seed(0)
-    if family == "mistral":
+    if family == "phi3":
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**shapes, pad_token_id=0))
+    elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**shapes, sliding_window=16))
     elif family == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shapes))
@@ -74,12 +100,20 @@ def _dequantized(name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", present(("awq_g32", "gptq_act", "fp8_channel")))
+CASES = [
+    (f, n)
+    for f in FAMILIES
+    for n in present(("awq_g32", "gptq_sym" if f == "phi3" else "gptq_act", "fp8_channel"))
+]
+
+
+@pytest.mark.parametrize(("family", "name"), CASES, ids=[f"{f}-{n}" for f, n in CASES])
 def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: str) -> None:
     fx = read_config(name)
     hf = _hf_family(family, fx)
     quantized = {k: v for k, v in checkpoint(name).items() if "_proj." in k}
+    if family == "phi3":
+        quantized = _fuse(quantized, int4=not name.startswith("fp8"))
     plain = {k: v.contiguous() for k, v in hf.state_dict().items() if "_proj." not in k}
     if hf.config.tie_word_embeddings:
         plain.pop("lm_head.weight", None)
@@ -96,13 +130,18 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
         quant=get_quant_config(cfg, None, torch.float32), max_positions=256,
     )  # fmt: skip
     assert type(model).__name__ == ("GemmaForCausalLM" if "gemma" in family else "LlamaForCausalLM")
+    if family == "phi3":  # the fused tensors filled every shard
+        assert any(".qkv_proj." in k for k in quantized) and not any(".q_proj." in k for k in quantized)
+    deq = _dequantized(name)
+    if family == "phi3":
+        deq = _fuse(deq, int4=False)  # [out, in] weights: fused along dim 0
     with torch.no_grad():
-        for module, w in _dequantized(name).items():
+        for module, w in deq.items():
             hf.get_submodule(module).weight.copy_(w)
-    if name.startswith(
-        "fp8"
-    ):  # W8A8: each linear's input is quantized per token (dynamic), as llm-compressor's
-        for module in _dequantized(name):  # FP8_DYNAMIC scheme runs it: emulate that in the reference
+    if name.startswith("fp8"):
+        # W8A8: each linear's input is quantized per token (dynamic), as llm-compressor's FP8_DYNAMIC
+        # scheme runs it: emulate that in the reference.
+        for module in deq:
             hf.get_submodule(module).register_forward_pre_hook(lambda _m, args: (_fp8_per_token(args[0]),))
     gen = torch.Generator().manual_seed(3)
     for length in (5, 48):  # shorter and three times longer than the sliding window
@@ -114,3 +153,15 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
         print(f"{family}/{name} ({length} tokens): max logit error {err:.2e}")
         tol = FP8_TOL if name.startswith("fp8") else INT4_TOL
         assert err < tol, f"{family}/{name}, {length} tokens: logits differ by {err:.2e} relative"
+
+
+def test_one_scale_for_a_fused_tensor_fills_every_shard() -> None:
+    """A fused checkpoint's per-tensor scale (one value for all of qkv_proj) goes to each shard's entry."""
+    from lorastar.layers.linear import load_shard, set_param_meta
+
+    p = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    set_param_meta(p, output_dim=None)
+    load_shard(p, [4, 2, 2], torch.tensor([0.5]), None, "qkv_proj.weight_scale")
+    assert p.tolist() == [0.5, 0.5, 0.5] and p.loaded_shards == {None}
+    with pytest.raises(ValueError, match="does not match"):
+        load_shard(p, [4, 2, 2], torch.ones(2), None, "qkv_proj.weight_scale")
