@@ -183,6 +183,7 @@ class LLMEngine:
             max_loras=config.max_loras,
             ensure_adapter=self._ensure_adapter,
             prompt_logprobs_hits=self._prompt_logprobs_hits,
+            max_prefix_waits=32,  # share a prefix computed in flight (scheduler docstring)
         )
         self.prompt_logprobs_cache = PromptLogprobsCache()
         self.iteration_tokens = TokenHistogram()

@@ -5,6 +5,13 @@ then waiting ones (FIFO), within a token budget, ``max_num_seqs`` and ``max_lora
 adapters. When blocks run out, the newest running sequence is preempted by recompute (its
 blocks are freed; it goes back to the front of the queue and recomputes prompt + output,
 mostly from the prefix cache).
+
+In-batch prefix sharing (SGLang's idea): a waiting sequence whose next uncached prompt block is
+being computed right now by a running one (same tokens, same adapter: same block hash) waits until
+that block is committed and then takes it from the prefix cache, instead of computing it a second
+time in the same step. Requests that share a long prefix and arrive together (lm-eval's choices of
+one question, n parallel users of one system prompt) compute it once. A sequence is held back at most
+``max_prefix_waits`` steps (0: never; the engine uses 32).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    prefix_waits: int = 0  # steps a waiting sequence was held back for a block being computed
 
 
 def _seats(seq: Sequence) -> int:
@@ -74,6 +82,7 @@ class Scheduler:
         ensure_adapter: EnsureAdapter | None = None,
         starvation_steps: int = 8,
         prompt_logprobs_hits: Callable[[Sequence, int], int] | None = None,
+        max_prefix_waits: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -87,6 +96,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self._blocked_steps: dict[int, int] = {}  # seq_id -> steps spent waiting for an adapter slot
+        self.max_prefix_waits = max_prefix_waits
+        self._prefix_waits: dict[int, int] = {}  # seq_id -> steps held back for an in-flight block
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -105,6 +116,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._blocked_steps.pop(seq.seq_id, None)
+        self._prefix_waits.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -115,6 +127,36 @@ class Scheduler:
         request.aborted = True
         for seq in request.sequences:
             self.finish(seq, "abort")
+
+    def _inflight_blocks(self) -> dict[bytes, bool]:
+        """Hashes of the full prompt blocks running sequences have allocated but not yet committed
+        (computed this step or by their next chunks) -> whether their prompt logprobs are kept."""
+        out: dict[bytes, bool] = {}
+        if not self.bm.enable_prefix_caching:
+            return out
+        bs = self.bm.block_size
+        for s in self.running:
+            full = min(len(s.block_table), s.num_prompt_tokens // bs)
+            if full <= s.num_cached_blocks:
+                continue
+            kept = s.request.params.prompt_logprobs is not None
+            for h in self.bm.hashes(s, full)[s.num_cached_blocks :]:
+                out[h] = out.get(h, False) or kept
+        return out
+
+    def _waits_for_sibling(self, seq: Sequence, num_cached: int, inflight: dict[bytes, bool]) -> bool:
+        """Hold ``seq`` back this step: its next prompt block is in flight in another sequence (and
+        would come with prompt logprobs if it needs them), and it has not waited too long."""
+        if not inflight or self._prefix_waits.get(seq.seq_id, 0) >= self.max_prefix_waits:
+            return False
+        if num_cached >= (seq.num_tokens - 1) // self.bm.block_size:  # no further full block to share
+            return False
+        h = self.bm.hashes(seq, num_cached + 1)[num_cached]
+        if h not in inflight or (seq.request.params.prompt_logprobs is not None and not inflight[h]):
+            return False
+        self._prefix_waits[seq.seq_id] = self._prefix_waits.get(seq.seq_id, 0) + 1
+        self.stats.prefix_waits += 1
+        return True
 
     def _is_starving(self, seq: Sequence) -> bool:
         return self._blocked_steps.get(seq.seq_id, 0) >= self.starvation_steps
@@ -180,6 +222,7 @@ class Scheduler:
         #    Nothing new is admitted in a step that had to preempt (blocks are short).
         starving = any(n >= self.starvation_steps for n in self._blocked_steps.values())
         seats = sum(_seats(s) for s in self.running)
+        inflight = self._inflight_blocks() if self.waiting else {}
         j = 0
         while j < len(self.waiting) and budget > 0 and not out.preempted:
             seq = self.waiting[j]
@@ -202,6 +245,9 @@ class Scheduler:
                 # Prompt logprobs need every prompt position's: a hit counts only as far as the
                 # engine kept those positions' logprobs (see engine/prompt_logprobs.py).
                 cached = cached[: self.prompt_logprobs_hits(seq, len(cached))]
+            if seq.num_preemptions == 0 and self._waits_for_sibling(seq, len(cached), inflight):
+                j += 1
+                continue
             num_computed = len(cached) * self.bm.block_size if cached else seq.num_computed_tokens
             num_new = min(seq.num_tokens - num_computed, budget)
             copies = self.bm.allocate(seq, num_new, cached)
@@ -209,6 +255,12 @@ class Scheduler:
                 break
             del self.waiting[j]
             self._blocked_steps.pop(seq.seq_id, None)
+            self._prefix_waits.pop(seq.seq_id, None)
+            if self.bm.enable_prefix_caching:  # its prompt blocks are in flight for later arrivals
+                kept = seq.request.params.prompt_logprobs is not None
+                full = min(len(seq.block_table), seq.num_prompt_tokens // self.bm.block_size)
+                for h in self.bm.hashes(seq, full)[seq.num_cached_blocks :]:
+                    inflight[h] = inflight.get(h, False) or kept
             if seq.num_preemptions == 0 and seq.index == 0:
                 self.stats.prefix_queries += seq.num_tokens
                 self.stats.prefix_hits += len(cached) * self.bm.block_size

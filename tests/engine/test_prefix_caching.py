@@ -82,3 +82,24 @@ def test_parallel_samples_share_prompt_blocks(tiny_model_dir) -> None:
         eng.step()
     eng.check_invariants()
     assert llm.kv_cache_usage()["num_used_blocks"] == 0
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_model_dir) -> None:
+    """lm-eval's choices of one question: one passage, several endings, submitted together. The later
+    ones wait while the first computes the passage, then read it from the cache (prompt logprobs too)."""
+    path = tiny_model_dir("llama-gqa")
+    passage = list(range(100, 164))  # 4 blocks of 16
+    prompts = [passage + [7 + i, 9 + i] for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+    ref = LLM(path, num_kv_blocks=64, enable_prefix_caching=False).generate(prompts, sp)
+    llm = LLM(path, num_kv_blocks=64)
+    outs = llm.generate(prompts, sp)
+    stats = llm.engine.scheduler.stats
+    assert stats.prefix_waits > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64]
+    for a, b in zip(ref, outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            tok = next(iter(la))
+            assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0

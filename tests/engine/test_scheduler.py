@@ -542,3 +542,47 @@ def test_abort_clears_adapter_wait_bookkeeping() -> None:
     assert ids_of(out) == ["r0/0", "r2/0"]
     h.run()
     h.assert_all_done()
+
+
+# ---- in-batch prefix sharing -----------------------------------------------------------------
+
+
+def test_waiting_sequence_takes_a_prefix_computed_in_flight() -> None:
+    """Two requests with the same 12-token prefix arrive together: the second waits while the first
+    computes the shared blocks, then takes them from the prefix cache instead of computing them too."""
+    h = Harness(budget=64)
+    h.sched.max_prefix_waits = 32
+    first = h.add(list(range(12)) + [50, 51, 52], max_tokens=2)
+    second = h.add(list(range(12)) + [60, 61], max_tokens=2)
+    h.step()
+    assert first.sequences[0].status is SeqStatus.RUNNING
+    assert second.sequences[0].status is SeqStatus.WAITING  # held back one step
+    assert h.sched.stats.prefix_waits == 1
+    h.step()
+    seq = second.sequences[0]
+    assert seq.status is SeqStatus.RUNNING and seq.num_cached_blocks == 3  # 12 tokens = 3 blocks of 4
+    assert h.sched.stats.prefix_hits == 12
+    h.run()
+    h.assert_all_done()
+
+
+def test_prefix_waits_are_bounded_and_off_by_default() -> None:
+    h = Harness(budget=64)
+    a = h.add(list(range(12)) + [1], max_tokens=2)
+    b = h.add(list(range(12)) + [2], max_tokens=2)
+    h.step()
+    assert a.sequences[0].status is b.sequences[0].status is SeqStatus.RUNNING  # default: no waiting
+    h.run()
+    h.assert_all_done()
+
+    h = Harness(budget=64)
+    h.sched.max_prefix_waits = 2
+    seq = h.add(list(range(12)) + [7]).sequences[0]
+    inflight = {h.bm.hashes(seq, 1)[0]: False}
+    assert h.sched._waits_for_sibling(seq, 0, inflight)
+    assert h.sched._waits_for_sibling(seq, 0, inflight)
+    assert not h.sched._waits_for_sibling(seq, 0, inflight)  # waited max_prefix_waits steps already
+    assert not h.sched._waits_for_sibling(seq, 1, inflight)  # its next block is not the one in flight
+    pl = Request("pl", None, list(range(12)) + [7], SamplingParams(prompt_logprobs=1)).sequences[0]
+    assert not h.sched._waits_for_sibling(pl, 0, {h.bm.hashes(pl, 1)[0]: False})  # no kept logprobs
+    assert h.sched._waits_for_sibling(pl, 0, {h.bm.hashes(pl, 1)[0]: True})
