@@ -57,6 +57,10 @@ TINY_CONFIGS: dict[str, dict] = {
     "qwen3-tied": dict(
         arch="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True
     ),
+    # The plugin tests' model: tied, weights std 0.08 (sharper logits: greedy is no near-tie lottery)
+    "llama-plugin": dict(
+        arch="llama", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, init_std=0.08
+    ),
     # Long context, one layer: 4k-token prompts (prompt logprobs' memory bound)
     "llama-long": dict(
         arch="llama",
@@ -160,6 +164,7 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
 
     spec = dict(TINY_CONFIGS[name])
     arch = spec.pop("arch")
+    init_std = spec.pop("init_std", None)
     common = dict(
         hidden_size=64,
         intermediate_size=128,
@@ -206,6 +211,11 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if init_std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, init_std)
     model.save_pretrained(path)
     # LORASTAR_TEST_TOKENIZER: a folder with SmolLM2's tokenizer files, for machines (the GPU box)
     # where the embedded model can't be converted.

@@ -3,7 +3,6 @@ and a real uvicorn server on 127.0.0.1 in a background thread."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,48 +12,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # plugin_support, plugin_fake_engine
 
-from plugin_support import TOKENIZER_FILES, ServerThread, engine_config, make_adapter  # noqa: E402
+from plugin_support import ServerThread, engine_config, make_adapter  # noqa: E402
 
 # ----------------------------------------------------------------------------- tiny model + adapters
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer random Llama (hidden 64) with SmolLM2's tokenizer and chat template."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lorastar.models.default import default_model_dir
-
-    src = default_model_dir(progress=False)
-    out = tmp_path_factory.mktemp("tiny-llama")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy(src / name, out / name)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(out))
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # larger weights: sharper logits, so greedy is not a near-tie lottery
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+def tiny_model_dir(tiny_model_dir: Any) -> Path:
+    """The plugin tests' model as a folder: the shared factory's "llama-plugin" (tests/conftest.py), a
+    2-layer random Llama (hidden 64) with SmolLM2's tokenizer and chat template."""
+    return Path(tiny_model_dir("llama-plugin"))
 
 
 @pytest.fixture(scope="session")
