@@ -114,6 +114,11 @@ class WeightLoader:
                 if not hasattr(p, "output_dim"):  # not a checkpoint tensor (derived by the method)
                     continue
                 loaded = getattr(p, "loaded_shards", set())
+                if fused and None in loaded and len(loaded) > 1:  # one would silently overwrite the other
+                    raise ValueError(
+                        f"checkpoint has both the fused {prefix}.{pname} and its parts "
+                        f"({', '.join(layer.slice_names)}): keep one"
+                    )
                 lost = set() if None in loaded else want - loaded  # None: loaded fused, whole
                 if lost:
                     block = prefix.rsplit(".", 1)[0]

@@ -77,3 +77,29 @@ def test_missing_and_misshapen_tensors_are_named(tiny_model_dir, tmp_path: Path)
         LLM(str(d2))
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nowhere"))
+
+
+def test_fused_and_split_tensors_load_alike_and_not_both(tiny_model_dir, tmp_path: Path) -> None:
+    """Any family may store q/k/v (gate/up) fused, as Phi-3 does: same model either way. A checkpoint
+    with both the fused tensor and its parts is refused (one would silently overwrite the other)."""
+    src = tiny_model_dir("llama-gqa")
+    tensors = load_file(str(Path(src) / "model.safetensors"))
+    fused = dict(tensors)
+    for i in range(2):
+        b = f"model.layers.{i}"
+        fused[f"{b}.self_attn.qkv_proj.weight"] = torch.cat(
+            [fused.pop(f"{b}.self_attn.{m}_proj.weight") for m in "qkv"]
+        )
+        fused[f"{b}.mlp.gate_up_proj.weight"] = torch.cat(
+            [fused.pop(f"{b}.mlp.{m}_proj.weight") for m in ("gate", "up")]
+        )
+    d = _copy(src, tmp_path / "fused")
+    save_file(fused, str(d / "model.safetensors"))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(src, num_kv_blocks=16).generate([[5, 6, 7]], sp)[0].outputs[0].token_ids
+    assert LLM(str(d), num_kv_blocks=16).generate([[5, 6, 7]], sp)[0].outputs[0].token_ids == want
+    both = _copy(src, tmp_path / "both")
+    save_file({**tensors, "model.layers.0.self_attn.qkv_proj.weight": fused["model.layers.0.self_attn.qkv_proj.weight"]},
+              str(both / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"both the fused model\.layers\.0\.self_attn\.qkv_proj\.weight"):
+        LLM(str(both))
