@@ -43,14 +43,19 @@ class LoRASlots(ABC):
         self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, N_i, R]
         self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
         self.slot_ranks = [0] * max_loras  # each slot's rank in this linear
+        # Slots whose slices share one A (a LoRA on the fused module, Phi-3): the CPU path shrinks once.
+        self.slot_shared_a = [False] * max_loras
         self.offsets = layer.slice_offsets()[:-1]
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
 
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def set_slot(
+        self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], *, shared_a: bool = False
+    ) -> None:
         """Write an adapter's A ``[r, in]`` / B ``[out, r]`` per module name into ``slot``
-        (modules of lower rank than the slot's are zero-padded to it)."""
+        (modules of lower rank than the slot's are zero-padded to it). ``shared_a``: every slice has
+        the same A (a LoRA on the fused module), stored once where the layout allows."""
         names = self.layer.slice_names
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         slices = [i for i, name in enumerate(names) if name in weights]
@@ -62,10 +67,11 @@ class LoRASlots(ABC):
             a, b = weights[names[i]]
             if self.b[i] is None:
                 self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
-            self._write_a(slot, i, j, rank, a)
+            self._write_a(slot, i, 0 if shared_a else j, rank, a)
             self.b[i][slot, :, : b.shape[1]].copy_(b)  # type: ignore[index]
         self.slot_slices[slot] = slices
         self.slot_ranks[slot] = rank
+        self.slot_shared_a[slot] = shared_a
 
     @abstractmethod
     def _clear_a(self, slot: int) -> None:
@@ -126,8 +132,9 @@ class CpuLoRASlots(LoRASlots):
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         if self.a_packed is not None:  # else no adapter targets this linear
             add_lora_packed(
-                y, x, self.a_packed, self.b, self.slot_slices, self.slot_ranks, meta, self.offsets
-            )
+                y, x, self.a_packed, self.b, self.slot_slices, self.slot_ranks, meta, self.offsets,
+                self.slot_shared_a,
+            )  # fmt: skip
 
 
 class LoRADeviceState:
@@ -174,7 +181,7 @@ class LoRADeviceState:
             lora.set_slot(slot, {
                 name: (a.to(self.device, lora.dtype), b.to(self.device, lora.dtype))
                 for name, (a, b) in per_slice.items()
-            })  # fmt: skip
+            }, shared_a=fused is not None and len(lora.layer.slice_names) > 1)  # fmt: skip
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.ranks_host[slot] = rank
         self.ranks[slot] = rank
@@ -194,6 +201,7 @@ def add_lora_packed(
     slot_ranks: list[int],
     meta: LoRAMetadata,
     offsets: list[int],
+    slot_shared_a: list[bool] | None = None,
 ) -> None:
     """CPU path over a fused linear: one shrink per adapter for all its slices, then one expand
     per slice written into ``y`` (plain views: the rows of one adapter are contiguous).
@@ -209,6 +217,8 @@ def add_lora_packed(
         slot_slices / slot_ranks: per slot, the slices packed in ``a_packed`` and their rank.
         meta: ``meta.ranges``, the contiguous rows of each slot.
         offsets: first column of each slice in ``y``.
+        slot_shared_a: per slot, whether all its slices share the one A packed first (fused-module
+            LoRA): one shrink of width ``r`` serves every slice.
     """
     if x.shape[0] == 0:
         return
@@ -216,8 +226,11 @@ def add_lora_packed(
         r, slices = slot_ranks[slot], slot_slices[slot]
         if r == 0 or not slices or e <= s:
             continue
-        t = x[s:e] @ a_packed[slot, : len(slices) * r].t()  # [n, P * r]
+        shared = slot_shared_a is not None and slot_shared_a[slot]
+        t = x[s:e] @ a_packed[slot, : r if shared else len(slices) * r].t()  # [n, P * r] ([n, r] shared)
         for j, i in enumerate(slices):
+            if shared:
+                j = 0  # noqa: PLW2901 - every slice reads the one shrink
             b, off = lora_b_slices[i], offsets[i]
             if b is None:  # cannot happen for a packed slice; keeps the types honest
                 continue
