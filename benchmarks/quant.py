@@ -4,7 +4,7 @@
     python benchmarks/quant.py --gemm         # GPU: Triton int4 GEMM vs fp16 torch.matmul, batch 1..64
 
 Systems: the 16-bit model (bf16 on GPU; fp32 compute on CPU, memory counted at bf16), on-the-fly FP8
-(``quantization="fp8"``), the FP8 KV cache, and the AWQ / GPTQ / compressed-tensors FP8 SmolLM2
+(``quantization="fp8"``), on the CPU int8 W8A8 (``quantization="int8"``), the FP8 KV cache, and the AWQ / GPTQ / compressed-tensors FP8 SmolLM2
 checkpoints made by ``scripts/make_quant_fixtures.py --only smollm2_awq,smollm2_gptq,smollm2_fp8``
 (in ``~/.cache/lorastar/quant``; missing ones are listed and skipped), and the int4 ones again with
 the int8 embedding / lm_head (``embedding_quantization="int8"``; also on the 16-bit model, to show
@@ -176,6 +176,9 @@ def run_models(args: argparse.Namespace) -> None:
         ("16-bit + fp8 KV (e5m2)", {"model": base, "kv_cache_dtype": "fp8_e5m2"}),
         ("16-bit + int8 embedding", {"model": base, **INT8_EMB}),
     ]
+    if dev == "cpu":  # W8A8 int8 is the CPU path (torch._int_mm)
+        systems.insert(2, ("int8 W8A8 on the fly", {"model": base, "quantization": "int8"}))
+        systems.insert(3, ("int8 W8A8 + int8 embedding", {"model": base, "quantization": "int8", **INT8_EMB}))
     for name, label in (
         ("smollm2_awq", "AWQ int4 g64"),
         ("smollm2_gptq", "GPTQ int4 g64"),

@@ -9,7 +9,7 @@ from typing import Any
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_QUANT = (None, "awq", "gptq", "fp8")
+_QUANT = (None, "awq", "gptq", "fp8", "int8")
 _EMBED_QUANT = (None, "int8")
 _CPU_GEMM = ("auto", "torch", "onednn")
 
@@ -52,7 +52,9 @@ class EngineConfig:
 
     quantization: str | None = None
     """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"`` check it;
-    ``"fp8"`` quantizes a 16-bit checkpoint at load time (or checks an FP8 one)."""
+    ``"fp8"`` quantizes a 16-bit checkpoint at load time (or checks an FP8 one); ``"int8"`` (CPU)
+    quantizes its linears to per-channel int8 at load, activations per token at run time (W8A8:
+    1.4-1.7x the fp32 GEMM, a quarter of the weight bytes; ``quant/int8.py``)."""
 
     cpu_gemm: str = "auto"
     """GEMM for 32-bit linears and the lm_head on CPU: ``"onednn"`` (weights prepacked once at load;

@@ -95,6 +95,8 @@ class LLMEngine:
         from lorastar.quant import get_quant_config
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
+        if self.quant_config is not None and self.quant_config.name == "int8" and self.device.type != "cpu":
+            raise ValueError("quantization='int8' is the CPU path (torch._int_mm); on a GPU use 'fp8'")
         self.model, ckpt_kv_scales = load_model(
             self.model_dir,
             cfg,

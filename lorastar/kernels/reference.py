@@ -277,3 +277,28 @@ def ref_fp8_linear(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Int8 W8A8 (CPU)
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_int8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W8A8 int8 linear, row by row in float64: each row of ``x`` is quantized on its own
+    (``s = amax|x| / 127``, ``q = round(x / s)``), ``y = (q @ Wq.T) * s * s_w (+ b)``, in ``x.dtype``."""
+    w = weight.double()
+    rows = []
+    for row in x.double():
+        s = max(row.abs().max().item(), torch.finfo(torch.float32).tiny) / 127.0
+        q = torch.round(row / s).clamp(-127, 127)
+        rows.append((w @ q) * s * weight_scale.double())
+    y = torch.stack(rows) if rows else torch.zeros(0, weight.shape[0], dtype=torch.float64)
+    if bias is not None:
+        y = y + bias.double()
+    return y.to(x.dtype)

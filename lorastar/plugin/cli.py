@@ -188,8 +188,8 @@ main.add_command(make_lora_group())
     "--quantization",
     "-q",
     default=None,
-    type=click.Choice(["awq", "gptq", "fp8"]),
-    help="Force or check the method.",
+    type=click.Choice(["awq", "gptq", "fp8", "int8"]),
+    help="Force or check the method (fp8 / int8 quantize a 16-bit checkpoint at load; int8: CPU W8A8).",
 )
 @click.option(
     "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp8", "fp8_e5m2"])

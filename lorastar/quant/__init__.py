@@ -1,8 +1,9 @@
-"""Quantized weights and KV cache: AWQ, GPTQ, FP8 (compressed-tensors or on the fly), FP8 KV.
+"""Quantized weights and KV cache: AWQ, GPTQ, FP8 (compressed-tensors or on the fly), int8 W8A8
+on the fly (CPU), FP8 KV.
 
 ``get_quant_config`` is the one entry point the loader uses: the method comes from the checkpoint's
 ``config.json`` (``quantization_config.quant_method``), never from file names; ``requested`` (the
-engine's ``quantization=``) forces on-the-fly FP8 for a 16-bit checkpoint or checks the checkpoint.
+engine's ``quantization=``) forces on-the-fly FP8 or int8 for a 16-bit checkpoint or checks the checkpoint.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = [
 
 # quant_method in config.json -> the name users pass as ``quantization=``.
 _METHOD_NAMES = {"awq": "awq", "gptq": "gptq", "compressed-tensors": "fp8", "fp8": "fp8"}
-_REQUESTABLE = ("awq", "gptq", "fp8")
+_REQUESTABLE = ("awq", "gptq", "fp8", "int8")
 
 
 def get_quant_config(
@@ -49,6 +50,12 @@ def get_quant_config(
             from lorastar.quant.fp8 import Fp8OnTheFlyConfig
 
             return Fp8OnTheFlyConfig()
+        if requested == "int8":
+            if model_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise ValueError(f"quantization='int8' needs a float model dtype, got {model_dtype}")
+            from lorastar.quant.int8 import Int8OnTheFlyConfig
+
+            return Int8OnTheFlyConfig()
         raise ValueError(
             f"quantization={requested!r} was requested but the checkpoint is not quantized "
             "(config.json has no quantization_config)"
