@@ -54,9 +54,10 @@ from common import (  # noqa: E402
     write_results,
 )
 
-SYSTEMS = ("lorastar", "lorastar_torch_gemm", "vllm_cpu", "hf_serial", "hf_static", "hf_cb")
+SYSTEMS = ("lorastar", "lorastar_int8", "lorastar_torch_gemm", "vllm_cpu", "hf_serial", "hf_static", "hf_cb")
 LABELS = {
     "lorastar": "lorastar",
+    "lorastar_int8": "lorastar int8 W8A8 (quantization='int8')",
     "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
     "vllm_cpu": "vLLM-cpu",
     "hf_serial": "HF generate, one at a time",
@@ -65,6 +66,7 @@ LABELS = {
 }
 COLORS = {
     "lorastar": "tab:blue",
+    "lorastar_int8": "tab:cyan",
     "lorastar_torch_gemm": "tab:purple",
     "vllm_cpu": "tab:brown",
     "hf_serial": "tab:red",
@@ -135,10 +137,10 @@ def run_vllm_cpu(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, d
 
 
 class Lorastar:
-    def __init__(self, max_num_seqs: int, cpu_gemm: str = "auto") -> None:
+    def __init__(self, max_num_seqs: int, cpu_gemm: str = "auto", quantization: str | None = None) -> None:
         from lorastar import LLM, SamplingParams
 
-        self.llm = LLM(device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm)
+        self.llm = LLM(device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm, quantization=quantization)
         self.SamplingParams = SamplingParams
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -246,6 +248,8 @@ def main() -> None:
     systems: dict[str, Any] = {}
     if "lorastar" in a.sys:
         systems["lorastar"] = Lorastar(max_num_seqs=max(64, *a.conc))
+    if "lorastar_int8" in a.sys:  # W8A8 int8 linears (quality cost: benchmarks/quant.py)
+        systems["lorastar_int8"] = Lorastar(max_num_seqs=max(64, *a.conc), quantization="int8")
     if "lorastar_torch_gemm" in a.sys:  # the same engine on torch's default GEMM (before issue #16)
         systems["lorastar_torch_gemm"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_gemm="torch")
     if {"hf_serial", "hf_static"} & set(a.sys):
@@ -265,7 +269,7 @@ def main() -> None:
     warm = text_prompts(tok, 2, 16, seed=99)
 
     # Warm up every system once (first-call allocations, lazy imports).
-    for name in ("lorastar", "lorastar_torch_gemm"):
+    for name in ("lorastar", "lorastar_int8", "lorastar_torch_gemm"):
         if name in systems:
             systems[name].run(warm, 4)
     if "hf" in systems:
@@ -287,6 +291,7 @@ def main() -> None:
         batch = prompts[:c]
         for name, fn in (
             ("lorastar", lambda b: systems["lorastar"].run(b, a.new_tokens)),
+            ("lorastar_int8", lambda b: systems["lorastar_int8"].run(b, a.new_tokens)),
             ("lorastar_torch_gemm", lambda b: systems["lorastar_torch_gemm"].run(b, a.new_tokens)),
             ("hf_static", lambda b: systems["hf"].static(b, a.new_tokens)),
             ("hf_cb", lambda b: systems["hf_cb"].continuous(b, a.new_tokens)),
@@ -319,6 +324,7 @@ def main() -> None:
             "lorastar / HF static",
             "lorastar / HF CB",
             "lorastar / vLLM-cpu",
+            "lorastar int8 / vLLM-cpu",
             "lorastar median TTFT s",
         ]
     )
@@ -335,6 +341,7 @@ def main() -> None:
                 ls / rate("hf_static", c),
                 ls / rate("hf_cb", c),
                 ls / rate("vllm_cpu", c),
+                rate("lorastar_int8", c) / rate("vllm_cpu", c),
                 ttft if ttft is not None else float("nan"),
             ]
         )
@@ -387,7 +394,9 @@ def main() -> None:
         "`attn_implementation='paged|sdpa'`, page 256, KV cache sized to the workload, max_batch_tokens 2048.",
         "lorastar: default engine (block 16, token budget 2048, prefix caching on; no prompt shares a block); "
         "its CPU GEMM is oneDNN with prepacked weights where that measures faster at load (cpu_gemm='auto'); "
-        "'torch GEMM' is the same engine with cpu_gemm='torch' (F.linear, MKL).",
+        "'torch GEMM' is the same engine with cpu_gemm='torch' (F.linear, MKL). 'int8 W8A8' is the same engine "
+        "with quantization='int8' (per-channel int8 weights, per-token int8 activations, torch._int_mm; mean KL "
+        "0.035 to fp32 in benchmarks/quant.py): a quality trade, not an fp32 figure.",
     ]
     notes.append(roof_note)
     if target:

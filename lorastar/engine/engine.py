@@ -115,7 +115,8 @@ class LLMEngine:
                 lin.weight for lin in self.model.linears().values()
                 if isinstance(lin.quant_method, UnquantizedLinearMethod)
             ]  # fmt: skip
-            largest = max(dense, key=lambda w: w.numel(), default=None)
+            head = self.model.head_weight()  # packed too: with int8 linears it is the only fp32 GEMM
+            largest = max(dense + ([head] if head is not None else []), key=lambda w: w.numel(), default=None)
             self.cpu_gemm = choose_backend(config.cpu_gemm, largest)
             if self.cpu_gemm == "onednn":
                 self.model.pack_for_cpu()

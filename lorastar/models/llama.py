@@ -252,6 +252,13 @@ class LlamaForCausalLM(nn.Module):
         w = head.weight if isinstance(head, nn.Embedding) else head
         return F.linear(hidden, w)  # [rows, vocab]
 
+    def head_weight(self) -> torch.Tensor | None:
+        """The lm_head's float weight ``[vocab, hidden]`` (the embedding table when tied), or None
+        (an int8 table, or already packed)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        w = head.weight if isinstance(head, nn.Embedding) else head
+        return w if isinstance(w, torch.Tensor) and w.dtype.is_floating_point and w.numel() else None
+
     def pack_for_cpu(self) -> int:
         """Prepack every 32-bit CPU linear and the lm_head for oneDNN (``layers/cpu_gemm.py``); a tied
         head gets its own packed copy (the embedding lookup keeps the table). Returns linears packed."""

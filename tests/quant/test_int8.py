@@ -128,18 +128,26 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
 def int8_llm() -> LLM:
     from lorastar.models.default import default_model_dir
 
-    return LLM(str(default_model_dir()), quantization="int8", num_kv_blocks=64)
+    from lorastar.layers.cpu_gemm import onednn_available
+
+    gemm = "onednn" if onednn_available() else "auto"  # the lm_head, the one fp32 GEMM left, is packed
+    return LLM(str(default_model_dir()), quantization="int8", num_kv_blocks=64, cpu_gemm=gemm)
 
 
 def test_int8_weights_are_the_checkpoint_quantized(int8_llm: LLM) -> None:
     """Every fused slice holds its HF module's weight, quantized per row (computed here in float64;
-    a handful of exact .5 ties may round the other way in fp32)."""
+    a handful of exact .5 ties may round the other way in fp32); the lm_head, the one fp32 GEMM
+    left, is prepacked for oneDNN."""
     from transformers import AutoModelForCausalLM
+
+    from lorastar.layers.cpu_gemm import onednn_available
 
     hf = AutoModelForCausalLM.from_pretrained(str(int8_llm.engine.model_dir), dtype=torch.float32)
     hf_mods = dict(hf.named_modules())
     lins = int8_llm.engine.model.linears()
     assert len(lins) == 4 * hf.config.num_hidden_layers
+    if onednn_available():
+        assert int8_llm.engine.cpu_gemm == "onednn" and int8_llm.engine.model.head_packed is not None
     for prefix, lin in lins.items():
         assert type(lin.quant_method).__name__ == "Int8LinearMethod"
         assert lin.weight.numel() == 0 and lin.weight_t.dtype == torch.int8  # only the [in, out] copy
