@@ -126,9 +126,8 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def int8_llm() -> LLM:
-    from lorastar.models.default import default_model_dir
-
     from lorastar.layers.cpu_gemm import onednn_available
+    from lorastar.models.default import default_model_dir
 
     gemm = "onednn" if onednn_available() else "auto"  # the lm_head, the one fp32 GEMM left, is packed
     return LLM(str(default_model_dir()), quantization="int8", num_kv_blocks=64, cpu_gemm=gemm)
