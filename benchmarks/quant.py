@@ -133,7 +133,9 @@ def weight_bytes(model: torch.nn.Module, as_dtype: torch.dtype | None = None) ->
     total = 0
     tensors = list(model.parameters()) + [b for _, b in model.named_buffers() if b.dtype.is_floating_point]
     for m in model.modules():  # CPU forms that replace a linear's weight: oneDNN-packed, int8 [in, out]
-        tensors += [t for n in ("weight_packed", "weight_t") if isinstance(t := getattr(m, n, None), torch.Tensor)]
+        tensors += [
+            t for n in ("weight_packed", "weight_t") if isinstance(t := getattr(m, n, None), torch.Tensor)
+        ]
     for t in tensors:
         size = t.element_size()
         if as_dtype is not None and t.dtype.is_floating_point and t.element_size() > 1:
