@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,6 +57,9 @@ class LoRAMetadata:
     is_decode: bool = False  # every sequence contributes one token
     force_bgmv: bool = False  # CUDA graphs: the gather form whatever the batch (no segment data)
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # host-side (slot, start, end)
+    # Layouts derived from the above by the first layer that needs them, reused by every other
+    # layer of the step (the CPU LoRA plan, ``layers/lora.py``).
+    derived: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -11,7 +11,7 @@ with a rank-64 one costs rank-8 work. Two index forms:
 Each op runs its Triton kernel when the tensors are on CUDA (or when ``force_triton=True`` / the
 module flag ``FORCE_TRITON`` is set, for tests under ``TRITON_INTERPRET=1``); otherwise a
 vectorized torch path that groups rows by slot (``lora_shrink_torch`` / ``lora_expand_torch``).
-A fused linear's entry points (``add_lora``, ``add_lora_packed``) live in ``layers/lora.py``.
+A fused linear's entry points (``add_lora``, ``add_lora_cpu``) live in ``layers/lora.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from lorastar.kernels.lora import (
     sgmv_shrink,
 )
 from lorastar.kernels.reference import ref_lora_expand, ref_lora_shrink
-from lorastar.layers.lora import add_lora, add_lora_packed
+from lorastar.layers.lora import CpuLoRAPlan, add_lora, add_lora_cpu, build_cpu_lora_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN = 64  # small: every interpreted Triton program costs ~0.2 ms
@@ -304,15 +304,18 @@ def test_add_lora(num_slices: int, is_decode: bool, path: str, dtype: torch.dtyp
     torch.testing.assert_close(y, ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("form", ["view", "gather", "loop", "auto"])
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: str) -> None:
-    """CPU path: one packed shrink per adapter over its slices (slots target different subsets of
-    q/k/v-like slices, mixed ranks), rows in adapter order as the runner builds them."""
+def test_add_lora_cpu(rank: int, batch: int, dtype: torch.dtype, popularity: str, form: str) -> None:
+    """CPU path, batched over a view of the slot range or the gathered slots, as the per-adapter
+    loop and split between them as the engine plans it: slots target different subsets of
+    q/k/v-like slices with mixed ranks, rows in adapter order as the runner builds them (base rows
+    first), some slots idle."""
     if DEVICE != "cpu":
-        pytest.skip("the packed layout is the CPU path")
+        pytest.skip("the CPU path")
     c = _case(rank, batch, dtype, popularity, seed=5)
     gen = torch.Generator().manual_seed(11)
     widths = [32, 16, 24]
@@ -320,15 +323,12 @@ def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: 
     ranks = c["ranks"].tolist()
     num_slots = len(ranks)
     slot_slices = [[i for i in range(3) if (s + i) % 4 != 3] for s in range(num_slots)]
-    a_slices = [torch.zeros(num_slots, rank, HIDDEN, dtype=dtype) for _ in widths]
+    a_slices: list[torch.Tensor | None] = [torch.zeros(num_slots, rank, HIDDEN, dtype=dtype) for _ in widths]
     b_slices: list[torch.Tensor | None] = [torch.zeros(num_slots, n, rank, dtype=dtype) for n in widths]
-    a_packed = torch.zeros(num_slots, 3 * rank, HIDDEN, dtype=dtype)
     for s in range(num_slots):
         r = ranks[s]
-        for j, i in enumerate(slot_slices[s]):
-            a = (torch.randn(r, HIDDEN, generator=gen) * 0.1).to(dtype)
-            a_slices[i][s, :r] = a
-            a_packed[s, j * r : (j + 1) * r] = a
+        for i in slot_slices[s]:
+            a_slices[i][s, :r] = (torch.randn(r, HIDDEN, generator=gen) * 0.1).to(dtype)  # type: ignore[index]
             b_slices[i][s, :, :r] = (torch.randn(widths[i], r, generator=gen) * 0.1).to(dtype)  # type: ignore[index]
     token_slots, x = c["token_slots"], c["x"]
     order = torch.sort(token_slots, stable=True).indices  # the runner's order: by adapter slot
@@ -336,13 +336,48 @@ def test_add_lora_packed(rank: int, batch: int, dtype: torch.dtype, popularity: 
     meta = _meta({**c, "token_slots": token_slots, "x": x}, is_decode=True)
     y0 = torch.randn(x.shape[0], sum(widths), generator=gen).to(dtype)
     y = y0.clone()
-    add_lora_packed(y, x, a_packed, b_slices, slot_slices, ranks, meta, offsets)
+    if form == "loop":
+        plan = CpuLoRAPlan(loop=meta.ranges)
+    elif form == "auto":  # the engine's choice: the heaviest adapters looped when padding is high
+        plan = build_cpu_lora_plan(meta)
+    else:
+        plan = build_cpu_lora_plan(meta, use_view=form == "view", batch_all=True)
+    add_lora_cpu(y, x, a_slices, b_slices, meta, offsets, ranks, plan=plan)
 
     ref = y0.clone().float()
     for a, b, off in zip(a_slices, b_slices, offsets):
-        buf = ref_lora_shrink(x.float(), a.float(), token_slots, c["ranks"], 1.0)
+        buf = ref_lora_shrink(x.float(), a.float(), token_slots, c["ranks"], 1.0)  # type: ignore[union-attr]
         ref = ref_lora_expand(ref, buf, b.float(), token_slots, c["ranks"], off)  # type: ignore[union-attr]
     torch.testing.assert_close(y, ref.to(dtype), **_tol(dtype))
+
+
+def test_cpu_lora_plan_loops_the_prefill_and_batches_the_decodes() -> None:
+    """A mixed step (base rows, three decoding adapters, one 40-token prefill chunk between them,
+    an idle slot): the chunk runs in the loop, the decodes batched into non-contiguous rows."""
+    gen = torch.Generator().manual_seed(3)
+    counts = {-1: 2, 0: 1, 1: 2, 2: 40, 4: 1}  # slot -> rows (slot 3 idle)
+    token_slots = torch.tensor([s for s, n in counts.items() for _ in range(n)], dtype=torch.int32)
+    ranks = torch.tensor([8, 4, 16, 8, 2], dtype=torch.int32)
+    seg_starts, seg_slots = _segments(token_slots)
+    meta = _meta(
+        {"token_slots": token_slots, "seg_starts": seg_starts, "seg_slots": seg_slots, "ranks": ranks},
+        is_decode=False,
+    )
+    plan = build_cpu_lora_plan(meta)
+    assert plan.loop == [(2, 5, 45)] and len(plan.batches) == 1
+    bt = plan.batches[0]
+    assert bt.rows is not None and bt.rows.tolist() == [2, 3, 4, 45] and bt.length == 2 and bt.rank == 16
+    x = torch.randn(token_slots.numel(), HIDDEN, generator=gen)
+    a = torch.randn(5, 16, HIDDEN, generator=gen) * 0.1
+    b = torch.randn(5, OUT_DIM, 16, generator=gen) * 0.1
+    for slot, r in enumerate(ranks.tolist()):
+        a[slot, r:] = 0
+        b[slot, :, r:] = 0
+    y0 = torch.randn(x.shape[0], OUT_DIM, generator=gen)
+    y = y0.clone()
+    add_lora_cpu(y, x, [a], [b], meta, [0], ranks.tolist())
+    ref = ref_lora_expand(y0, ref_lora_shrink(x, a, token_slots, ranks, 1.0), b, token_slots, ranks, 0)
+    torch.testing.assert_close(y, ref, **_tol(torch.float32))
 
 
 @pytest.mark.gpu

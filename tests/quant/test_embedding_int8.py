@@ -102,7 +102,13 @@ def _dequantized_reference(path: str, int8: LLM, **kw: object) -> LLM:
     model.embed_tokens.weight.data.copy_(qmodel.embed_tokens.dequantize())
     if model.lm_head is not None:
         assert isinstance(qmodel.lm_head, Int8Embedding) and isinstance(model.lm_head, torch.Tensor)
-        model.lm_head.data.copy_(qmodel.lm_head.dequantize())
+        model.lm_head.data = qmodel.lm_head.dequantize()  # (the oneDNN backend emptied the dense copy)
+    if model.head_packed is not None:  # oneDNN backend: the head's packed copy is what runs
+        from lorastar.layers.cpu_gemm import pack
+
+        model.head_packed = pack(
+            model.embed_tokens.weight.data if model.lm_head is None else model.lm_head.data
+        )
     return ref
 
 

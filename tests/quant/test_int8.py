@@ -191,9 +191,10 @@ def test_int8_engine_quality_matches_the_scheme_in_hf(int8_llm: LLM) -> None:
 def test_lora_on_int8_base_matches_peft_on_the_scheme(int8_llm: LLM, tmp_path) -> None:  # noqa: ANN001
     """A PEFT adapter (float A/B) on the int8 base: as close to fp32 PEFT as PEFT over the same
     W8A8 base linears, and far from the int8 base alone (the delta is applied)."""
-    from conftest import make_peft_adapter
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_peft_adapter
 
     d = str(int8_llm.engine.model_dir)
     path = make_peft_adapter(
