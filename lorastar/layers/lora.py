@@ -214,11 +214,16 @@ MAX_ROW_PADDING = 2.0
 MAX_IDLE_SLOTS = 2.0
 
 
-def cpu_lora_plan(meta: LoRAMetadata) -> CpuLoRAPlan:
-    """The step's layout, built by the first linear and cached on ``meta``."""
-    if "cpu_plan" not in meta.derived:
-        meta.derived["cpu_plan"] = build_cpu_lora_plan(meta)
-    return meta.derived["cpu_plan"]
+def cpu_lora_plan(meta: LoRAMetadata, slot_ranks: list[int] | None = None) -> CpuLoRAPlan:
+    """The layout for a linear whose slots have ``slot_ranks`` (None: every slot at the step's
+    largest rank), built by the first linear with those ranks and cached on ``meta``: a step has
+    a few distinct signatures (q/k/v, o, gate/up, down), each linear batching only the adapters
+    that target it, at their largest rank in it."""
+    key = None if slot_ranks is None else tuple(slot_ranks[s] for s, _, _ in meta.ranges)
+    plans = meta.derived.setdefault("cpu_plans", {})
+    if key not in plans:
+        plans[key] = build_cpu_lora_plan(meta, slot_ranks=slot_ranks)
+    return plans[key]
 
 
 def build_cpu_lora_plan(
@@ -226,11 +231,13 @@ def build_cpu_lora_plan(
     max_padding: float = MAX_ROW_PADDING,
     use_view: bool | None = None,
     batch_all: bool = False,
+    slot_ranks: list[int] | None = None,
 ) -> CpuLoRAPlan:
-    """Split ``meta.ranges`` into batched (shortest first, while ``G * L <= max_padding * rows +
-    8``) and looped adapters. ``use_view``: force the slot-range view (True) or gathered slots
-    (False); ``batch_all``: batch every adapter whatever the padding (tests)."""
-    ranges = [r for r in meta.ranges if r[2] > r[1]]
+    """Split ``meta.ranges`` (those of slots with a rank in this linear, ``slot_ranks``) into batched
+    (shortest first, while ``G * L <= max_padding * rows + 8``) and looped adapters. ``use_view``:
+    force the slot-range view (True) or gathered slots (False); ``batch_all``: batch every adapter
+    whatever the padding (tests)."""
+    ranges = [r for r in meta.ranges if r[2] > r[1] and (slot_ranks is None or slot_ranks[r[0]] > 0)]
     by_len = sorted(ranges, key=lambda r: r[2] - r[1])
     k, rows = 0, 0
     for i, (_, s, e) in enumerate(by_len):
@@ -241,7 +248,8 @@ def build_cpu_lora_plan(
     if len(batched) < 2:  # one adapter: the loop's plain matmuls
         return CpuLoRAPlan(loop=ranges)
     loop = [r for r in ranges if r not in batched]
-    return CpuLoRAPlan(loop=loop, batches=[_batch(batched, meta.max_rank, use_view)])
+    rank = meta.max_rank if slot_ranks is None else max(slot_ranks[r[0]] for r in batched)
+    return CpuLoRAPlan(loop=loop, batches=[_batch(batched, rank, use_view)])
 
 
 def _batch(members: list[tuple[int, int, int]], rank: int, use_view: bool | None) -> CpuLoRABatch:
@@ -303,7 +311,8 @@ def add_lora_cpu(
         offsets: first column of each slice in ``y``.
         slot_ranks: each slot's rank in this linear (0: the slot does not target it).
         slot_shared_a: per slot, whether all its slices hold the same A (fused-module LoRA).
-        plan: the layout (default: ``cpu_lora_plan(meta)``, shared by the step's linears).
+        plan: the layout (default: ``cpu_lora_plan(meta, slot_ranks)``, shared by the step's
+            linears with the same slot ranks).
     """
     if x.shape[0] == 0 or not meta.ranges:
         return
@@ -314,7 +323,7 @@ def add_lora_cpu(
     ]
     if not live:
         return
-    plan = plan or cpu_lora_plan(meta)
+    plan = plan or cpu_lora_plan(meta, slot_ranks)
     for bt in plan.batches:
         g, n, r = bt.groups, bt.length, bt.rank
         shared = slot_shared_a is not None and all(

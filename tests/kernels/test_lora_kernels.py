@@ -20,7 +20,7 @@ from lorastar.kernels.lora import (
     sgmv_shrink,
 )
 from lorastar.kernels.reference import ref_lora_expand, ref_lora_shrink
-from lorastar.layers.lora import CpuLoRAPlan, add_lora, add_lora_cpu, build_cpu_lora_plan
+from lorastar.layers.lora import CpuLoRAPlan, add_lora, add_lora_cpu, build_cpu_lora_plan, cpu_lora_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN = 64  # small: every interpreted Triton program costs ~0.2 ms
@@ -339,7 +339,7 @@ def test_add_lora_cpu(rank: int, batch: int, dtype: torch.dtype, popularity: str
     if form == "loop":
         plan = CpuLoRAPlan(loop=meta.ranges)
     elif form == "auto":  # the engine's choice: the heaviest adapters looped when padding is high
-        plan = build_cpu_lora_plan(meta)
+        plan = None
     else:
         plan = build_cpu_lora_plan(meta, use_view=form == "view", batch_all=True)
     add_lora_cpu(y, x, a_slices, b_slices, meta, offsets, ranks, plan=plan)
@@ -367,6 +367,11 @@ def test_cpu_lora_plan_loops_the_prefill_and_batches_the_decodes() -> None:
     assert plan.loop == [(2, 5, 45)] and len(plan.batches) == 1
     bt = plan.batches[0]
     assert bt.rows is not None and bt.rows.tolist() == [2, 3, 4, 45] and bt.length == 2 and bt.rank == 16
+    # A linear slot 1 does not target (rank 0 there): only slots 0 and 4 batched, at their rank.
+    own = cpu_lora_plan(meta, [8, 0, 16, 8, 2])
+    assert own.loop == [(2, 5, 45)] and [b.rank for b in own.batches] == [8]
+    assert own.batches[0].rows is not None and own.batches[0].rows.tolist() == [2, 45]
+    assert cpu_lora_plan(meta, [8, 0, 16, 8, 2]) is own  # cached for the step's other such linears
     x = torch.randn(token_slots.numel(), HIDDEN, generator=gen)
     a = torch.randn(5, 16, HIDDEN, generator=gen) * 0.1
     b = torch.randn(5, OUT_DIM, 16, generator=gen) * 0.1
