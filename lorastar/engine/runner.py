@@ -65,8 +65,10 @@ class ModelRunner:
         lora_state: LoRADeviceState | None = None,
         cuda_graph_max_batch: int = 0,
         max_model_len: int = 0,
+        native_cpu_attention: bool = False,
     ) -> None:
         self.model = model
+        self.native_cpu_attention = native_cpu_attention
         self.spec = spec
         self.device = device
         self.block_size = spec.block_size
@@ -136,8 +138,9 @@ class ModelRunner:
 
         dev = self.device
         md = build_attention_metadata(
-            slots, q_lens, seq_lens, padded_block_tables(tables), block_size=self.block_size, device=dev
-        )
+            slots, q_lens, seq_lens, padded_block_tables(tables), block_size=self.block_size, device=dev,
+            native_cpu_decode=self.native_cpu_attention,
+        )  # fmt: skip
         lora = self._prepare_lora(token_slots, q_lens) if adapter_slot is not None else None
         ctx = ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,

@@ -1,4 +1,4 @@
-"""The two attention backends agree through ``attention_forward``: the CPU one (TorchAttentionMetadata,
+"""The attention backends agree through ``attention_forward``: the CPU one (TorchAttentionMetadata,
 SDPA) and the CUDA one (plain AttentionMetadata, Triton paged attention; interpreted here)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lorastar.forward_context import AttentionMetadata, ForwardContext, padded_block_tables
+from lorastar.kernels import cpu_attention
 from lorastar.kernels.reference import ref_paged_attention
 from lorastar.layers.attention import TorchAttentionMetadata, attention_forward, build_attention_metadata
 
@@ -74,8 +75,11 @@ def test_windows_and_softcap_match_reference(window: int, softcap: float) -> Non
         slots, q_lens, seq_lens, padded_block_tables(freed), block_size=BS, device=torch.device("cpu")
     )
     common = {f.name: getattr(md, f.name) for f in dataclasses.fields(AttentionMetadata)}
+    backends: list[AttentionMetadata] = [md, AttentionMetadata(**common)]
+    if cpu_attention.load() is not None:  # the C++ decode op (tests/kernels/test_cpu_attention.py)
+        backends.append(dataclasses.replace(md, native_decode=True, plans={}))
     outs = []
-    for attn in (md, AttentionMetadata(**common)):
+    for attn in backends:
         caches = [(cache.clone(), cache.clone())]
         ctx = ForwardContext(attn=attn, kv_caches=caches)
         outs.append(attention_forward(q, k, v, ctx, 0, D**-0.5, sliding_window=window, softcap=softcap))

@@ -1,0 +1,43 @@
+"""``cpu_attention``: the C++ decode op and the gather + SDPA path give HF's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lorastar import LLM, SamplingParams
+from lorastar.config import EngineConfig
+from lorastar.kernels import cpu_attention
+
+
+def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
+
+    if cpu_attention.load() is None:
+        pytest.skip("no C++ toolchain: the CPU attention op cannot build here")
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = mixed_prompts(12, [3, 40, 17, 70])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    outs = {}
+    for mode in ("torch", "native"):
+        llm = LLM(path, num_kv_blocks=64, cpu_attention=mode)
+        assert llm.engine.cpu_attention == mode
+        outs[mode] = llm.generate(prompts, sp)
+    for p, a, b in zip(prompts, outs["torch"], outs["native"]):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf, p, 12)
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in la.items():
+                assert abs(lb[tok].logprob - lp.logprob) < 1e-4
+
+
+def test_auto_falls_back_and_native_refuses_without_the_op(tiny_model_dir, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_attention, "load", lambda: None)  # as on a machine without g++
+    path = tiny_model_dir("llama-gqa")
+    assert LLM(path, num_kv_blocks=16).engine.cpu_attention == "torch"
+    with pytest.raises(ValueError, match="cpu_attention='native'"):
+        LLM(path, num_kv_blocks=16, cpu_attention="native")
+    with pytest.raises(ValueError, match="cpu_attention must be one of"):
+        EngineConfig(cpu_attention="flash")
