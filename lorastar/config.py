@@ -12,7 +12,7 @@ _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANT = (None, "awq", "gptq", "fp8", "int8")
 _EMBED_QUANT = (None, "int8")
 _CPU_GEMM = ("auto", "torch", "onednn")
-_CPU_ATTENTION = ("auto", "torch", "native")
+_CPU_KERNELS = ("auto", "torch", "native")
 
 
 @dataclass
@@ -62,10 +62,11 @@ class EngineConfig:
     2-3x torch's default on SmolLM2's shapes, see ``layers/cpu_gemm.py``), ``"torch"`` (``F.linear``),
     or ``"auto"``: both timed at load on the model's largest linear, the faster one kept."""
 
-    cpu_attention: str = "auto"
-    """Decode attention of fp32 models on CPU: ``"native"`` (a small C++ op that reads K/V straight
-    from the paged cache, built once per machine with g++ and ninja, ~20 s, then cached; see
-    ``kernels/cpu_attention.py``), ``"torch"`` (blocks gathered, then SDPA), or ``"auto"``: native
+    cpu_kernels: str = "auto"
+    """Decode attention and decode-row LoRA of fp32 models on CPU: ``"native"`` (two small C++ ops,
+    built once per machine with g++ and ninja, ~20 s, then cached: attention reads K/V straight from
+    the paged cache, LoRA reads each adapter at its true rank; ``kernels/cpu_native.py``),
+    ``"torch"`` (blocks gathered then SDPA; LoRA as bmm over a slot grid), or ``"auto"``: native
     where it builds, torch otherwise."""
 
     embedding_quantization: str | None = None
@@ -139,8 +140,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {_QUANT}, got {self.quantization!r}")
         if self.cpu_gemm not in _CPU_GEMM:
             raise ValueError(f"cpu_gemm must be one of {_CPU_GEMM}, got {self.cpu_gemm!r}")
-        if self.cpu_attention not in _CPU_ATTENTION:
-            raise ValueError(f"cpu_attention must be one of {_CPU_ATTENTION}, got {self.cpu_attention!r}")
+        if self.cpu_kernels not in _CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {_CPU_KERNELS}, got {self.cpu_kernels!r}")
         if self.embedding_quantization not in _EMBED_QUANT:
             raise ValueError(
                 f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"

@@ -56,6 +56,7 @@ class LoRAMetadata:
     max_rank: int  # largest rank among the slots in this batch
     is_decode: bool = False  # every sequence contributes one token
     force_bgmv: bool = False  # CUDA graphs: the gather form whatever the batch (no segment data)
+    native: bool = False  # CPU: decode rows through the C++ SGMV op (kernels/cpu_native.py)
     ranges: list[tuple[int, int, int]] = field(default_factory=list)  # host-side (slot, start, end)
     # Layouts derived from the above by the first layer that needs them, reused by every other
     # layer of the step (the CPU LoRA plan, ``layers/lora.py``).

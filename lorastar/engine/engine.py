@@ -120,17 +120,15 @@ class LLMEngine:
             self.cpu_gemm = choose_backend(config.cpu_gemm, largest)
             if self.cpu_gemm == "onednn":
                 self.model.pack_for_cpu()
-        # Decode attention reads the paged cache with the C++ op (kernels/cpu_attention.py) for fp32.
-        self.cpu_attention = "torch"
-        if self.device.type == "cpu" and self.dtype == torch.float32 and config.cpu_attention != "torch":
-            from lorastar.kernels import cpu_attention
+        # fp32 decode attention and LoRA run as C++ ops (kernels/cpu_native.py) where they build.
+        self.cpu_kernels = "torch"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and config.cpu_kernels != "torch":
+            from lorastar.kernels import cpu_native
 
-            if cpu_attention.load() is not None:
-                self.cpu_attention = "native"
-            elif config.cpu_attention == "native":
-                raise ValueError(
-                    "cpu_attention='native': the C++ op did not build here (needs g++ and ninja)"
-                )
+            if cpu_native.load() is not None:
+                self.cpu_kernels = "native"
+            elif config.cpu_kernels == "native":
+                raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")
         self.tokenizer = _load_tokenizer(
             Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
         )
@@ -183,7 +181,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 256),
-            max_model_len=self.max_model_len, native_cpu_attention=self.cpu_attention == "native",
+            max_model_len=self.max_model_len, native_cpu_kernels=self.cpu_kernels == "native",
         )  # fmt: skip
         salt = f"{self.model_dir.resolve()}|{self.dtype}|{kv_dtype}|{config.quantization}"
         self.block_manager = BlockManager(

@@ -65,10 +65,10 @@ class ModelRunner:
         lora_state: LoRADeviceState | None = None,
         cuda_graph_max_batch: int = 0,
         max_model_len: int = 0,
-        native_cpu_attention: bool = False,
+        native_cpu_kernels: bool = False,
     ) -> None:
         self.model = model
-        self.native_cpu_attention = native_cpu_attention
+        self.native_cpu_kernels = native_cpu_kernels
         self.spec = spec
         self.device = device
         self.block_size = spec.block_size
@@ -139,7 +139,7 @@ class ModelRunner:
         dev = self.device
         md = build_attention_metadata(
             slots, q_lens, seq_lens, padded_block_tables(tables), block_size=self.block_size, device=dev,
-            native_cpu_decode=self.native_cpu_attention,
+            native_cpu_decode=self.native_cpu_kernels,
         )  # fmt: skip
         lora = self._prepare_lora(token_slots, q_lens) if adapter_slot is not None else None
         ctx = ForwardContext(
@@ -181,6 +181,7 @@ class ModelRunner:
             ranks=state.ranks,
             max_rank=max(ranks_host[s] for s, _, _ in ranges),
             is_decode=all(q == 1 for q in q_lens),
+            native=self.native_cpu_kernels,
         )
 
     # ---- execution --------------------------------------------------------------------------

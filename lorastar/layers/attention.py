@@ -3,7 +3,7 @@
 * Triton (CUDA): ``kernels/paged_attention.py`` reads the common ``AttentionMetadata`` directly.
 * Torch (CPU): ``TorchAttentionMetadata`` adds what SDPA needs, precomputed once per step and window
   size (not per layer): decode rows (one new token each) run as ONE C++ op reading K/V straight
-  from the blocks (fp32, ``kernels/cpu_attention.py``) or as ONE batched SDPA over K/V gathered
+  from the blocks (fp32, ``kernels/cpu_native.py``) or as ONE batched SDPA over K/V gathered
   block-wise; prefill chunks run one SDPA each (a step holds few of them; a chunk after cached
   context gathers its own blocks once).
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lorastar.forward_context import AttentionMetadata, ForwardContext
-from lorastar.kernels.cpu_attention import paged_decode as cpu_paged_decode
+from lorastar.kernels.cpu_native import paged_decode as cpu_paged_decode
 from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
 
 
@@ -66,7 +66,7 @@ class TorchAttentionMetadata(AttentionMetadata):
     host_query_lens: list[int] = field(default_factory=list)
     host_seq_lens: list[int] = field(default_factory=list)
     host_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
-    # Decode rows of fp32 layers read the cache with the C++ op (kernels/cpu_attention.py) instead
+    # Decode rows of fp32 layers read the cache with the C++ op (kernels/cpu_native.py) instead
     # of gather + SDPA: 20 SmolLM2 rows over ~175 cold keys 461 vs 1265 us a layer; whole decode
     # steps at c=20 1.1x tok/s (attention 344 vs 453 us a layer, the rest unchanged).
     native_decode: bool = False
@@ -127,7 +127,7 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """One step's metadata for the backend of ``device``: sequence ``b`` has ``query_lens[b]`` new
     tokens (flat rows in order) and ``seq_lens[b]`` tokens of context after this step.
-    ``native_cpu_decode``: CPU decode rows use ``kernels/cpu_attention.py`` (the caller loaded it)."""
+    ``native_cpu_decode``: CPU decode rows use ``kernels/cpu_native.py`` (the caller loaded it)."""
     qsl = [0]
     for q in query_lens:
         qsl.append(qsl[-1] + q)

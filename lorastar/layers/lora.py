@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorastar.forward_context import LoRAMetadata
+from lorastar.kernels.cpu_native import lora_segments
 from lorastar.kernels.lora import (
     bgmv_expand,
     bgmv_shrink,
@@ -41,7 +42,8 @@ class LoRASlots(ABC):
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, N_i, R]
+        # Per slice [S, N_i, R] (GPU) or [S, R, N_i] (CPU: rows of B.T, read contiguously per rank).
+        self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)
         self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
         self.slot_ranks = [0] * max_loras  # each slot's rank in this linear
         # Slots whose slices share one A (a LoRA on the fused module, Phi-3): the CPU path shrinks once
@@ -67,10 +69,8 @@ class LoRASlots(ABC):
         self._clear_a(slot)
         for j, i in enumerate(slices):
             a, b = weights[names[i]]
-            if self.b[i] is None:
-                self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
             self._write_a(slot, i, j, rank, a)
-            self.b[i][slot, :, : b.shape[1]].copy_(b)  # type: ignore[index]
+            self._write_b(slot, i, b)
         self.slot_slices[slot] = slices
         self.slot_ranks[slot] = rank
         self.slot_shared_a[slot] = shared_a
@@ -82,6 +82,12 @@ class LoRASlots(ABC):
     @abstractmethod
     def _write_a(self, slot: int, i: int, j: int, rank: int, a: torch.Tensor) -> None:
         """Store A ``[r, in]`` of slice ``i``, the ``j``-th slice the slot targets (slot rank ``rank``)."""
+
+    def _write_b(self, slot: int, i: int, b: torch.Tensor) -> None:
+        """Store B ``[out, r]`` (scaled) of slice ``i``: ``[S, N_i, R]`` buffers by default."""
+        if self.b[i] is None:
+            self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
+        self.b[i][slot, :, : b.shape[1]].copy_(b)  # type: ignore[index]
 
     @abstractmethod
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
@@ -112,9 +118,15 @@ class GpuLoRASlots(LoRASlots):
 
 
 class CpuLoRASlots(GpuLoRASlots):
-    """The same per-slice buffers as the GPU (A ``[S, R, in]`` per slice; a fused-module LoRA writes
-    its one A into every slice), run by ``add_lora_cpu``: batched over slots in decode-like steps,
-    a loop over the adapters' row ranges otherwise."""
+    """A ``[S, R, in]`` per slice as on the GPU (a fused-module LoRA writes its one A into every
+    slice) and B transposed, ``[S, R, out]``: the expand then reads rank ``j``'s row of B.T as one
+    contiguous run (a B row ``[R]`` read its first r of R floats, strided). Run by
+    ``add_lora_cpu``."""
+
+    def _write_b(self, slot: int, i: int, b: torch.Tensor) -> None:
+        if self.b[i] is None:
+            self.b[i] = self._zeros(self.max_loras, self.max_rank, self.layer.output_sizes[i])
+        self.b[i][slot, : b.shape[1]].copy_(b.t())  # type: ignore[index]
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         add_lora_cpu(y, x, self.a, self.b, meta, self.offsets, self.slot_ranks, self.slot_shared_a)
@@ -205,6 +217,9 @@ class CpuLoRAPlan:
 
     loop: list[tuple[int, int, int]]  # (slot, start, end) run one by one
     batches: list[CpuLoRABatch] = field(default_factory=list)
+    # With the C++ op (``meta.native``): the light adapters as flat (slot, start, end) triples, run
+    # by one ``lora_segments`` call per linear at each slot's true rank (no grid, no padding).
+    native_segs: list[int] = field(default_factory=list)
 
 
 # Batched CPU LoRA pays for padding: every group computes L rows, and a view reads the buffers of
@@ -212,6 +227,9 @@ class CpuLoRAPlan:
 # batch uses a view of its slot range unless it holds MAX_IDLE_SLOTS times as many slots as groups.
 MAX_ROW_PADDING = 2.0
 MAX_IDLE_SLOTS = 2.0
+# The C++ op computes row by row (dot products, no GEMM blocking): adapters with more rows in the
+# step than this (prefill chunks) keep the loop's matmuls.
+NATIVE_MAX_ROWS = 16
 
 
 def cpu_lora_plan(meta: LoRAMetadata, slot_ranks: list[int] | None = None) -> CpuLoRAPlan:
@@ -238,6 +256,12 @@ def build_cpu_lora_plan(
     force the slot-range view (True) or gathered slots (False); ``batch_all``: batch every adapter
     whatever the padding (tests)."""
     ranges = [r for r in meta.ranges if r[2] > r[1] and (slot_ranks is None or slot_ranks[r[0]] > 0)]
+    if meta.native:
+        light = [r for r in ranges if r[2] - r[1] <= NATIVE_MAX_ROWS]
+        return CpuLoRAPlan(
+            loop=[r for r in ranges if r[2] - r[1] > NATIVE_MAX_ROWS],
+            native_segs=[v for r in light for v in r],
+        )
     by_len = sorted(ranges, key=lambda r: r[2] - r[1])
     k, rows = 0, 0
     for i, (_, s, e) in enumerate(by_len):
@@ -300,13 +324,13 @@ def add_lora_cpu(
     8-64 on q/k/v/o among 32 requests: the loop alone issued ~100 small matmuls per layer and
     step; batched, LoRA keeps 0.84 of base tokens/s instead of 0.72 (benchmarks/lora.py).
 
-    Semantics: ``for slot, s, e in meta.ranges: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T) @ B_i[slot, :, :r].T``
+    Semantics: ``for slot, s, e in meta.ranges: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T) @ Bt_i[slot, :r]`` (``Bt_i = B_i.T`` per slot)
 
     Args:
         y: ``[T, Ntot]`` base output, updated in place.
         x: ``[T, H]`` layer input.
         lora_a_slices: per slice ``[S, R, H]`` or ``None``; rows past a slot's rank are zero.
-        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in) or ``None``.
+        lora_b_slices: per slice B transposed, ``[S, R, N_i]`` (scaling folded in), or ``None``.
         meta: ``meta.ranges``, the contiguous rows of each slot.
         offsets: first column of each slice in ``y``.
         slot_ranks: each slot's rank in this linear (0: the slot does not target it).
@@ -324,6 +348,12 @@ def add_lora_cpu(
     if not live:
         return
     plan = plan or cpu_lora_plan(meta, slot_ranks)
+    if plan.native_segs:
+        shared = slot_shared_a if slot_shared_a is not None else [False] * len(slot_ranks)
+        lora_segments(
+            x, y, [a for a, _, _ in live], [b for _, b, _ in live], [off for _, _, off in live],
+            plan.native_segs, slot_ranks, shared,
+        )  # fmt: skip
     for bt in plan.batches:
         g, n, r = bt.groups, bt.length, bt.rank
         shared = slot_shared_a is not None and all(
@@ -332,15 +362,15 @@ def add_lora_cpu(
         xg = x.index_select(0, bt.x_index).view(g, n, x.shape[1])  # [G, L, H]
         t = None
         for a, b, off in live:
-            a_r, b_r = a[:, :r], b[:, :, :r]  # [S, r, H], [S, N_i, r] views
+            a_r, b_r = a[:, :r], b[:, :r]  # [S, r, H], [S, r, N_i] views
             if bt.slots is None:
                 a_r, b_r = a_r[bt.slot_lo : bt.slot_lo + g], b_r[bt.slot_lo : bt.slot_lo + g]
             else:
                 a_r, b_r = a_r.index_select(0, bt.slots), b_r.index_select(0, bt.slots)
             if t is None or not shared:
                 t = torch.bmm(xg, a_r.transpose(1, 2))  # [G, L, r]
-            out = torch.bmm(t, b_r.transpose(1, 2)).view(g * n, -1).index_select(0, bt.valid)  # [n, N_i]
-            cols = y[:, off : off + b.shape[1]]
+            out = torch.bmm(t, b_r).view(g * n, -1).index_select(0, bt.valid)  # [n, N_i]
+            cols = y[:, off : off + b.shape[2]]
             if bt.row_start is not None:
                 cols[bt.row_start : bt.row_start + out.shape[0]].add_(out)
             else:
@@ -354,7 +384,7 @@ def add_lora_cpu(
         for a, b, off in live:
             if t is None or not (slot_shared_a is not None and slot_shared_a[slot]):
                 t = xs @ a[slot, :r].t()  # [n, r]
-            y[s:e, off : off + b.shape[1]].addmm_(t, b[slot, :, :r].t())
+            y[s:e, off : off + b.shape[2]].addmm_(t, b[slot, :r])
 
 
 def add_lora(

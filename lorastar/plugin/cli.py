@@ -202,8 +202,8 @@ main.add_command(make_lora_group())
     help="GEMM for 32-bit CPU linears (auto: the faster of the two, timed at load).",
 )  # fmt: skip
 @click.option(
-    "--cpu-attention", default="auto", show_default=True, type=click.Choice(["auto", "torch", "native"]),
-    help="CPU decode attention (native: C++ op over the paged cache, built once; auto: native if it builds).",
+    "--cpu-kernels", default="auto", show_default=True, type=click.Choice(["auto", "torch", "native"]),
+    help="CPU decode attention and LoRA (native: C++ ops, built once; auto: native if they build).",
 )  # fmt: skip
 @click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
@@ -248,7 +248,7 @@ def serve(
     kv_cache_dtype: str,
     embedding_quantization: str | None,
     cpu_gemm: str,
-    cpu_attention: str,
+    cpu_kernels: str,
     enforce_eager: bool,
     max_waiting: int | None,
     shutdown_drain_timeout: float,
@@ -289,7 +289,7 @@ def serve(
             kv_cache_dtype=kv_cache_dtype,
             embedding_quantization=embedding_quantization,
             cpu_gemm=cpu_gemm,
-            cpu_attention=cpu_attention,
+            cpu_kernels=cpu_kernels,
             enforce_eager=enforce_eager,
             tokenizer=tokenizer,
             chat_template=_chat_template(chat_template),

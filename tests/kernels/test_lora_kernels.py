@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lorastar.forward_context import LoRAMetadata
+from lorastar.kernels import cpu_native
 from lorastar.kernels.lora import (
     bgmv_expand,
     bgmv_shrink,
@@ -304,7 +305,7 @@ def test_add_lora(num_slices: int, is_decode: bool, path: str, dtype: torch.dtyp
     torch.testing.assert_close(y, ref, **_tol(dtype))
 
 
-@pytest.mark.parametrize("form", ["view", "gather", "loop", "auto"])
+@pytest.mark.parametrize("form", ["view", "gather", "loop", "auto", "native"])
 @pytest.mark.parametrize("popularity", POPULARITY)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("rank", RANKS)
@@ -316,6 +317,8 @@ def test_add_lora_cpu(rank: int, batch: int, dtype: torch.dtype, popularity: str
     first), some slots idle."""
     if DEVICE != "cpu":
         pytest.skip("the CPU path")
+    if form == "native" and (dtype != torch.float32 or cpu_native.load() is None):
+        pytest.skip("the C++ op: fp32, and only where it builds (tests/kernels/test_cpu_native.py)")
     c = _case(rank, batch, dtype, popularity, seed=5)
     gen = torch.Generator().manual_seed(11)
     widths = [32, 16, 24]
@@ -338,11 +341,15 @@ def test_add_lora_cpu(rank: int, batch: int, dtype: torch.dtype, popularity: str
     y = y0.clone()
     if form == "loop":
         plan = CpuLoRAPlan(loop=meta.ranges)
+    elif form == "native":  # rows of adapters past NATIVE_MAX_ROWS stay in the loop
+        meta.native = True
+        plan = None
     elif form == "auto":  # the engine's choice: the heaviest adapters looped when padding is high
         plan = None
     else:
         plan = build_cpu_lora_plan(meta, use_view=form == "view", batch_all=True)
-    add_lora_cpu(y, x, a_slices, b_slices, meta, offsets, ranks, plan=plan)
+    bt_slices = [b.transpose(1, 2).contiguous() for b in b_slices]  # type: ignore[union-attr]
+    add_lora_cpu(y, x, a_slices, bt_slices, meta, offsets, ranks, plan=plan)
 
     ref = y0.clone().float()
     for a, b, off in zip(a_slices, b_slices, offsets):
@@ -380,9 +387,17 @@ def test_cpu_lora_plan_loops_the_prefill_and_batches_the_decodes() -> None:
         b[slot, :, r:] = 0
     y0 = torch.randn(x.shape[0], OUT_DIM, generator=gen)
     y = y0.clone()
-    add_lora_cpu(y, x, [a], [b], meta, [0], ranks.tolist())
+    add_lora_cpu(y, x, [a], [b.transpose(1, 2).contiguous()], meta, [0], ranks.tolist())
     ref = ref_lora_expand(y0, ref_lora_shrink(x, a, token_slots, ranks, 1.0), b, token_slots, ranks, 0)
     torch.testing.assert_close(y, ref, **_tol(torch.float32))
+    # The C++ op takes every light adapter as a (slot, start, end) segment, no grid; the chunk loops.
+    meta.native, meta.derived = True, {}
+    native = cpu_lora_plan(meta, [8, 0, 16, 8, 2])
+    assert native.loop == [(2, 5, 45)] and not native.batches and native.native_segs == [0, 2, 3, 4, 45, 46]
+    if cpu_native.load() is not None:
+        y = y0.clone()
+        add_lora_cpu(y, x, [a], [b.transpose(1, 2).contiguous()], meta, [0], ranks.tolist())
+        torch.testing.assert_close(y, ref, **_tol(torch.float32))
 
 
 @pytest.mark.gpu

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorastar.forward_context import AttentionMetadata, ForwardContext, padded_block_tables
-from lorastar.kernels import cpu_attention
+from lorastar.kernels import cpu_native
 from lorastar.kernels.reference import ref_paged_attention
 from lorastar.layers.attention import TorchAttentionMetadata, attention_forward, build_attention_metadata
 
@@ -76,7 +76,7 @@ def test_windows_and_softcap_match_reference(window: int, softcap: float) -> Non
     )
     common = {f.name: getattr(md, f.name) for f in dataclasses.fields(AttentionMetadata)}
     backends: list[AttentionMetadata] = [md, AttentionMetadata(**common)]
-    if cpu_attention.load() is not None:  # the C++ decode op (tests/kernels/test_cpu_attention.py)
+    if cpu_native.load() is not None:  # the C++ decode op (tests/kernels/test_cpu_native.py)
         backends.append(dataclasses.replace(md, native_decode=True, plans={}))
     outs = []
     for attn in backends:

@@ -1,4 +1,4 @@
-"""``cpu_attention``: the C++ decode op and the gather + SDPA path give HF's greedy tokens."""
+"""``cpu_kernels``: the C++ decode op and the gather + SDPA path give HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from lorastar import LLM, SamplingParams
 from lorastar.config import EngineConfig
-from lorastar.kernels import cpu_attention
+from lorastar.kernels import cpu_native
 
 
 def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_dir) -> None:
@@ -15,7 +15,7 @@ def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_di
 
     from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
 
-    if cpu_attention.load() is None:
+    if cpu_native.load() is None:
         pytest.skip("no C++ toolchain: the CPU attention op cannot build here")
     path = tiny_model_dir("llama-gqa")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -23,8 +23,8 @@ def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_di
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = {}
     for mode in ("torch", "native"):
-        llm = LLM(path, num_kv_blocks=64, cpu_attention=mode)
-        assert llm.engine.cpu_attention == mode
+        llm = LLM(path, num_kv_blocks=64, cpu_kernels=mode)
+        assert llm.engine.cpu_kernels == mode
         outs[mode] = llm.generate(prompts, sp)
     for p, a, b in zip(prompts, outs["torch"], outs["native"]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf, p, 12)
@@ -34,10 +34,10 @@ def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_di
 
 
 def test_auto_falls_back_and_native_refuses_without_the_op(tiny_model_dir, monkeypatch) -> None:
-    monkeypatch.setattr(cpu_attention, "load", lambda: None)  # as on a machine without g++
+    monkeypatch.setattr(cpu_native, "load", lambda: None)  # as on a machine without g++
     path = tiny_model_dir("llama-gqa")
-    assert LLM(path, num_kv_blocks=16).engine.cpu_attention == "torch"
-    with pytest.raises(ValueError, match="cpu_attention='native'"):
-        LLM(path, num_kv_blocks=16, cpu_attention="native")
-    with pytest.raises(ValueError, match="cpu_attention must be one of"):
-        EngineConfig(cpu_attention="flash")
+    assert LLM(path, num_kv_blocks=16).engine.cpu_kernels == "torch"
+    with pytest.raises(ValueError, match="cpu_kernels='native'"):
+        LLM(path, num_kv_blocks=16, cpu_kernels="native")
+    with pytest.raises(ValueError, match="cpu_kernels must be one of"):
+        EngineConfig(cpu_kernels="flash")

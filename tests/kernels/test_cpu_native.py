@@ -1,4 +1,4 @@
-"""The CPU paged decode op (``kernels/cpu_attention.py``, C++) against the plain reference."""
+"""The CPU paged decode op (``kernels/cpu_native.py``, C++) against the plain reference."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import shutil
 import pytest
 import torch
 
-from lorastar.kernels import cpu_attention
+from lorastar.kernels import cpu_native
 from lorastar.kernels.reference import ref_paged_attention
 
 
 def _op() -> None:
-    if cpu_attention.load() is None:
+    if cpu_native.load() is None:
         if shutil.which("g++") and shutil.which("ninja"):
             pytest.fail("g++ and ninja are here but the CPU attention op did not build")
         pytest.skip("no C++ toolchain: the CPU attention op cannot build here")
@@ -66,9 +66,7 @@ def test_paged_decode_matches_reference(
     idx = (first[:, None] + torch.arange(nblk)[None, :]).clamp(max=tables.shape[1] - 1)
     gather = tables.long().gather(1, idx).clamp(min=0).contiguous()
     out = torch.full((q.shape[0], hq, d), 7.0)
-    cpu_attention.paged_decode(
-        q, k_cache, v_cache, rows, gather, lo, lens, out, scale=d**-0.5, softcap=softcap
-    )
+    cpu_native.paged_decode(q, k_cache, v_cache, rows, gather, lo, lens, out, scale=d**-0.5, softcap=softcap)
     assert torch.equal(out[1], torch.full((hq, d), 7.0))  # a row not in `rows` is left alone
     qd = q[rows]
     ref = ref_paged_attention(
@@ -85,6 +83,43 @@ def test_paged_decode_rejects_what_it_cannot_read() -> None:
     gather = tables.long().clamp(min=0)
     out = torch.empty(q.shape[0], 4, 16)
     with pytest.raises(RuntimeError, match="fp32"):
-        cpu_attention.paged_decode(q.half(), k_cache, v_cache, rows, gather, lo, lens, out, scale=1.0)
+        cpu_native.paged_decode(q.half(), k_cache, v_cache, rows, gather, lo, lens, out, scale=1.0)
     with pytest.raises(RuntimeError, match="int64"):
-        cpu_attention.paged_decode(q, k_cache, v_cache, rows.int(), gather, lo, lens, out, scale=1.0)
+        cpu_native.paged_decode(q, k_cache, v_cache, rows.int(), gather, lo, lens, out, scale=1.0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("max_rank", [8, 64])
+def test_lora_segments_matches_reference(shared: bool, max_rank: int) -> None:
+    """Three slices (q/k/v-like widths), slots of mixed true ranks (one 0: the slot does not target
+    this linear), segments of 1-5 rows in slot order with base rows between them, y a strided view;
+    ``shared``: every slice of a slot holds the same A (fused-module LoRA), one shrink for all."""
+    _op()
+    gen = torch.Generator().manual_seed(2)
+    h, widths, num_slots = 40, [24, 8, 8], 6
+    ranks = [max_rank, 0, max(1, max_rank // 4), 3, max_rank // 2, 1]
+    a = [torch.zeros(num_slots, max_rank, h) for _ in widths]
+    b = [torch.zeros(num_slots, n, max_rank) for n in widths]
+    for s, r in enumerate(ranks):
+        a0 = torch.randn(r, h, generator=gen)
+        for i, n in enumerate(widths):
+            a[i][s, :r] = a0 if shared else torch.randn(r, h, generator=gen)
+            b[i][s, :, :r] = torch.randn(n, r, generator=gen)
+    segs = [0, 1, 3, 1, 3, 5, 2, 5, 10, 3, 11, 12, 5, 12, 12, 4, 12, 14]  # (slot, start, end)
+    x = torch.randn(14, h, generator=gen)
+    wide = torch.randn(14, sum(widths) + 5, generator=gen)
+    y = wide[:, 5:]  # strided rows
+    y0 = y.clone()
+    offsets = [0, 24, 32]
+    bt = [bb.transpose(1, 2).contiguous() for bb in b]  # the CPU slots' layout, B.T [S, R, N]
+    cpu_native.lora_segments(x, y, a, bt, offsets, segs, ranks, [shared] * num_slots)
+    ref = y0.clone()
+    for k in range(0, len(segs), 3):
+        slot, s, e = segs[k : k + 3]
+        r = ranks[slot]
+        for i, off in enumerate(offsets):
+            ref[s:e, off : off + widths[i]] += (x[s:e] @ a[i][slot, :r].T) @ b[i][slot, :, :r].T
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(y[0], y0[0]) and torch.equal(y[10], y0[10])  # base rows untouched
+    with pytest.raises(RuntimeError, match="segment out of range"):
+        cpu_native.lora_segments(x, y, a, bt, offsets, [0, 10, 15], ranks, [shared] * num_slots)

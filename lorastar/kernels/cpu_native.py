@@ -1,0 +1,105 @@
+"""Two small C++ ops for the CPU's decode steps, built together once per machine with torch's
+extension builder (semantics in each source file and in ``reference.py``):
+
+* ``paged_decode`` (``csrc/cpu_attention.cpp``, ``ref_paged_attention``): the torch path gathers
+  every decode row's blocks into a new tensor per layer and step (``index_select``) and SDPA reads
+  the copy again; the op reads each cached K/V byte once, straight from its block.
+* ``lora_segments`` (``csrc/cpu_lora.cpp``, ``ref_lora_shrink``/``ref_lora_expand``): SGMV over
+  (slot, rows) segments reading each adapter's A and B once per linear at its true rank; the torch
+  form (``bmm`` over a slot grid) read every slot at the step's largest rank.
+
+The build (g++ and ninja, the latter from the ``ninja`` wheel where the system has none; ~20 s,
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) happens on the first
+``load()``; where it cannot build, ``load()`` returns ``None`` and callers keep the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("cpu_attention.cpp", "cpu_lora.cpp")]
+_state: dict[str, ModuleType | None] = {}
+
+
+def load() -> ModuleType | None:
+    """The compiled ops (built on first call, then cached), or ``None`` if they cannot build."""
+    if "ext" in _state:
+        return _state["ext"]
+    ext: ModuleType | None = None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) when no system ninja
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        # -fopenmp: at::parallel_for is an inline `omp parallel` (torch's backend here is OpenMP); the
+        # op links libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
+        flags = ["-O3", "-fopenmp"]
+        if os.environ.get("LORASTAR_CPU_NATIVE", "1") != "0":
+            flags.append("-march=native")
+        ext = load_inline(
+            "lorastar_cpu_ops",
+            cpp_sources=[src.read_text() for src in _SOURCES],
+            functions=["paged_decode", "lora_segments"],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path
+        log.warning("the CPU ops did not build (%s); using the torch paths", e)
+    _state["ext"] = ext
+    return ext
+
+
+def paged_decode(
+    q: torch.Tensor,  # [T, Hq, D] fp32
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D] fp32
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D] fp32
+    rows: torch.Tensor,  # [Bd] int64: the decode rows of q
+    gather: torch.Tensor,  # [Bd, nblk] int64: row b's blocks from the one holding lo[b]
+    lo: torch.Tensor,  # [Bd] int64: first key position row b sees
+    lens: torch.Tensor,  # [Bd] int64: context length (row b sits at lens[b] - 1)
+    out: torch.Tensor,  # [T, Hq, D] fp32: rows written in place
+    *,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Semantics: ``out[rows[b], h] = softmax(cap(scale * q[rows[b], h] @ K[lo[b]:lens[b], h // G].T))
+    @ V[lo[b]:lens[b], h // G]``, K/V read block-wise from the caches (see ``csrc/cpu_attention.cpp``)."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the CPU ops are not available on this machine")
+    ext.paged_decode(q, k_cache, v_cache, rows, gather, lo, lens, out, scale, softcap)
+    return out
+
+
+def loaded() -> ModuleType | None:
+    """The ops if an earlier ``load()`` built them (never builds): the engine decides at start."""
+    return _state.get("ext")
+
+
+def lora_segments(
+    x: torch.Tensor,  # [T, H] fp32
+    y: torch.Tensor,  # [T, Ntot] fp32, updated in place
+    a: list[torch.Tensor],  # per slice [S, R, H]
+    b: list[torch.Tensor],  # per slice B transposed [S, R, N_i], scaling folded in
+    offsets: list[int],  # first column of each slice in y
+    segs: list[int],  # flat (slot, start, end) triples
+    ranks: list[int],  # [S] each slot's rank in this linear (0: skipped)
+    shared: list[bool],  # [S] every slice of the slot holds the same A
+) -> None:
+    """Semantics: ``for slot, s, e in segs: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T)
+    @ Bt_i[slot, :r]`` with ``r = ranks[slot]`` (see ``csrc/cpu_lora.cpp``)."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the CPU ops are not available on this machine")
+    ext.lora_segments(x, y, a, b, offsets, segs, ranks, shared)

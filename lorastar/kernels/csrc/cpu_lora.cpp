@@ -1,0 +1,151 @@
+// Multi-LoRA for CPU decode rows: punica's SGMV over (slot, rows) segments at each slot's true rank.
+//
+// Semantics: for (slot, s, e) in segs, for slice i, r = ranks[slot] > 0:
+//   y[s:e, off_i : off_i + N_i] += (x[s:e] @ A_i[slot, :r].T) @ Bt_i[slot, :r]
+//   x [T, H] fp32; y [T, Ntot] fp32 (rows may be strided); A_i [S, R, H]; Bt_i [S, R, N_i] (B
+//   transposed, scaling folded in); shared[slot]: every slice of the slot holds the same A, so one
+//   shrink serves all.
+//
+// Each adapter's weights are read once per step and linear, only its first r ranks: the batched
+// torch form (one bmm over a [slots, rows, H] grid) read every slot at the step's largest rank.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <vector>
+
+namespace {  // (both sources build as one translation unit: names unique across them)
+
+// t[row, j0 + q] = x[row] . A[j0 + q] for q < 4: four independent accumulator chains over H, each
+// x element loaded once for four A rows (one chain was bound by FMA latency, not by memory).
+inline void dot4(const float* __restrict xr, const float* __restrict a, int64_t H, int64_t nq, float* out) {
+  const float* a0 = a;
+  const float* a1 = nq > 1 ? a + H : a;
+  const float* a2 = nq > 2 ? a + 2 * H : a;
+  const float* a3 = nq > 3 ? a + 3 * H : a;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < H; ++d) {
+    const float v = xr[d];
+    s0 += v * a0[d];
+    s1 += v * a1[d];
+    s2 += v * a2[d];
+    s3 += v * a3[d];
+  }
+  const float s[4] = {s0, s1, s2, s3};
+  for (int64_t q = 0; q < nq; ++q) out[q] = s[q];
+}
+
+// The same for two rows at once (eight chains): decode segments hold one or two rows each mostly,
+// and the second row then reuses every A load.
+inline void dot4x2(const float* __restrict x0, const float* __restrict x1, const float* __restrict a,
+                   int64_t H, int64_t nq, float* out0, float* out1) {
+  const float* a0 = a;
+  const float* a1 = nq > 1 ? a + H : a;
+  const float* a2 = nq > 2 ? a + 2 * H : a;
+  const float* a3 = nq > 3 ? a + 3 * H : a;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, u0 = 0.f, u1 = 0.f, u2 = 0.f, u3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
+  for (int64_t d = 0; d < H; ++d) {
+    const float v = x0[d], w = x1[d], b0 = a0[d], b1 = a1[d], b2 = a2[d], b3 = a3[d];
+    s0 += v * b0;
+    s1 += v * b1;
+    s2 += v * b2;
+    s3 += v * b3;
+    u0 += w * b0;
+    u1 += w * b1;
+    u2 += w * b2;
+    u3 += w * b3;
+  }
+  const float s[4] = {s0, s1, s2, s3}, u[4] = {u0, u1, u2, u3};
+  for (int64_t q = 0; q < nq; ++q) {
+    out0[q] = s[q];
+    out1[q] = u[q];
+  }
+}
+
+inline void lora_axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+}  // namespace
+
+void lora_segments(const at::Tensor& x, at::Tensor& y, const std::vector<at::Tensor>& a,
+                   const std::vector<at::Tensor>& b, const std::vector<int64_t>& offsets,
+                   const std::vector<int64_t>& segs, const std::vector<int64_t>& ranks,
+                   const std::vector<bool>& shared) {
+  const int64_t P = static_cast<int64_t>(a.size());
+  TORCH_CHECK(P > 0 && static_cast<int64_t>(b.size()) == P &&
+                  static_cast<int64_t>(offsets.size()) == P && segs.size() % 3 == 0,
+              "lora_segments: one A, B and offset per slice; segments as (slot, start, end) triples");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && x.stride(1) == 1 &&
+                  y.stride(1) == 1,
+              "lora_segments: fp32 x and y with contiguous rows");
+  const int64_t H = x.size(1), R = a[0].size(1), S = a[0].size(0);
+  for (int64_t i = 0; i < P; ++i) {
+    TORCH_CHECK(a[i].scalar_type() == at::kFloat && b[i].scalar_type() == at::kFloat &&
+                    a[i].is_contiguous() && b[i].is_contiguous() && a[i].size(1) == R &&
+                    a[i].size(2) == H && b[i].size(1) == R && a[i].size(0) == S && b[i].size(0) == S,
+                "lora_segments: contiguous fp32 A [S, R, H] and B.T [S, R, N] per slice");
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + b[i].size(2) <= y.size(1), "lora_segments: slice columns");
+  }
+  TORCH_CHECK(static_cast<int64_t>(ranks.size()) == S && static_cast<int64_t>(shared.size()) == S,
+              "lora_segments: one rank and shared flag per slot");
+  const int64_t nseg = static_cast<int64_t>(segs.size() / 3), T = x.size(0);
+  for (int64_t k = 0; k < nseg; ++k) {
+    const int64_t slot = segs[3 * k], s = segs[3 * k + 1], e = segs[3 * k + 2];
+    TORCH_CHECK(slot >= 0 && slot < S && 0 <= s && s <= e && e <= T, "lora_segments: segment out of range");
+    TORCH_CHECK(ranks[slot] >= 0 && ranks[slot] <= R, "lora_segments: rank past the buffers");
+  }
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0), ys = y.stride(0);
+  at::Tensor t = at::empty({T, P, R}, x.options());  // shrink results, rows of the segments only
+  float* tp = t.data_ptr<float>();
+
+  // Shrink: one item per (segment, slice that needs its own A).
+  std::vector<std::array<int64_t, 3>> shrink, expand;
+  for (int64_t k = 0; k < nseg; ++k) {
+    const int64_t slot = segs[3 * k];
+    if (ranks[slot] == 0 || segs[3 * k + 1] == segs[3 * k + 2]) continue;
+    for (int64_t i = 0; i < (shared[slot] ? 1 : P); ++i) shrink.push_back({k, i, 0});
+  }
+  at::parallel_for(0, static_cast<int64_t>(shrink.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t k = shrink[w][0], i = shrink[w][1];
+      const int64_t slot = segs[3 * k], s = segs[3 * k + 1], e = segs[3 * k + 2], r = ranks[slot];
+      const float* ap = a[i].data_ptr<float>() + slot * R * H;
+      for (int64_t j = 0; j < r; j += 4) {
+        const int64_t nq = std::min<int64_t>(4, r - j);
+        int64_t row = s;
+        for (; row + 1 < e; row += 2)
+          dot4x2(xp + row * xs, xp + (row + 1) * xs, ap + j * H, H, nq, tp + (row * P + i) * R + j,
+                 tp + ((row + 1) * P + i) * R + j);
+        if (row < e) dot4(xp + row * xs, ap + j * H, H, nq, tp + (row * P + i) * R + j);
+      }
+    }
+  });
+
+  // Expand: one item per (segment, slice, block of 256 output columns): y row += t[j] * Bt[j].
+  constexpr int64_t kCols = 256;
+  for (int64_t k = 0; k < nseg; ++k) {
+    const int64_t slot = segs[3 * k];
+    if (ranks[slot] == 0 || segs[3 * k + 1] == segs[3 * k + 2]) continue;
+    for (int64_t i = 0; i < P; ++i)
+      for (int64_t c = 0; c < b[i].size(2); c += kCols) expand.push_back({k, i, c});
+  }
+  at::parallel_for(0, static_cast<int64_t>(expand.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const int64_t k = expand[w][0], i = expand[w][1], c0 = expand[w][2];
+      const int64_t slot = segs[3 * k], s = segs[3 * k + 1], e = segs[3 * k + 2], r = ranks[slot];
+      const int64_t N = b[i].size(2), c1 = std::min(N, c0 + kCols), src = shared[slot] ? 0 : i;
+      const float* bp = b[i].data_ptr<float>() + slot * R * N + c0;
+      for (int64_t row = s; row < e; ++row) {
+        const float* tr = tp + (row * P + src) * R;
+        float* yr = yp + row * ys + offsets[i] + c0;
+        for (int64_t j = 0; j < r; ++j) lora_axpy(tr[j], bp + j * N, yr, c1 - c0);
+      }
+    }
+  });
+}
