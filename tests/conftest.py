@@ -239,23 +239,32 @@ def tiny_model_dir(tmp_path_factory):  # noqa: ANN001, ANN201
     return get
 
 
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def make_peft_adapter(
-    base_dir: str,
-    out,
+    base_dir,  # noqa: ANN001 - str or Path
+    out,  # noqa: ANN001
     seed: int,
     *,
     r: int = 8,
-    alpha: int | None = None,  # noqa: ANN001
-    targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"),
+    alpha: int | None = None,
+    targets: tuple[str, ...] | list[str] = ("q_proj", "v_proj", "down_proj"),
     scale: float = 0.3,
+    map_targets=None,  # noqa: ANN001 - (base model, targets) -> the module names PEFT should wrap
+    **config,  # noqa: ANN003 - more LoraConfig fields (use_rslora, ...)
 ) -> str:
-    """A real PEFT LoRA folder for ``base_dir`` with random non-zero A and B (a visible delta)."""
+    """A real PEFT LoRA folder for ``base_dir`` with random non-zero A and B (a visible delta): the
+    one adapter builder of the test suite (``make_peft_adapters`` builds several)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=list(targets)))
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    names = list(targets) if map_targets is None else map_targets(base, list(targets))
+    model = get_peft_model(
+        base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=names, lora_dropout=0.0, **config)
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -263,3 +272,26 @@ def make_peft_adapter(
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     model.save_pretrained(out, safe_serialization=True)
     return str(out)
+
+
+def make_peft_adapters(
+    base_dir,  # noqa: ANN001
+    out,  # noqa: ANN001
+    specs: dict[str, dict],
+    *,
+    seed: int,
+    scale: float = 0.3,
+    map_targets=None,  # noqa: ANN001
+) -> dict[str, str]:
+    """``{name: folder}`` for ``specs`` (``{name: LoraConfig kwargs}``), adapter ``i`` seeded ``seed + i``."""
+    from pathlib import Path
+
+    paths = {}
+    for i, (name, kw) in enumerate(specs.items()):
+        kw = dict(kw)
+        r, alpha, targets = kw.pop("r"), kw.pop("lora_alpha", None), kw.pop("target_modules")
+        paths[name] = make_peft_adapter(
+            base_dir, Path(out) / name, seed + i, r=r, alpha=alpha, targets=targets, scale=scale,
+            map_targets=map_targets, **kw,
+        )  # fmt: skip
+    return paths

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
+from tests.conftest import make_peft_adapters
 
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -33,19 +34,7 @@ def _targets_of(base: torch.nn.Module, names: list[str]) -> list[str]:
 
 
 def make_adapters(base_dir: str, out: Path, scale: float = 0.3) -> dict[str, str]:
-    paths = {}
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        kw = {**kw, "target_modules": _targets_of(base, kw["target_modules"])}
-        model = get_peft_model(base, LoraConfig(lora_dropout=0.0, **kw))
-        g = torch.Generator().manual_seed(100 + i)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:  # random non-zero A and B: a real, visible delta
-                    p.copy_(torch.randn(p.shape, generator=g) * scale)
-        model.save_pretrained(out / name, safe_serialization=True)
-        paths[name] = str(out / name)
-    return paths
+    return make_peft_adapters(base_dir, out, ADAPTERS, seed=100, scale=scale, map_targets=_targets_of)
 
 
 def peft_reference(base_dir: str, paths: dict[str, str]) -> PeftModel:

@@ -106,14 +106,10 @@ def test_chat_uses_template(llm: LLM) -> None:
     assert "hello" in text and "assistant" in text
 
 
-def _make_adapter(base_dir: str, out: Path, seed: int) -> str:
-    return make_peft_adapter(base_dir, out, seed)
-
-
 def test_adapter_load_unload_while_generating(llm: LLM, tiny_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     base_dir = tiny_model_dir("llama-gqa")
-    p1 = _make_adapter(base_dir, tmp_path / "one", 1)
-    p2 = _make_adapter(base_dir, tmp_path / "two", 2)
+    p1 = make_peft_adapter(base_dir, tmp_path / "one", 1)
+    p2 = make_peft_adapter(base_dir, tmp_path / "two", 2)
     eng = llm.engine
     llm.load_adapter("one", p1)
     ref_one = llm.generate(
@@ -148,7 +144,7 @@ def test_adapter_load_unload_while_generating(llm: LLM, tiny_model_dir, tmp_path
 
 def test_bad_adapters_leave_registry_intact(llm: LLM, tiny_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     base_dir = tiny_model_dir("llama-gqa")
-    good = Path(_make_adapter(base_dir, tmp_path / "good", 3))
+    good = Path(make_peft_adapter(base_dir, tmp_path / "good", 3))
     llm.load_adapter("good", str(good))
     before = llm.list_adapters()
 
@@ -191,7 +187,7 @@ def test_bad_adapters_leave_registry_intact(llm: LLM, tiny_model_dir, tmp_path: 
     with pytest.raises(AdapterError):
         llm.load_adapter("missing", str(tmp_path / "does-not-exist"))
     # Wrong shapes: an adapter trained for another base (4 kv heads there, 2 here: v_proj differs).
-    other = _make_adapter(tiny_model_dir("llama-mha-llama3"), tmp_path / "other_base", 4)
+    other = make_peft_adapter(tiny_model_dir("llama-mha-llama3"), tmp_path / "other_base", 4)
     with pytest.raises(AdapterError, match="shape"):
         llm.load_adapter("other", other)
     assert llm.list_adapters() == before

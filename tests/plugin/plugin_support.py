@@ -70,28 +70,10 @@ def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.02) ->
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
-    """A real PEFT LoRA folder for ``model_dir`` with random (non-zero) ``lora_B``."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    """A real PEFT LoRA folder for ``model_dir`` on all seven projections (``make_peft_adapter``)."""
+    from tests.conftest import ALL_TARGETS, make_peft_adapter
 
-    base = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    peft_model = get_peft_model(
-        base,
-        LoraConfig(
-            r=rank,
-            lora_alpha=2 * rank,
-            lora_dropout=0.0,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        ),
-    )
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name or "lora_A" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    peft_model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return Path(make_peft_adapter(model_dir, out, seed, r=rank, targets=ALL_TARGETS, scale=0.5))
 
 
 def engine_config(model_dir: Path, **kw: Any) -> Any:

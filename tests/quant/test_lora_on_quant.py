@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from lorastar import LLM, SamplingParams  # noqa: E402
 from lorastar.quant import get_quant_config  # noqa: E402
+from tests.conftest import make_peft_adapters  # noqa: E402
 
 ADAPTERS = {
     "a": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]},
@@ -61,18 +62,7 @@ def dequantized_hf_dir(name: str, out: Path) -> Path:
 
 
 def make_adapters(base_dir: Path, out: Path) -> dict[str, str]:
-    paths = {}
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
-        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-        model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **kw))
-        g = torch.Generator().manual_seed(10 + i)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_" in n:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        model.save_pretrained(str(out / name), safe_serialization=True)
-        paths[name] = str(out / name)
-    return paths
+    return make_peft_adapters(base_dir, out, ADAPTERS, seed=10)
 
 
 def quantize_inputs_like_checkpoint(model: torch.nn.Module, name: str) -> int:
