@@ -18,16 +18,59 @@
 
 namespace {
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+// Up to four query heads (contiguous [nq, n]) against one key row: the key is loaded once and the
+// four dot products are independent chains (one dot per head and key was bound by their latency).
+inline void dot_heads(const float* __restrict q, int64_t nq, const float* __restrict k, int64_t n, float* out) {
+  const float* q0 = q;
+  const float* q1 = nq > 1 ? q + n : q;
+  const float* q2 = nq > 2 ? q + 2 * n : q;
+  const float* q3 = nq > 3 ? q + 3 * n : q;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float v = k[d];
+    s0 += q0[d] * v;
+    s1 += q1[d] * v;
+    s2 += q2[d] * v;
+    s3 += q3[d] * v;
+  }
+  const float s[4] = {s0, s1, s2, s3};
+  for (int64_t j = 0; j < nq; ++j) out[j] = s[j];
+}
+
+// acc[j] += w[j] * v for up to four heads sharing one value row (loaded once).
+inline void axpy_heads(const float* __restrict w, int64_t nq, const float* __restrict v, float* __restrict acc,
+                       int64_t n) {
+  const float w0 = w[0], w1 = nq > 1 ? w[1] : 0.f, w2 = nq > 2 ? w[2] : 0.f, w3 = nq > 3 ? w[3] : 0.f;
+  float* a0 = acc;
+  float* a1 = acc + n;
+  float* a2 = acc + 2 * n;
+  float* a3 = acc + 3 * n;
+  if (nq == 4) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+      const float x = v[d];
+      a0[d] += w0 * x;
+      a1[d] += w1 * x;
+      a2[d] += w2 * x;
+      a3[d] += w3 * x;
+    }
+  } else if (nq == 3) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) {
+      const float x = v[d];
+      a0[d] += w0 * x;
+      a1[d] += w1 * x;
+      a2[d] += w2 * x;
+    }
+  } else {
+    for (int64_t j = 0; j < nq; ++j) axpy(w[j], v, acc + j * n, n);
+  }
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: 2^(x log2 e) as 2^n times a
@@ -36,7 +79,8 @@ inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_
 inline float exp_nonpos(float x) {
   x = std::max(x, -87.f);
   const float t = x * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick; vectorizes,
+                                                   // std::nearbyint was a libm call per score)
   const float f = t - n;  // [-0.5, 0.5]
   float p = 1.535336188319500e-4f;
   p = p * f + 1.339887440266574e-3f;
@@ -50,6 +94,13 @@ inline float exp_nonpos(float x) {
   bits += static_cast<int32_t>(n) << 23;
   std::memcpy(&p, &bits, 4);
   return p;
+}
+
+// Blocks sit anywhere in the cache and one block of one layer spans 3 pages (16 tokens x 768 B):
+// the hardware prefetcher stops at each page, so the next block is prefetched by hand.
+inline void prefetch_block(const float* p, int64_t floats) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 }  // namespace
@@ -107,21 +158,33 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         int64_t t0, t1;
         span(c, t0, t1);
         const float* kb = kp + blocks[c] * BS * tok;
+        if (c == 0 && ncols > 1) prefetch_block(kp + blocks[1] * BS * tok, BS * tok);
+        if (c + 2 < ncols) prefetch_block(kp + blocks[c + 2] * BS * tok, BS * tok);
+        if (c + 2 >= ncols && c + 2 - ncols < ncols)  // the first V blocks, read next
+          prefetch_block(vp + blocks[c + 2 - ncols] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t, ++i) {
-          for (int64_t h = 0; h < Hq; ++h) {
-            float x = sc * dot(qr + h * D, kb + t * tok + (h / G) * D, D);
-            if (cap > 0.f) x = cap * std::tanh(x / cap);
-            s[h * n + i] = x;
-          }
+          for (int64_t hk = 0; hk < Hkv; ++hk)
+            for (int64_t g = 0; g < G; g += 4) {
+              const int64_t nq = std::min<int64_t>(4, G - g);
+              float d4[4];
+              dot_heads(qr + (hk * G + g) * D, nq, kb + t * tok + hk * D, D, d4);
+              for (int64_t j = 0; j < nq; ++j) {
+                float x = sc * d4[j];
+                if (cap > 0.f) x = cap * std::tanh(x / cap);
+                s[(hk * G + g + j) * n + i] = x;
+              }
+            }
         }
       }
       for (int64_t h = 0; h < Hq; ++h) {
         float* sh = s.data() + h * n;
         float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+#pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < n; ++i) m = std::max(m, sh[i]);
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < n; ++i) sum += (sh[i] = exp_nonpos(sh[i] - m));
         const float inv = 1.f / sum;
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) sh[i] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -129,8 +192,15 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         int64_t t0, t1;
         span(c, t0, t1);
         const float* vb = vp + blocks[c] * BS * tok;
+        if (c + 2 < ncols) prefetch_block(vp + blocks[c + 2] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t, ++i)
-          for (int64_t h = 0; h < Hq; ++h) axpy(s[h * n + i], vb + t * tok + (h / G) * D, acc.data() + h * D, D);
+          for (int64_t hk = 0; hk < Hkv; ++hk)
+            for (int64_t g = 0; g < G; g += 4) {
+              const int64_t nq = std::min<int64_t>(4, G - g), h = hk * G + g;
+              float w4[4];
+              for (int64_t j = 0; j < nq; ++j) w4[j] = s[(h + j) * n + i];
+              axpy_heads(w4, nq, vb + t * tok + hk * D, acc.data() + h * D, D);
+            }
       }
       std::copy(acc.begin(), acc.end(), orow_p);
     }
