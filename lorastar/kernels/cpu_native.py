@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -25,8 +26,25 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# A build killed midway (Ctrl-C on the first start) leaves torch's lock file behind, and every later
+# build waits on it forever; a build takes ~20 s, so a lock this old is stale.
+STALE_LOCK_SECONDS = 300.0
+
 _SOURCES = [Path(__file__).with_name("csrc") / f for f in ("cpu_attention.cpp", "cpu_lora.cpp")]
 _state: dict[str, ModuleType | None] = {}
+
+
+def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` if it is older than ``max_age`` seconds; True if removed."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age:
+            lock.unlink()
+            log.warning("removed a stale build lock %s (a build was interrupted)", lock)
+            return True
+    except FileNotFoundError:
+        pass
+    return False
 
 
 def load() -> ModuleType | None:
@@ -35,7 +53,9 @@ def load() -> ModuleType | None:
         return _state["ext"]
     ext: ModuleType | None = None
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import _get_build_directory, load_inline
+
+        clear_stale_lock(Path(_get_build_directory("lorastar_cpu_ops", verbose=False)))
 
         if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) when no system ninja
             import ninja

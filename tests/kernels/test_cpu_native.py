@@ -123,3 +123,18 @@ def test_lora_segments_matches_reference(shared: bool, max_rank: int) -> None:
     assert torch.equal(y[0], y0[0]) and torch.equal(y[10], y0[10])  # base rows untouched
     with pytest.raises(RuntimeError, match="segment out of range"):
         cpu_native.lora_segments(x, y, a, bt, offsets, [0, 10, 15], ranks, [shared] * num_slots)
+
+
+def test_a_stale_build_lock_is_cleared(tmp_path) -> None:  # noqa: ANN001
+    """torch's builder waits forever on a lock an interrupted build left; ours removes an old one."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not cpu_native.clear_stale_lock(tmp_path)  # a build may be running: left alone
+    assert lock.exists()
+    old = time.time() - cpu_native.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    assert cpu_native.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not cpu_native.clear_stale_lock(tmp_path)  # nothing to remove
