@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 # build waits on it forever; a build takes ~20 s, so a lock this old is stale.
 STALE_LOCK_SECONDS = 300.0
 
-_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("cpu_attention.cpp", "cpu_lora.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+# The header first: its text is then part of the sources torch hashes (a header edit rebuilds).
+_SOURCES = [_CSRC / f for f in ("cpu_vec.h", "cpu_attention.cpp", "cpu_lora.cpp")]
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -72,6 +74,7 @@ def load() -> ModuleType | None:
             functions=["paged_decode", "lora_segments"],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(_CSRC)],
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path

@@ -16,32 +16,12 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
-}
-
-// Up to four query heads (contiguous [nq, n]) against one key row: the key is loaded once and the
-// four dot products are independent chains (one dot per head and key was bound by their latency).
-inline void dot_heads(const float* __restrict q, int64_t nq, const float* __restrict k, int64_t n, float* out) {
-  const float* q0 = q;
-  const float* q1 = nq > 1 ? q + n : q;
-  const float* q2 = nq > 2 ? q + 2 * n : q;
-  const float* q3 = nq > 3 ? q + 3 * n : q;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t d = 0; d < n; ++d) {
-    const float v = k[d];
-    s0 += q0[d] * v;
-    s1 += q1[d] * v;
-    s2 += q2[d] * v;
-    s3 += q3[d] * v;
-  }
-  const float s[4] = {s0, s1, s2, s3};
-  for (int64_t j = 0; j < nq; ++j) out[j] = s[j];
-}
+using lorastar_vec::axpy;
+using lorastar_vec::dot_rows4;
 
 // acc[j] += w[j] * v for up to four heads sharing one value row (loaded once).
 inline void axpy_heads(const float* __restrict w, int64_t nq, const float* __restrict v, float* __restrict acc,
@@ -167,7 +147,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             for (int64_t g = 0; g < G; g += 4) {
               const int64_t nq = std::min<int64_t>(4, G - g);
               float d4[4];
-              dot_heads(qr + (hk * G + g) * D, nq, kb + t * tok + hk * D, D, d4);
+              dot_rows4(qr + (hk * G + g) * D, nq, kb + t * tok + hk * D, D, d4);
               for (int64_t j = 0; j < nq; ++j) {
                 float x = sc * d4[j];
                 if (cap > 0.f) x = cap * std::tanh(x / cap);

@@ -14,62 +14,8 @@
 #include <array>
 #include <vector>
 
-namespace {  // (both sources build as one translation unit: names unique across them)
+#include "cpu_vec.h"
 
-// t[row, j0 + q] = x[row] . A[j0 + q] for q < 4: four independent accumulator chains over H, each
-// x element loaded once for four A rows (one chain was bound by FMA latency, not by memory).
-inline void dot4(const float* __restrict xr, const float* __restrict a, int64_t H, int64_t nq, float* out) {
-  const float* a0 = a;
-  const float* a1 = nq > 1 ? a + H : a;
-  const float* a2 = nq > 2 ? a + 2 * H : a;
-  const float* a3 = nq > 3 ? a + 3 * H : a;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t d = 0; d < H; ++d) {
-    const float v = xr[d];
-    s0 += v * a0[d];
-    s1 += v * a1[d];
-    s2 += v * a2[d];
-    s3 += v * a3[d];
-  }
-  const float s[4] = {s0, s1, s2, s3};
-  for (int64_t q = 0; q < nq; ++q) out[q] = s[q];
-}
-
-// The same for two rows at once (eight chains): decode segments hold one or two rows each mostly,
-// and the second row then reuses every A load.
-inline void dot4x2(const float* __restrict x0, const float* __restrict x1, const float* __restrict a,
-                   int64_t H, int64_t nq, float* out0, float* out1) {
-  const float* a0 = a;
-  const float* a1 = nq > 1 ? a + H : a;
-  const float* a2 = nq > 2 ? a + 2 * H : a;
-  const float* a3 = nq > 3 ? a + 3 * H : a;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, u0 = 0.f, u1 = 0.f, u2 = 0.f, u3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
-  for (int64_t d = 0; d < H; ++d) {
-    const float v = x0[d], w = x1[d], b0 = a0[d], b1 = a1[d], b2 = a2[d], b3 = a3[d];
-    s0 += v * b0;
-    s1 += v * b1;
-    s2 += v * b2;
-    s3 += v * b3;
-    u0 += w * b0;
-    u1 += w * b1;
-    u2 += w * b2;
-    u3 += w * b3;
-  }
-  const float s[4] = {s0, s1, s2, s3}, u[4] = {u0, u1, u2, u3};
-  for (int64_t q = 0; q < nq; ++q) {
-    out0[q] = s[q];
-    out1[q] = u[q];
-  }
-}
-
-inline void lora_axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
-}
-
-}  // namespace
 
 void lora_segments(const at::Tensor& x, at::Tensor& y, const std::vector<at::Tensor>& a,
                    const std::vector<at::Tensor>& b, const std::vector<int64_t>& offsets,
@@ -120,9 +66,9 @@ void lora_segments(const at::Tensor& x, at::Tensor& y, const std::vector<at::Ten
         const int64_t nq = std::min<int64_t>(4, r - j);
         int64_t row = s;
         for (; row + 1 < e; row += 2)
-          dot4x2(xp + row * xs, xp + (row + 1) * xs, ap + j * H, H, nq, tp + (row * P + i) * R + j,
-                 tp + ((row + 1) * P + i) * R + j);
-        if (row < e) dot4(xp + row * xs, ap + j * H, H, nq, tp + (row * P + i) * R + j);
+          lorastar_vec::dot_rows4x2(ap + j * H, nq, xp + row * xs, xp + (row + 1) * xs, H, tp + (row * P + i) * R + j,
+                                   tp + ((row + 1) * P + i) * R + j);
+        if (row < e) lorastar_vec::dot_rows4(ap + j * H, nq, xp + row * xs, H, tp + (row * P + i) * R + j);
       }
     }
   });
@@ -144,7 +90,7 @@ void lora_segments(const at::Tensor& x, at::Tensor& y, const std::vector<at::Ten
       for (int64_t row = s; row < e; ++row) {
         const float* tr = tp + (row * P + src) * R;
         float* yr = yp + row * ys + offsets[i] + c0;
-        for (int64_t j = 0; j < r; ++j) lora_axpy(tr[j], bp + j * N, yr, c1 - c0);
+        for (int64_t j = 0; j < r; ++j) lorastar_vec::axpy(tr[j], bp + j * N, yr, c1 - c0);
       }
     }
   });

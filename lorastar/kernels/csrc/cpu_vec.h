@@ -1,0 +1,66 @@
+// Vector helpers shared by the CPU ops (cpu_attention.cpp, cpu_lora.cpp); plain loops that the
+// compiler vectorizes under `omp simd` (-fopenmp, -march=native).
+#ifndef LORASTAR_CPU_VEC_H_
+#define LORASTAR_CPU_VEC_H_
+
+#include <cstdint>
+
+namespace lorastar_vec {
+
+// y += w * x over n floats.
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+
+// out[j * stride] = rows[j] . v for j < nq <= 4, rows contiguous [nq, n]: v is loaded once and the
+// four dot products are independent accumulator chains (one chain per dot was bound by FMA latency).
+inline void dot_rows4(const float* __restrict rows, int64_t nq, const float* __restrict v, int64_t n, float* out,
+                      int64_t stride = 1) {
+  const float* r0 = rows;
+  const float* r1 = nq > 1 ? rows + n : rows;
+  const float* r2 = nq > 2 ? rows + 2 * n : rows;
+  const float* r3 = nq > 3 ? rows + 3 * n : rows;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = v[d];
+    s0 += r0[d] * x;
+    s1 += r1[d] * x;
+    s2 += r2[d] * x;
+    s3 += r3[d] * x;
+  }
+  const float s[4] = {s0, s1, s2, s3};
+  for (int64_t j = 0; j < nq; ++j) out[j * stride] = s[j];
+}
+
+// The same against two vectors at once (eight chains): every row load serves both.
+inline void dot_rows4x2(const float* __restrict rows, int64_t nq, const float* __restrict v0,
+                        const float* __restrict v1, int64_t n, float* out0, float* out1) {
+  const float* r0 = rows;
+  const float* r1 = nq > 1 ? rows + n : rows;
+  const float* r2 = nq > 2 ? rows + 2 * n : rows;
+  const float* r3 = nq > 3 ? rows + 3 * n : rows;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f, u0 = 0.f, u1 = 0.f, u2 = 0.f, u3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3, u0, u1, u2, u3)
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = v0[d], y = v1[d], b0 = r0[d], b1 = r1[d], b2 = r2[d], b3 = r3[d];
+    s0 += x * b0;
+    s1 += x * b1;
+    s2 += x * b2;
+    s3 += x * b3;
+    u0 += y * b0;
+    u1 += y * b1;
+    u2 += y * b2;
+    u3 += y * b3;
+  }
+  const float s[4] = {s0, s1, s2, s3}, u[4] = {u0, u1, u2, u3};
+  for (int64_t j = 0; j < nq; ++j) {
+    out0[j] = s[j];
+    out1[j] = u[j];
+  }
+}
+
+}  // namespace lorastar_vec
+
+#endif  // LORASTAR_CPU_VEC_H_
