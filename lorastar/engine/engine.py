@@ -95,8 +95,11 @@ class LLMEngine:
         from lorastar.quant import get_quant_config
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
-        if self.quant_config is not None and self.quant_config.name == "int8" and self.device.type != "cpu":
-            raise ValueError("quantization='int8' is the CPU path (torch._int_mm); on a GPU use 'fp8'")
+        qc = self.quant_config
+        if qc is not None and qc.devices is not None and self.device.type not in qc.devices:
+            raise ValueError(
+                f"quantization={qc.name!r} runs on {'/'.join(qc.devices)}, not {self.device.type}"
+            )
         self.model, ckpt_kv_scales = load_model(
             self.model_dir,
             cfg,

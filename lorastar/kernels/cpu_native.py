@@ -83,6 +83,13 @@ def load() -> ModuleType | None:
     return ext
 
 
+def _ops() -> ModuleType:
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the CPU ops are not available on this machine")
+    return ext
+
+
 def paged_decode(
     q: torch.Tensor,  # [T, Hq, D] fp32
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D] fp32
@@ -98,16 +105,8 @@ def paged_decode(
 ) -> torch.Tensor:
     """Semantics: ``out[rows[b], h] = softmax(cap(scale * q[rows[b], h] @ K[lo[b]:lens[b], h // G].T))
     @ V[lo[b]:lens[b], h // G]``, K/V read block-wise from the caches (see ``csrc/cpu_attention.cpp``)."""
-    ext = load()
-    if ext is None:
-        raise RuntimeError("the CPU ops are not available on this machine")
-    ext.paged_decode(q, k_cache, v_cache, rows, gather, lo, lens, out, scale, softcap)
+    _ops().paged_decode(q, k_cache, v_cache, rows, gather, lo, lens, out, scale, softcap)
     return out
-
-
-def loaded() -> ModuleType | None:
-    """The ops if an earlier ``load()`` built them (never builds): the engine decides at start."""
-    return _state.get("ext")
 
 
 def lora_segments(
@@ -122,7 +121,4 @@ def lora_segments(
 ) -> None:
     """Semantics: ``for slot, s, e in segs: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T)
     @ Bt_i[slot, :r]`` with ``r = ranks[slot]`` (see ``csrc/cpu_lora.cpp``)."""
-    ext = load()
-    if ext is None:
-        raise RuntimeError("the CPU ops are not available on this machine")
-    ext.lora_segments(x, y, a, b, offsets, segs, ranks, shared)
+    _ops().lora_segments(x, y, a, b, offsets, segs, ranks, shared)

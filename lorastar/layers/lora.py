@@ -2,11 +2,11 @@
 LoRA entry points (``add_lora`` on GPU: punica kernels; ``add_lora_cpu`` on CPU).
 
 Each LoRA-capable ``Linear`` gets a ``LoRASlots``, one implementation per device (``GpuLoRASlots``,
-``CpuLoRASlots``): per slice (q/k/v, gate/up, ...) an A buffer ``[max_loras, max_rank, in]``
-and a B buffer
-``[max_loras, out_slice, max_rank]`` (scaling folded into B), allocated the first time an adapter
-targets that slice. Ranks below ``max_rank`` are zero-padded in storage but the kernels compute
-only up to each slot's true rank.
+``CpuLoRASlots``): per slice (q/k/v, gate/up, ...) an A buffer ``[max_loras, max_rank, in]`` and
+a B buffer (scaling folded in) ``[max_loras, out_slice, max_rank]`` on GPU, transposed
+``[max_loras, max_rank, out_slice]`` on CPU, allocated the first time an adapter targets that
+slice. Ranks below ``max_rank`` are zero-padded in storage but the kernels compute only up to each
+slot's true rank.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class LoRASlots(ABC):
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
+        self.a: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, R, in]
         # Per slice [S, N_i, R] (GPU) or [S, R, N_i] (CPU: rows of B.T, read contiguously per rank).
         self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)
         self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
@@ -63,25 +64,18 @@ class LoRASlots(ABC):
         names = self.layer.slice_names
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         slices = [i for i, name in enumerate(names) if name in weights]
-        for b in self.b:
-            if b is not None:
-                b[slot].zero_()
-        self._clear_a(slot)
-        for j, i in enumerate(slices):
+        for buf in (*self.a, *self.b):
+            if buf is not None:
+                buf[slot].zero_()
+        for i in slices:
             a, b = weights[names[i]]
-            self._write_a(slot, i, j, rank, a)
+            if self.a[i] is None:
+                self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
+            self.a[i][slot, : a.shape[0]].copy_(a)  # type: ignore[index]
             self._write_b(slot, i, b)
         self.slot_slices[slot] = slices
         self.slot_ranks[slot] = rank
         self.slot_shared_a[slot] = shared_a
-
-    @abstractmethod
-    def _clear_a(self, slot: int) -> None:
-        """Zero ``slot``'s A in every allocated buffer."""
-
-    @abstractmethod
-    def _write_a(self, slot: int, i: int, j: int, rank: int, a: torch.Tensor) -> None:
-        """Store A ``[r, in]`` of slice ``i``, the ``j``-th slice the slot targets (slot rank ``rank``)."""
 
     def _write_b(self, slot: int, i: int, b: torch.Tensor) -> None:
         """Store B ``[out, r]`` (scaled) of slice ``i``: ``[S, N_i, R]`` buffers by default."""
@@ -95,33 +89,16 @@ class LoRASlots(ABC):
 
 
 class GpuLoRASlots(LoRASlots):
-    """Per-slice A ``[S, R, in]`` for the punica kernels (``add_lora``)."""
-
-    def __init__(
-        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
-    ) -> None:
-        super().__init__(layer, max_loras, max_rank, dtype, device)
-        self.a: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, R, in]
-
-    def _clear_a(self, slot: int) -> None:
-        for a in self.a:
-            if a is not None:
-                a[slot].zero_()
-
-    def _write_a(self, slot: int, i: int, j: int, rank: int, a: torch.Tensor) -> None:
-        if self.a[i] is None:
-            self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
-        self.a[i][slot, : a.shape[0]].copy_(a)  # type: ignore[index]
+    """Run by the punica kernels (``add_lora``)."""
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         add_lora(y, x, self.a, self.b, meta, self.offsets)
 
 
-class CpuLoRASlots(GpuLoRASlots):
-    """A ``[S, R, in]`` per slice as on the GPU (a fused-module LoRA writes its one A into every
-    slice) and B transposed, ``[S, R, out]``: the expand then reads rank ``j``'s row of B.T as one
-    contiguous run (a B row ``[R]`` read its first r of R floats, strided). Run by
-    ``add_lora_cpu``."""
+class CpuLoRASlots(LoRASlots):
+    """B transposed, ``[S, R, out]``: the expand then reads rank ``j``'s row of B.T as one
+    contiguous run (a B row ``[R]`` read its first r of R floats, strided). A fused-module LoRA
+    writes its one A into every slice. Run by ``add_lora_cpu``."""
 
     def _write_b(self, slot: int, i: int, b: torch.Tensor) -> None:
         if self.b[i] is None:
@@ -304,6 +281,17 @@ def _batch(members: list[tuple[int, int, int]], rank: int, use_view: bool | None
     )
 
 
+def _live_slices(
+    lora_a_slices: list[torch.Tensor | None], lora_b_slices: list[torch.Tensor | None], offsets: list[int]
+) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """``(A, B, offset)`` of the slices some adapter targets (buffers allocated)."""
+    return [
+        (a, b, off)
+        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets)
+        if a is not None and b is not None
+    ]
+
+
 def add_lora_cpu(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -316,13 +304,14 @@ def add_lora_cpu(
     *,
     plan: CpuLoRAPlan | None = None,
 ) -> None:
-    """CPU path over a fused linear. Light adapters (decode rows) batched: their rows gathered into
-    a ``[G, L, in]`` grid, per slice one ``bmm`` shrink and one ``bmm`` expand over all of them at
-    the step's largest rank (lower ranks are zero-padded in the buffers) and one add into ``y``.
-    Heavy ones (prefill chunks) one by one over their contiguous rows, a matmul pair per slice
-    (one shrink for all slices when they share one A). Measured on SmolLM2, 16 adapters of ranks
-    8-64 on q/k/v/o among 32 requests: the loop alone issued ~100 small matmuls per layer and
-    step; batched, LoRA keeps 0.84 of base tokens/s instead of 0.72 (benchmarks/lora.py).
+    """CPU path over a fused linear. Light adapters (decode rows): with ``meta.native`` one C++
+    SGMV call (``kernels/cpu_native.lora_segments``) at each slot's true rank; otherwise their rows
+    gathered into a ``[G, L, in]`` grid, per slice one ``bmm`` shrink and one ``bmm`` expand at the
+    largest rank among them and one add into ``y``. Heavy ones (prefill chunks) one by one over
+    their contiguous rows, a matmul pair per slice (one shrink for all slices when they share one
+    A). Measured on SmolLM2, 16 adapters of ranks 8-64 on q/k/v/o among 32 requests, tokens/s kept
+    of base: the loop alone 0.72 (~100 small matmuls per layer and step), the bmm grid 0.71-0.84,
+    the C++ op 0.84-0.90 (benchmarks/lora.py --targets qkvo).
 
     Semantics: ``for slot, s, e in meta.ranges: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T) @ Bt_i[slot, :r]`` (``Bt_i = B_i.T`` per slot)
 
@@ -340,11 +329,7 @@ def add_lora_cpu(
     """
     if x.shape[0] == 0 or not meta.ranges:
         return
-    live = [
-        (a, b, off)
-        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets)
-        if a is not None and b is not None
-    ]
+    live = _live_slices(lora_a_slices, lora_b_slices, offsets)
     if not live:
         return
     plan = plan or cpu_lora_plan(meta, slot_ranks)
@@ -418,11 +403,7 @@ def add_lora(
     # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
     num_segments = meta.seg_slots.shape[0]
     use_bgmv = meta.force_bgmv or (meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0]))
-    live = [
-        (a, b, off)
-        for a, b, off in zip(lora_a_slices, lora_b_slices, offsets)
-        if a is not None and b is not None
-    ]
+    live = _live_slices(lora_a_slices, lora_b_slices, offsets)
     if not live:
         return
     # One fp32 intermediate for all slices (column block per slice): split-K shrink accumulates

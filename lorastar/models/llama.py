@@ -255,10 +255,14 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, ctx)
         return self.norm(x)
 
+    def _head(self) -> nn.Module | torch.Tensor:
+        """The lm_head: the embedding module when tied, else its own weight (or an int8 table)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head_packed is not None:
             return packed_linear(hidden, self.head_packed)  # [rows, vocab]
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        head = self._head()
         if isinstance(head, Int8Embedding):
             return head.logits(hidden)  # [rows, vocab], no full-precision table
         w = head.weight if isinstance(head, nn.Embedding) else head
@@ -267,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor | None:
         """The lm_head's float weight ``[vocab, hidden]`` (the embedding table when tied), or None
         (an int8 table, or already packed)."""
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        head = self._head()
         w = head.weight if isinstance(head, nn.Embedding) else head
         return w if isinstance(w, torch.Tensor) and w.dtype.is_floating_point and w.numel() else None
 
@@ -278,9 +282,8 @@ class LlamaForCausalLM(nn.Module):
         for lin in self.linears().values():
             if isinstance(lin.quant_method, UnquantizedLinearMethod):
                 n += lin.quant_method.pack_for_cpu(lin)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        w = head.weight if isinstance(head, nn.Embedding) else head
-        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32:
+        w = self.head_weight()
+        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
             self.head_packed = pack(w.data)
             if self.lm_head is not None:
                 w.data = torch.empty(0, dtype=w.dtype)  # untied: the packed copy replaces it

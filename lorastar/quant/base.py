@@ -20,6 +20,8 @@ class QuantConfig(ABC):
     packed_modules_mapping: Mapping[str, Sequence[str]] = MappingProxyType({})
     """Fused layer -> the checkpoint modules it is made of (``qkv_proj`` -> q/k/v): the model sets
     its class's mapping here before asking for linear methods, so skip lists name either."""
+    devices: tuple[str, ...] | None = None
+    """Device types the scheme runs on (``None``: any); the engine checks before loading."""
 
     @classmethod
     @abstractmethod

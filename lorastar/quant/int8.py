@@ -53,10 +53,6 @@ class Int8LinearMethod(QuantMethod):
         load_shard(layer.weight_scale, layer.output_sizes, scale, shard, source, by_rows=True)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        if layer.weight.device.type != "cpu":
-            raise ValueError(
-                "quantization='int8' is the CPU path (torch._int_mm); on a GPU use quantization='fp8'"
-            )
         layer.weight_t = layer.weight.data.t().contiguous()  # [in, out]
         layer.weight.data = torch.empty(0, dtype=torch.int8)  # the transposed copy replaces it
 
@@ -75,6 +71,7 @@ class Int8OnTheFlyConfig(QuantConfig):
     per-token activation scales."""
 
     name = "int8"
+    devices = ("cpu",)  # torch._int_mm's CPU path; on a GPU quantization="fp8" is the 8-bit scheme
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Int8OnTheFlyConfig:

@@ -23,36 +23,6 @@ namespace {
 using lorastar_vec::axpy;
 using lorastar_vec::dot_rows4;
 
-// acc[j] += w[j] * v for up to four heads sharing one value row (loaded once).
-inline void axpy_heads(const float* __restrict w, int64_t nq, const float* __restrict v, float* __restrict acc,
-                       int64_t n) {
-  const float w0 = w[0], w1 = nq > 1 ? w[1] : 0.f, w2 = nq > 2 ? w[2] : 0.f, w3 = nq > 3 ? w[3] : 0.f;
-  float* a0 = acc;
-  float* a1 = acc + n;
-  float* a2 = acc + 2 * n;
-  float* a3 = acc + 3 * n;
-  if (nq == 4) {
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) {
-      const float x = v[d];
-      a0[d] += w0 * x;
-      a1[d] += w1 * x;
-      a2[d] += w2 * x;
-      a3[d] += w3 * x;
-    }
-  } else if (nq == 3) {
-#pragma omp simd
-    for (int64_t d = 0; d < n; ++d) {
-      const float x = v[d];
-      a0[d] += w0 * x;
-      a1[d] += w1 * x;
-      a2[d] += w2 * x;
-    }
-  } else {
-    for (int64_t j = 0; j < nq; ++j) axpy(w[j], v, acc + j * n, n);
-  }
-}
-
 // exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: 2^(x log2 e) as 2^n times a
 // degree-6 polynomial of the fraction on [-0.5, 0.5]; relative error < 2e-7. std::exp is a scalar
 // call per score: it took 60% of the op at 20 rows x 9 heads x 190 keys.
@@ -175,12 +145,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         if (c + 2 < ncols) prefetch_block(vp + blocks[c + 2] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t, ++i)
           for (int64_t hk = 0; hk < Hkv; ++hk)
-            for (int64_t g = 0; g < G; g += 4) {
-              const int64_t nq = std::min<int64_t>(4, G - g), h = hk * G + g;
-              float w4[4];
-              for (int64_t j = 0; j < nq; ++j) w4[j] = s[(h + j) * n + i];
-              axpy_heads(w4, nq, vb + t * tok + hk * D, acc.data() + h * D, D);
-            }
+            for (int64_t h = hk * G; h < (hk + 1) * G; ++h) axpy(s[h * n + i], vb + t * tok + hk * D, acc.data() + h * D, D);
       }
       std::copy(acc.begin(), acc.end(), orow_p);
     }
