@@ -14,6 +14,7 @@ unchanged. While it rebuilds, new work gets ``EngineUnavailableError`` (HTTP 503
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -21,7 +22,8 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from lorastar.adapters.registry import AdapterInfo
@@ -54,6 +56,7 @@ class AsyncLLM:
         self._tokenizer = self.engine.tokenizer
         self._model_name = self.engine.model_name
         self._max_model_len = self.engine.max_model_len
+        self._vocab_size = self.engine.vocab_size
         # Held while a request is added and while the engine is swapped: an add never lands
         # in an engine that is being thrown away.
         self._swap_lock = threading.Lock()
@@ -80,6 +83,10 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
 
     @property
     def errored(self) -> bool:
@@ -158,46 +165,21 @@ class AsyncLLM:
     def _recover(self, cause: Exception) -> None:
         """Fail the started requests, rebuild the engine, move queued requests to it."""
         old = self.engine
-        with self._swap_lock, old.lock:
+        with self._swap_lock:
             self._restarting = True
-            started, queued = [], []
-            for r in old.requests.values():
-                (started if r.first_scheduled_time is not None or r.forked else queued).append(r)
-            adapters = [(a.name, a.path) for a in old.list_adapters()]
-        failure = RequestFailedError(
-            "The engine failed while running this request and is restarting; retry the request."
-        )
-        for req in started:
-            self._fail(req.request_id, failure)
-        old.close()
+
+        def waiting(delay: float) -> None:
+            self._retry_after = delay
+
+        new = rebuild_engine(
+            old, self.config, fail=self._fail, stop=self._stop, delay=self._retry_after,
+            cap=self.restart_backoff[1], lock=self._swap_lock, on_wait=waiting,
+        )  # fmt: skip
         del old
-        gc.collect()
-        delay = self._retry_after
-        while not self._stop.is_set():
-            try:
-                new = LLMEngine(self.config)
-                for name, path in adapters:
-                    try:
-                        new.load_adapter(name, path)
-                    except Exception:  # the folder changed or vanished since it was loaded
-                        logger.exception("lorastar: adapter %r (%s) not re-registered", name, path)
-                break
-            except Exception:
-                logger.exception("lorastar: engine rebuild failed; retrying in %.1f s", delay)
-                self._retry_after = delay
-                self._stop.wait(delay)
-                delay = min(2 * delay, self.restart_backoff[1])
-        else:
+        if new is None:
             self.fail_streams(EngineDeadError("The engine was shut down while restarting."))
             return
         with self._swap_lock:
-            for req in queued:  # never scheduled: the same request, unchanged, on the new engine
-                try:
-                    new.add_request(
-                        req.prompt_token_ids, req.params, adapter=req.adapter_name, request_id=req.request_id
-                    )
-                except Exception as exc:
-                    self._fail(req.request_id, exc)
             self.engine = new
             self.num_restarts += 1
             self._restarting = False
@@ -218,27 +200,11 @@ class AsyncLLM:
             pass
 
     def _dispatch_many(self, outs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams with ONE wake-up per event loop (not one per
-        output: with 64 streams a per-output ``call_soon_threadsafe`` costs 64 self-pipe writes
-        and event-loop wake-ups per step, contending for the GIL with the step loop)."""
         if len(outs) <= 1:
             for out in outs:
                 self._dispatch(out)
             return
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
-        with self._streams_lock:
-            for out in outs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if out.finished:
-                    del self._streams[out.request_id]
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                pass
+        deliver(self._streams, self._streams_lock, outs)
 
     def _dispatch(self, out: RequestOutput) -> None:
         with self._streams_lock:
@@ -288,27 +254,15 @@ class AsyncLLM:
             raise
         self._wake.set()
         delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
-        finished = False
-        try:
-            while not finished:
-                item = await q.get()
-                while not q.empty():  # several outputs waiting: hand out one that covers them
-                    nxt = q.get_nowait()
-                    if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
-                        item = merge_deltas(item, nxt) if delta else nxt  # cumulative: the newest
-                    else:
-                        item = nxt if isinstance(nxt, BaseException) else item
-                        break
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                with self._streams_lock:
-                    self._streams.pop(rid, None)
-                self._queue_abort(rid)
+
+        def abandon() -> None:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            self._queue_abort(rid)
+
+        async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
+            async for out in outputs:
+                yield out
 
     def _add_request(
         self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str
@@ -354,6 +308,9 @@ class AsyncLLM:
         ``max_prompt_bytes`` before tokenizing."""
         return self.engine.tokenize(prompt)
 
+    def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
+        self.engine.check_prompt_size(text, param)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
@@ -367,6 +324,112 @@ class AsyncLLM:
 
     def kv_cache_usage(self) -> dict[str, float | int]:
         return self.engine.kv_cache_usage().as_dict()
+
+
+def rebuild_engine(
+    old: LLMEngine,
+    config: EngineConfig,
+    *,
+    fail: Callable[[str, BaseException], None],
+    stop: threading.Event,
+    delay: float,
+    cap: float,
+    lock: AbstractContextManager[Any] | None = None,
+    on_wait: Callable[[float], None] | None = None,
+) -> LLMEngine | None:
+    """After a failed step: fail the requests that had started (one of them may be the cause, so
+    none is retried), close ``old``, build a new engine from ``config`` (retried with a doubling
+    wait from ``delay`` up to ``cap`` until it works or ``stop`` is set: then ``None``), re-register
+    the adapters by name and path, and move the never-scheduled requests to it unchanged.
+    ``lock`` is held while requests are read from ``old`` and moved to the new engine."""
+    lock = lock if lock is not None else contextlib.nullcontext()
+    with lock, old.lock:
+        started, queued = [], []
+        for r in old.requests.values():
+            (started if r.first_scheduled_time is not None or r.forked else queued).append(r)
+        adapters = [(a.name, a.path) for a in old.list_adapters()]
+    failure = RequestFailedError(
+        "The engine failed while running this request and is restarting; retry the request."
+    )
+    for req in started:
+        fail(req.request_id, failure)
+    old.close()
+    del old
+    gc.collect()
+    while not stop.is_set():
+        try:
+            new = LLMEngine(config)
+            for name, path in adapters:
+                try:
+                    new.load_adapter(name, path)
+                except Exception:  # the folder changed or vanished since it was loaded
+                    logger.exception("lorastar: adapter %r (%s) not re-registered", name, path)
+            break
+        except Exception:
+            logger.exception("lorastar: engine rebuild failed; retrying in %.1f s", delay)
+            if on_wait is not None:
+                on_wait(delay)
+            stop.wait(delay)
+            delay = min(2 * delay, cap)
+    else:
+        return None
+    with lock:
+        for req in queued:  # never scheduled: the same request, unchanged, on the new engine
+            try:
+                new.add_request(
+                    req.prompt_token_ids, req.params, adapter=req.adapter_name, request_id=req.request_id
+                )
+            except Exception as exc:
+                fail(req.request_id, exc)
+    return new
+
+
+async def stream_outputs(
+    q: asyncio.Queue[RequestOutput | BaseException], delta: bool, abandon: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until the finished one. Several waiting are handed out
+    as one (DELTA: joined; otherwise the newest); an exception in the queue is raised. Left before
+    the end (closed, cancelled), it calls ``abandon`` (drop the stream, abort the request)."""
+    finished = False
+    try:
+        while not finished:
+            item = await q.get()
+            while not q.empty():  # several outputs waiting: hand out one that covers them
+                nxt = q.get_nowait()
+                if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
+                    item = merge_deltas(item, nxt) if delta else nxt  # cumulative: the newest
+                else:
+                    item = nxt if isinstance(nxt, BaseException) else item
+                    break
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abandon()
+
+
+def deliver(streams: dict[str, _Stream], lock: threading.Lock, outs: list[RequestOutput]) -> None:
+    """Hand a step's outputs to their streams (a finished one's stream is dropped) with ONE wake-up
+    per event loop, not one per output: with 64 streams a per-output ``call_soon_threadsafe``
+    costs 64 self-pipe writes and event-loop wake-ups per step, contending for the GIL with the
+    step loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
+    with lock:
+        for out in outs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            by_loop.setdefault(stream[0], []).append((stream[1], out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
 
 
 def _put_all(items: list[tuple[Any, RequestOutput]]) -> None:

@@ -19,6 +19,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
+from lorastar.engine.input_processor import InputProcessor, load_tokenizer
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -132,11 +133,8 @@ class LLMEngine:
                 self.cpu_kernels = "native"
             elif config.cpu_kernels == "native":
                 raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")
-        self.tokenizer = _load_tokenizer(
-            Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
-        )
-        if config.chat_template is not None:
-            self.tokenizer.chat_template = config.chat_template
+        self.tokenizer_dir = Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
+        self.tokenizer = load_tokenizer(self.tokenizer_dir, config.chat_template)
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
         self.vocab_size = self.model.vocab_size
 
@@ -181,6 +179,13 @@ class LLMEngine:
             max_len if held <= spec.num_blocks else min(max_len, spec.num_blocks * spec.block_size)
         )
         self.max_prompt_bytes = config.max_prompt_bytes or 64 * self.max_model_len
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            model_name=self.model_name,
+            max_model_len=self.max_model_len,
+            max_prompt_bytes=self.max_prompt_bytes,
+            vocab_size=self.vocab_size,
+        )
         self.runner = ModelRunner(
             self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 256),
@@ -255,39 +260,15 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        self.check_prompt_size(prompt)
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return self.inputs.tokenize(prompt)
 
     def check_prompt_size(self, text: str | Sequence_[str], param: str = "prompt") -> None:
-        """Refuse text over ``max_prompt_bytes`` before any tokenizing (a 9 MB prompt would hold
-        a tokenizer thread for seconds only to be refused for its length)."""
-        texts = [text] if isinstance(text, str) else text
-        limit = self.max_prompt_bytes
-        size = 0
-        for t in texts:
-            if len(t) > limit:  # characters <= bytes: no need to encode a huge string
-                size = len(t)
-                break
-            size += len(t.encode("utf-8", "surrogatepass"))
-        if size > limit:
-            raise LimitExceededError(
-                param, f"{param} is over {limit} bytes (max_prompt_bytes); shorten the input."
-            )
+        self.inputs.check_prompt_size(text, param)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
-            raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
-        if not messages:
-            raise InvalidParamError("messages", "messages must not be empty")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
-        self.check_prompt_size([c for m in messages if isinstance(c := m.get("content"), str)], "messages")
-        text = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.inputs.apply_chat_template(messages, add_generation_prompt)
 
     def check_limits(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """The configured per-request limits, and whether the request can ever fit the KV cache."""
@@ -334,35 +315,7 @@ class LLMEngine:
         )
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidParamError("prompt", "prompt must not be empty")
-            text, ids = prompt, self.tokenize(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise InvalidParamError("prompt", "prompt must not be empty")
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise InvalidParamError("prompt", "prompt_token_ids must be a list of integers")
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidParamError(
-                    "prompt",
-                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
-                )
-            text, ids = None, list(prompt)
-        else:
-            raise InvalidParamError(
-                "prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not ids:
-            raise InvalidParamError("prompt", "prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidParamError(
-                "prompt",
-                f"prompt is {len(ids)} tokens, over the limit: max_model_len is {self.max_model_len} "
-                "(prompt + at least one generated token)",
-            )
-        return text, ids
+        return self.inputs.validate_prompt(prompt)
 
     def add_request(
         self,
@@ -821,12 +774,6 @@ class LLMEngine:
         with self.lock:
             self.block_manager.check_invariants(self.scheduler.all_sequences())
             self.registry.check_invariants()
-
-
-def _load_tokenizer(model_dir: Path):  # noqa: ANN202
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from lorastar.plugin.config import ADMIN_TOKEN_ENV
+from lorastar.plugin.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_WAITING
 from lorastar.plugin.lora_cli import make_lora_group
 
 
@@ -130,6 +130,94 @@ def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
     server.run(sockets=[sock])
 
 
+_ENGINE_OPTIONS = [
+    click.option("--tokenizer", default=None, help="Tokenizer folder (default: the model's)."),
+    click.option("--chat-template", default=None, help="Chat template: a file or the Jinja text itself."),
+    click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
+    click.option("--dtype", default="auto", show_default=True),
+    click.option("--max-model-len", default=None, type=int),
+    click.option("--max-num-seqs", default=64, show_default=True, type=int),
+    click.option("--max-num-batched-tokens", default=None, type=int, help="Token budget of one step."),
+    click.option("--block-size", default=16, show_default=True, type=int),
+    click.option(
+        "--num-kv-blocks",
+        "--num-gpu-blocks-override",
+        "num_kv_blocks",
+        default=None,
+        type=int,
+        help="KV blocks.",
+    ),
+    click.option(
+        "--kv-cache-memory", default=None, type=int, help="Bytes for the KV cache (default: sized)."
+    ),
+    click.option("--max-loras", default=8, show_default=True, type=int),
+    click.option("--max-lora-rank", default=64, show_default=True, type=int),
+    click.option(
+        "--max-cpu-loras",
+        default=None,
+        type=int,
+        help="Adapters kept in CPU memory (default: max(64, max-loras)).",
+    ),
+    click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
+    click.option("--seed", default=0, show_default=True, type=int),
+    click.option(
+        "--quantization",
+        "-q",
+        default=None,
+        type=click.Choice(["awq", "gptq", "fp8", "int8"]),
+        help="Force or check the method (fp8 / int8 quantize a 16-bit checkpoint at load; int8: CPU W8A8).",
+    ),
+    click.option(
+        "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp8", "fp8_e5m2"])
+    ),
+    click.option(
+        "--embedding-quantization",
+        default=None,
+        type=click.Choice(["int8"]),
+        help="int8 embedding / lm_head.",
+    ),
+    click.option(
+        "--cpu-gemm",
+        default="auto",
+        show_default=True,
+        type=click.Choice(["auto", "torch", "onednn"]),
+        help="GEMM for 32-bit CPU linears (auto: the faster of the two, timed at load).",
+    ),
+    click.option(
+        "--cpu-kernels",
+        default="auto",
+        show_default=True,
+        type=click.Choice(["auto", "torch", "native"]),
+        help="CPU decode attention and LoRA (native: C++ ops, built once; auto: native if they build).",
+    ),
+    click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+]
+
+
+def engine_options(f: Any) -> Any:
+    """The engine's flags (vLLM's names), shared by ``serve`` and ``engine``."""
+    for option in reversed(_ENGINE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def engine_config(
+    *, tokenizer: str | None, chat_template: str | None, max_cpu_loras: int | None, max_loras: int, **kw: Any
+) -> Any:
+    """The ``EngineConfig`` of the engine flags (``ValueError`` on a bad value)."""
+    from lorastar.config import EngineConfig
+
+    if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
+        raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
+    return EngineConfig(
+        tokenizer=tokenizer,
+        chat_template=_chat_template(chat_template),
+        max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else max(64, max_loras),
+        **kw,
+    )
+
+
 @click.group("lorastar", help="lorastar: serve one LLM with many LoRA adapters over the OpenAI API.")
 def main() -> None:
     pass
@@ -153,8 +241,6 @@ main.add_command(make_lora_group())
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--served-model-name", default=None, help="Name of the base in the 'model' field.")
-@click.option("--tokenizer", default=None, help="Tokenizer folder (default: the model's).")
-@click.option("--chat-template", default=None, help="Chat template: a file or the Jinja text itself.")
 @click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from.")
 @click.option(
     "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
@@ -164,48 +250,19 @@ main.add_command(make_lora_group())
 @click.option(
     "--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root."
 )
-@click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"]))
-@click.option("--dtype", default="auto", show_default=True)
-@click.option("--max-model-len", default=None, type=int)
-@click.option("--max-num-seqs", default=64, show_default=True, type=int)
-@click.option("--max-num-batched-tokens", default=None, type=int, help="Token budget of one step.")
-@click.option("--block-size", default=16, show_default=True, type=int)
+@engine_options
 @click.option(
-    "--num-kv-blocks", "--num-gpu-blocks-override", "num_kv_blocks", default=None, type=int, help="KV blocks."
+    "--engine-process/--no-engine-process",
+    default=False,
+    show_default=True,
+    help="Run the engine core in a process of its own (the HTTP layer keeps this one).",
 )
-@click.option("--kv-cache-memory", default=None, type=int, help="Bytes for the KV cache (default: sized).")
-@click.option("--max-loras", default=8, show_default=True, type=int)
-@click.option("--max-lora-rank", default=64, show_default=True, type=int)
 @click.option(
-    "--max-cpu-loras",
+    "--engine-address",
     default=None,
-    type=int,
-    help="Adapters kept in CPU memory (default: max(64, max-loras)).",
+    metavar="ADDR",
+    help="Use the engine core `lorastar engine --address ADDR` runs instead of loading the model here.",
 )
-@click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True)
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option(
-    "--quantization",
-    "-q",
-    default=None,
-    type=click.Choice(["awq", "gptq", "fp8", "int8"]),
-    help="Force or check the method (fp8 / int8 quantize a 16-bit checkpoint at load; int8: CPU W8A8).",
-)
-@click.option(
-    "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp8", "fp8_e5m2"])
-)
-@click.option(
-    "--embedding-quantization", default=None, type=click.Choice(["int8"]), help="int8 embedding / lm_head."
-)
-@click.option(
-    "--cpu-gemm", default="auto", show_default=True, type=click.Choice(["auto", "torch", "onednn"]),
-    help="GEMM for 32-bit CPU linears (auto: the faster of the two, timed at load).",
-)  # fmt: skip
-@click.option(
-    "--cpu-kernels", default="auto", show_default=True, type=click.Choice(["auto", "torch", "native"]),
-    help="CPU decode attention and LoRA (native: C++ ops, built once; auto: native if they build).",
-)  # fmt: skip
-@click.option("--enforce-eager", is_flag=True, help="No CUDA graphs.")
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
 @click.option(
     "--shutdown-drain-timeout",
@@ -224,37 +281,18 @@ def serve(
     host: str,
     port: int,
     served_model_name: str | None,
-    tokenizer: str | None,
-    chat_template: str | None,
     adapter_root: str | None,
     admin_token: str | None,
     api_keys: tuple[str, ...],
     no_runtime_loading: bool,
     enable_adapter_resolver: bool,
-    device: str,
-    dtype: str,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    max_num_batched_tokens: int | None,
-    block_size: int,
-    num_kv_blocks: int | None,
-    kv_cache_memory: int | None,
-    max_loras: int,
-    max_lora_rank: int,
-    max_cpu_loras: int | None,
-    enable_prefix_caching: bool,
-    seed: int,
-    quantization: str | None,
-    kv_cache_dtype: str,
-    embedding_quantization: str | None,
-    cpu_gemm: str,
-    cpu_kernels: str,
-    enforce_eager: bool,
     max_waiting: int | None,
     shutdown_drain_timeout: float,
     log_level: str,
+    engine_process: bool,
+    engine_address: str | None,
+    **engine_kw: Any,
 ) -> None:
-    from lorastar.config import EngineConfig
     from lorastar.plugin.config import LoraStarConfig
     from lorastar.plugin.plugin import LoraStarPlugin, create_app  # lazy: only needed to serve
 
@@ -262,8 +300,6 @@ def serve(
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
     model = _check_model(model or model_opt)
-    if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
-        raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
     all_adapters = parse_lora_modules(lora_modules)
     for name, path in parse_lora_modules(adapters, "--adapter").items():
         if name in all_adapters:
@@ -271,29 +307,7 @@ def serve(
         all_adapters[name] = path
     all_adapters = _check_adapters(all_adapters, adapter_root)
     try:
-        engine = EngineConfig(
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_loras=max_loras,
-            max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else max(64, max_loras),
-            max_lora_rank=max_lora_rank,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            embedding_quantization=embedding_quantization,
-            cpu_gemm=cpu_gemm,
-            cpu_kernels=cpu_kernels,
-            enforce_eager=enforce_eager,
-            tokenizer=tokenizer,
-            chat_template=_chat_template(chat_template),
-        )
+        engine = engine_config(**engine_kw)
         config = LoraStarConfig(
             model=model,
             served_model_name=served_model_name,
@@ -306,6 +320,8 @@ def serve(
             max_waiting=max_waiting,
             enable_adapter_resolver=enable_adapter_resolver,
             shutdown_drain_timeout=shutdown_drain_timeout,
+            engine_process=engine_process,
+            engine_address=engine_address,
         )
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
@@ -317,6 +333,42 @@ def serve(
     _log_to_stderr(log_level)
     click.echo(f"lorastar: listening on {url}; loading the model", err=True)
     run_server(app, sock, log_level)
+
+
+@main.command(
+    "engine",
+    help="Run only the engine core, at --address; app workers share it with "
+    "LoraStarConfig(engine_address=ADDR) or `lorastar serve --engine-address ADDR` (one model in memory).",
+)
+@click.argument("model", required=False)
+@click.option("--model", "model_opt", default=None, help="Same as the MODEL argument.")
+@click.option(
+    "--address", required=True, metavar="ADDR", help="tcp://127.0.0.1:PORT or ipc:///path (same host)."
+)
+@click.option(
+    "--max-waiting", default=DEFAULT_MAX_WAITING, show_default=True, type=int, help="Waiting-queue bound."
+)
+@engine_options
+def engine(
+    model: str | None, model_opt: str | None, address: str, max_waiting: int, **engine_kw: Any
+) -> None:
+    from lorastar.engine.core_proc import run_engine_core
+
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
+    if not address.startswith(("tcp://", "ipc://")):
+        raise UsageProblem(f"--address must start with tcp:// or ipc://, got {address!r}")
+    try:
+        config = engine_config(model=_check_model(model or model_opt), max_waiting=max_waiting, **engine_kw)
+    except ValueError as exc:
+        raise UsageProblem(str(exc)) from exc
+    _log_to_stderr("info")
+    click.echo(f"lorastar: engine core at {address}; loading the model", err=True)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        run_engine_core(config, address)
+    except KeyboardInterrupt:
+        pass
 
 
 def _log_to_stderr(level: str) -> None:

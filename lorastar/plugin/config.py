@@ -66,6 +66,17 @@ class LoraStarConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """Engine settings (device, dtype, KV cache, max_loras, ...)."""
 
+    engine_process: bool = False
+    """Run the engine core in a process of its own (``AsyncCoreClient``): this process keeps HTTP,
+    tokenizing and the streams, so they no longer take turns with the step loop on one GIL
+    (see README's serving table). ``False``: the step loop is a thread of this process."""
+
+    engine_address: str | None = None
+    """Connect to an engine core started by ``lorastar engine --address ADDR`` (``tcp://127.0.0.1:PORT``
+    or ``ipc:///path``) instead of loading the model here: how several app workers share one copy
+    of the model. Without it, each worker process loads its own engine. The core's own settings
+    (model, KV cache, ...) apply; ``engine`` and ``model`` here are ignored."""
+
     max_waiting: int | None = None
     """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``.
     ``None``: ``engine.max_waiting`` when set, else ``DEFAULT_MAX_WAITING`` (256)."""
@@ -111,6 +122,8 @@ class LoraStarConfig:
             raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
         if isinstance(self.api_keys, str):  # a lone string would be iterated per character
             self.api_keys = [self.api_keys]
+        if self.engine_address is not None and not str(self.engine_address).startswith(("tcp://", "ipc://")):
+            raise ValueError(f"engine_address must start with tcp:// or ipc://, got {self.engine_address!r}")
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")
 

@@ -1,6 +1,7 @@
 """``EngineClient``: what the plugin's routes and service need from an engine.
 
-``AsyncLLM`` implements it; the tests' fake engine does too. Routes are typed against this
+``AsyncLLM`` and ``AsyncCoreClient`` (the core in its own process) implement it; the tests' fake
+engine does too. Routes are typed against this
 protocol instead of ``Any``, so a renamed engine method fails type checks and the protocol test,
 not a request at run time.
 """
@@ -21,6 +22,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # a transformers tokenizer (decode, encode, chat template)
     model_name: str
     max_model_len: int
+    vocab_size: int
     errored: bool  # stopped for good: 503 until restarted
     restarting: bool  # a failed step is being recovered from: 503 + Retry-After
     retry_after: float  # seconds, while restarting
@@ -50,6 +52,10 @@ class EngineClient(Protocol):
 
     def tokenize(self, prompt: str) -> list[int]:
         """Blocking; refuses text over the engine's ``max_prompt_bytes`` before tokenizing."""
+        ...
+
+    def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
+        """``LimitExceededError`` when the text is over ``max_prompt_bytes`` (before tokenizing)."""
         ...
 
     def apply_chat_template(

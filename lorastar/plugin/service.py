@@ -69,6 +69,14 @@ def build_engine(config: Any) -> EngineClient:
     return AsyncLLM(config)
 
 
+def build_core_client(config: Any, address: str | None) -> EngineClient:
+    """A client of an engine core process (blocking until the core is ready): one spawned now
+    (``address=None``), or the ``lorastar engine`` listening at ``address``."""
+    from lorastar.engine.core_client import AsyncCoreClient
+
+    return AsyncCoreClient(config, address=address)
+
+
 class LoraStarService:
     """Engine lifecycle + model-name resolution for one plugin instance."""
 
@@ -110,7 +118,13 @@ class LoraStarService:
                 return
             self._closed = False
             if self.engine is None:
-                self.engine = await asyncio.to_thread(build_engine, self.config.engine_config())
+                cfg = self.config
+                if cfg.engine_process or cfg.engine_address is not None:
+                    self.engine = await asyncio.to_thread(
+                        build_core_client, cfg.engine_config(), cfg.engine_address
+                    )
+                else:
+                    self.engine = await asyncio.to_thread(build_engine, cfg.engine_config())
             await self.engine.start()
             try:
                 loaded = {a.name for a in self.engine.list_adapters()}

@@ -7,43 +7,20 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from lorastar.engine.summary import engine_summary
+
 logger = logging.getLogger("lorastar")
 
 
 def startup_lines(engine: Any, served_name: str, url: str | None = None) -> list[str]:
     """The summary of an ``AsyncLLM`` (or ``LLM``); engines without a core (test fakes) get less."""
     core = getattr(engine, "engine", None)
-    lines: list[str] = []
-    if core is None or not hasattr(core, "kv_spec"):
-        lines.append(f"Serving model {served_name!r}")
+    if core is not None and hasattr(core, "kv_spec"):
+        lines = engine_summary(core, served_name)
+    elif hasattr(engine, "summary_lines"):  # a client of an engine core process: the core's lines
+        lines = engine.summary_lines(served_name)
     else:
-        cfg = core.config
-        quant = getattr(core.quant_config, "name", None) or "none"
-        lines.append(
-            f"Model {core.model_name!r} from {core.model_dir} (served as {served_name!r}): "
-            f"dtype={str(core.dtype).removeprefix('torch.')}, device={core.device}, quantization={quant}, "
-            f"kv_cache_dtype={cfg.kv_cache_dtype}, max_model_len={core.max_model_len}"
-        )
-        spec = core.kv_spec
-        tokens = spec.num_blocks * spec.block_size
-        gib = spec.num_blocks * spec.bytes_per_block / 2**30
-        lines.append(
-            f"KV cache: {spec.num_blocks} blocks of {spec.block_size} tokens = {tokens} tokens ({gib:.2f} GiB)"
-        )
-        lines.append(
-            f"Maximum concurrency for {core.max_model_len} tokens per request: "
-            f"{tokens / core.max_model_len:.2f}x (max_num_seqs={cfg.max_num_seqs})"
-        )
-        graphs = getattr(getattr(core, "runner", None), "graphs", None)
-        if graphs is not None:
-            lines.append(f"CUDA graphs: decode batches up to {min(cfg.max_num_seqs, 256)} captured")
-        else:
-            why = "enforce_eager" if cfg.enforce_eager else f"not on {core.device.type}"
-            lines.append(f"CUDA graphs: off ({why})")
-        lines.append(
-            f"LoRA: max_loras={cfg.max_loras} on the device, max_cpu_loras={cfg.max_cpu_loras}, "
-            f"max_lora_rank={cfg.max_lora_rank}"
-        )
+        lines = [f"Serving model {served_name!r}"]
     adapters = list(engine.list_adapters()) if hasattr(engine, "list_adapters") else []
     if adapters:
         shown = ", ".join(

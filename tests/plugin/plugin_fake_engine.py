@@ -100,6 +100,13 @@ class FakeAsyncLLM:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt)
 
+    def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
+        pass
+
+    @property
+    def vocab_size(self) -> int:
+        return 0x110000  # CharTokenizer: one id per code point
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
             "<assistant>" if add_generation_prompt else ""

@@ -69,21 +69,22 @@ def build_tokenize_handlers(service: LoraStarService, *, guards: list[Any] | Non
     async def tokenize(data: TokenizeRequest) -> TokenizeResponse:
         engine = await service.ready()
         await service.resolve_adapter(data.model, data.adapter_id)
-        core = engine.engine
         if (data.prompt is None) == (data.messages is None):
             raise APIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
         if data.messages is not None:
             _, ids = await render_messages(engine, data.messages, data.add_generation_prompt)
             if data.add_special_tokens:
-                ids = list(core.tokenizer.build_inputs_with_special_tokens(ids))
+                ids = list(engine.tokenizer.build_inputs_with_special_tokens(ids))
         else:
             add = True if data.add_special_tokens is None else data.add_special_tokens
-            core.check_prompt_size(data.prompt or "")  # before any tokenizing
+            engine.check_prompt_size(data.prompt or "")  # before any tokenizing
             ids = await in_thread(
-                lambda: list(core.tokenizer(data.prompt, add_special_tokens=add)["input_ids"])
+                lambda: list(engine.tokenizer(data.prompt, add_special_tokens=add)["input_ids"])
             )
-        strs = core.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids, token_strs=strs)
+        strs = engine.tokenizer.convert_ids_to_tokens(ids) if data.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+        )
 
     @post(
         "/detokenize",
@@ -95,11 +96,10 @@ def build_tokenize_handlers(service: LoraStarService, *, guards: list[Any] | Non
     async def detokenize(data: DetokenizeRequest) -> DetokenizeResponse:
         engine = await service.ready()
         await service.resolve_adapter(data.model, data.adapter_id)
-        core = engine.engine
-        bad = [t for t in data.tokens if not 0 <= t < core.vocab_size]
+        bad = [t for t in data.tokens if not 0 <= t < engine.vocab_size]
         if bad:
-            raise APIError(f"token id {bad[0]} is out of range [0, {core.vocab_size}).", param="tokens")
-        return DetokenizeResponse(prompt=core.tokenizer.decode(data.tokens))
+            raise APIError(f"token id {bad[0]} is out of range [0, {engine.vocab_size}).", param="tokens")
+        return DetokenizeResponse(prompt=engine.tokenizer.decode(data.tokens))
 
     @get("/version", sync_to_thread=False, summary="lorastar version")
     def version() -> VersionResponse:

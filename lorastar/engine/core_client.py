@@ -1,0 +1,461 @@
+"""AsyncCoreClient: the ``AsyncLLM`` interface with the engine core in another process.
+
+This process keeps what is per request and cheap: tokenizing and validating prompts (once, here),
+the asyncio streams, and the HTTP layer that calls it. The core process (engine/core_proc.py)
+steps the engine and sends each step's outputs; a receiver thread decodes them and hands them to
+their streams with one wake-up per event loop per step.
+
+Two ways to get a core:
+- spawned (``address=None``): a child process of this one (``python -m lorastar.engine.core_proc``),
+  talking over ipc sockets in a private temporary folder. If it dies (killed, out of memory), open
+  requests fail with ``RequestFailedError``, a new one is started with a doubling back-off, the
+  adapters it held are loaded again, and meanwhile new work gets ``EngineUnavailableError`` (503).
+- shared (``address="tcp://host:port"`` or ``"ipc:///path"``): a core started by ``lorastar engine``
+  that several app workers connect to (one copy of the model for all of them). The core must run on
+  the same host (clients bind their output socket on 127.0.0.1 or a local ipc path). A core silent
+  for ``STALE_S`` counts as restarting (503) until it speaks again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from lorastar.adapters.registry import AdapterInfo
+from lorastar.config import EngineConfig
+from lorastar.engine.async_engine import _Stream, deliver, stream_outputs
+from lorastar.engine.input_processor import InputProcessor, load_tokenizer
+from lorastar.engine.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    CoreOutput,
+    Goodbye,
+    Hello,
+    Outputs,
+    Ready,
+    Reply,
+    StartupFailed,
+    State,
+    encoder,
+    output_decoder,
+    to_error,
+)
+from lorastar.engine.metrics import EngineStats
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.errors import EngineDeadError, EngineUnavailableError, RequestFailedError
+
+logger = logging.getLogger("lorastar")
+
+STALE_S = 5.0  # a shared core silent this long counts as restarting
+RESPAWN_BACKOFF = (0.5, 30.0)
+
+
+class AsyncCoreClient:
+    """``EngineClient`` over an engine core process (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        address: str | None = None,
+        start_timeout: float = 900.0,
+        **kwargs: Any,
+    ) -> None:
+        self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        self.start_timeout = start_timeout
+        self._owns_core = address is None
+        self._tmp = tempfile.mkdtemp(prefix="lorastar-core-")
+        self._input_address = address or f"ipc://{self._tmp}/input"
+        self._client_id = uuid.uuid4().hex
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PULL)
+        if self._input_address.startswith("ipc://"):
+            self._output_address = f"ipc://{self._tmp}/output"
+            self._out.bind(self._output_address)
+        else:
+            port = self._out.bind_to_random_port("tcp://127.0.0.1")
+            self._output_address = f"tcp://127.0.0.1:{port}"
+        self._in = self._ctx.socket(zmq.PUSH)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.connect(self._input_address)
+        self._send_lock = threading.Lock()
+        self._enc = encoder()
+        self._dec = output_decoder()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._calls: dict[int, concurrent.futures.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._closing = False
+        self._error: BaseException | None = None
+        self._stopping_core = False  # shutdown() asked the spawned core to exit
+        self._respawning = False
+        self._reloading = 0
+        self._retry_after = RESPAWN_BACKOFF[0]
+        self._respawns = 0
+        self._core_id = ""
+        self._state: State | None = None
+        self._last_heard = time.monotonic()
+        try:
+            if self._owns_core:
+                self._spawn()
+            ready = self._hello_and_wait()
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.model_name = ready.model_name
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.summary = ready.summary
+        self._tokenizer = load_tokenizer(Path(ready.tokenizer_dir), ready.chat_template)
+        self.inputs = InputProcessor(
+            self._tokenizer, model_name=ready.model_name, max_model_len=ready.max_model_len,
+            max_prompt_bytes=ready.max_prompt_bytes, vocab_size=ready.vocab_size,
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._receive_loop, name="lorastar-core-client", daemon=True)
+        self._thread.start()
+
+    # ---- the core process --------------------------------------------------------------------
+    def _spawn(self) -> None:
+        cfg_path = Path(self._tmp) / "config.pickle"
+        cfg_path.write_bytes(pickle.dumps(self.config))
+        cmd = [sys.executable, "-m", "lorastar.engine.core_proc", "--config-file", str(cfg_path),
+               "--address", self._input_address, "--report-to", self._output_address]  # fmt: skip
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+    def _hello_and_wait(self) -> Ready:
+        """Announce this client and wait for the core's ``Ready`` (the core may still be loading)."""
+        self._send(Hello(self._client_id, self._output_address))
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._out.poll(200):
+                msg = self._dec.decode(self._out.recv())
+                if isinstance(msg, StartupFailed):
+                    raise to_error(msg.error)
+                if isinstance(msg, Ready):
+                    self._on_ready(msg)
+                    return msg
+                continue  # a late message of a core that died
+            if self._proc is not None and (code := self._proc.poll()) is not None:
+                raise RuntimeError(f"the engine core process exited with code {code} while starting")
+        raise TimeoutError(
+            f"the engine core at {self._input_address} was not ready in {self.start_timeout:.0f} s"
+        )
+
+    def _on_ready(self, ready: Ready) -> None:
+        if self._core_id and ready.core_id != self._core_id:
+            self._fail_all(RequestFailedError("The engine core restarted; retry the request."))
+        self._core_id = ready.core_id
+        self._state = ready.state
+        self._last_heard = time.monotonic()
+
+    def _core_died(self, code: int) -> None:
+        """The spawned core exited: fail what was open, start a new one, load its adapters again."""
+        logger.error("lorastar: the engine core process exited with code %s; starting a new one", code)
+        self._respawning = True
+        adapters = [(a.name, a.path) for a in (self._state.adapters if self._state else [])]
+        self._fail_all(
+            RequestFailedError(f"The engine core process exited (code {code}); retry the request.")
+        )
+        delay = RESPAWN_BACKOFF[0]
+        while not self._closing:
+            try:
+                self._spawn()
+                self._hello_and_wait()
+                break
+            except Exception:
+                logger.exception("lorastar: engine core restart failed; retrying in %.1f s", delay)
+                if self._proc is not None and self._proc.poll() is None:
+                    self._proc.kill()
+                self._retry_after = delay
+                time.sleep(delay)
+                delay = min(2 * delay, RESPAWN_BACKOFF[1])
+        if self._closing:
+            return
+        self._respawns += 1
+        pending = [self._start_call("load_adapter", [name, path]) for name, path in adapters]
+        self._reloading = len(pending)
+        if not pending:
+            self._respawning = False
+
+        def reloaded(f: concurrent.futures.Future[Any]) -> None:
+            if f.exception() is not None:
+                logger.error("lorastar: adapter not re-registered after restart: %s", f.exception())
+            self._reloading -= 1
+            if self._reloading == 0:
+                self._respawning = False
+
+        for fut in pending:
+            fut.add_done_callback(reloaded)
+
+    # ---- the receiver thread -------------------------------------------------------------------
+    def _receive_loop(self) -> None:
+        last_hello = 0.0
+        while not self._closing:
+            try:
+                if self._out.poll(100):
+                    self._receive_all()
+                now = time.monotonic()
+                if self._proc is not None and (code := self._proc.poll()) is not None:
+                    if self._stopping_core:  # asked to exit: hand out what it sent last, and stop
+                        self._receive_all()
+                        return
+                    self._core_died(code)
+                elif not self._owns_core and now - self._last_heard > STALE_S and now - last_hello > 1.0:
+                    last_hello = now  # a shared core that restarts forgets us: say hello again
+                    self._send(Hello(self._client_id, self._output_address))
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # a bug here must not silently stop every stream
+                logger.exception("lorastar: engine client receiver error")
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                data = self._out.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(self._dec.decode(data.buffer))
+
+    def _handle(self, msg: CoreOutput) -> None:
+        self._last_heard = time.monotonic()
+        if isinstance(msg, Outputs):
+            if msg.state is not None and msg.state.core_id == self._core_id:
+                self._state = msg.state
+            for out in msg.outputs:
+                rec = (
+                    self._prompts.pop(out.request_id, None)
+                    if out.finished
+                    else self._prompts.get(out.request_id)
+                )
+                if rec is not None:
+                    out.prompt, out.prompt_token_ids = rec
+            if msg.outputs:
+                deliver(self._streams, self._streams_lock, msg.outputs)
+            for rid, info in msg.failures:
+                self._fail(rid, to_error(info))
+        elif isinstance(msg, State):
+            if msg.core_id != self._core_id:
+                return  # a late message of a core that died
+            self._state = msg
+        elif isinstance(msg, Reply):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    fut.set_exception(to_error(msg.error))
+                else:
+                    fut.set_result(msg.result)
+        elif isinstance(msg, Ready):
+            self._on_ready(msg)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        self._prompts.pop(request_id, None)
+        with self._streams_lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            loop, q = stream
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                loop.call_soon_threadsafe(q.put_nowait, exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._streams_lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self._fail(rid, exc)
+        calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+    # ---- sending -------------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        data = self._enc.encode(msg)
+        with self._send_lock:
+            self._in.send(data, copy=False)
+
+    def _start_call(self, method: str, args: list[str]) -> concurrent.futures.Future[Any]:
+        call_id = next(self._call_ids)
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._calls[call_id] = fut
+        self._send(Call(self._client_id, call_id, method, args))
+        return fut
+
+    # ---- EngineClient ----------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None
+
+    @property
+    def restarting(self) -> bool:
+        state = self._state
+        stale = not self._owns_core and time.monotonic() - self._last_heard > STALE_S
+        return self._respawning or stale or (state is not None and state.restarting)
+
+    @property
+    def retry_after(self) -> float:
+        state = self._state
+        return max(self._retry_after if self._respawning else 0.0, state.retry_after if state else 0.0, 1.0)
+
+    @property
+    def num_restarts(self) -> int:
+        return self._respawns + (self._state.num_restarts if self._state else 0)
+
+    def _check_available(self) -> None:
+        if self._error is not None or self._closing:
+            raise EngineDeadError("The engine has stopped and cannot serve requests.")
+        if self.restarting:
+            raise EngineUnavailableError(
+                "The engine is restarting after a failure; retry shortly.", self.retry_after
+            )
+
+    async def start(self) -> None:
+        """Nothing to do: the core is up once the constructor returns."""
+
+    async def shutdown(self, drain_timeout: float = 5.0) -> None:
+        """Let in-flight requests finish for up to ``drain_timeout`` s, abort the rest, stop (a
+        spawned core exits; a shared one only forgets this client)."""
+        if self._closing:
+            return
+        if self._owns_core:
+            self._send(Goodbye(self._client_id, shutdown=True, drain_timeout=drain_timeout))
+            proc = self._proc
+            self._stopping_core = True
+            if proc is not None:
+                try:
+                    await asyncio.to_thread(proc.wait, drain_timeout + 30.0)
+                except subprocess.TimeoutExpired:
+                    logger.warning("lorastar: the engine core did not exit; killing it")
+                    proc.kill()
+                    await asyncio.to_thread(proc.wait)
+        else:
+            deadline = time.monotonic() + drain_timeout
+            while self._streams and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            with self._streams_lock:
+                rids = list(self._streams)
+            if rids:
+                self._send(Abort(rids))
+                end = time.monotonic() + 2.0
+                while self._streams and time.monotonic() < end:
+                    await asyncio.sleep(0.02)
+            self._send(Goodbye(self._client_id))
+        self._closing = True
+        await asyncio.to_thread(self._thread.join, 5.0)
+        self._fail_all(EngineDeadError("The engine was shut down."))
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._closing = True
+        self._out.close(linger=0)
+        with self._send_lock:
+            self._in.close(linger=100 if not self._owns_core else 0)
+        self._ctx.term()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """As ``AsyncLLM.generate``: outputs of ``sampling_params.output_kind``; the last has
+        ``finished=True``; closing the iterator early aborts the request in the core."""
+        self._check_available()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = await asyncio.to_thread(self.inputs.validate_prompt, prompt)
+        else:
+            text, ids = self.inputs.validate_prompt(prompt)
+        rid = request_id or uuid.uuid4().hex
+        q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with self._streams_lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            self._streams[rid] = (asyncio.get_running_loop(), q)
+        self._prompts[rid] = (text, ids)
+        self._send(AddRequest(self._client_id, rid, ids, params, adapter))
+
+        def abandon() -> None:
+            with self._streams_lock:
+                self._streams.pop(rid, None)
+            self._prompts.pop(rid, None)
+            if not self._closing:
+                self._send(Abort([rid]))
+
+        delta = params.output_kind == RequestOutputKind.DELTA
+        async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def abort(self, request_id: str) -> None:
+        self._send(Abort([request_id]))
+
+    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+        self._check_available()
+        info = await asyncio.wrap_future(self._start_call("load_adapter", [name, str(path)]))
+        return msgspec.convert(info, AdapterInfo)
+
+    async def unload_adapter(self, name: str) -> None:
+        self._check_available()
+        await asyncio.wrap_future(self._start_call("unload_adapter", [name]))
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return list(self._state.adapters) if self._state is not None else []
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.inputs.tokenize(prompt)
+
+    def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
+        self.inputs.check_prompt_size(text, param)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.inputs.apply_chat_template(messages, add_generation_prompt)
+
+    def stats(self) -> EngineStats | None:
+        """The counters the core sent last (at most ``STATE_EVERY_S`` old while it steps)."""
+        state = self._state
+        return None if state is None or self.restarting else state.stats
+
+    def summary_lines(self, served_name: str) -> list[str]:
+        """The core's start-up summary, with the name this server serves the base model as."""
+        lines = list(self.summary)
+        if lines:
+            lines[0] = lines[0].replace(f"(served as {self.model_name!r})", f"(served as {served_name!r})")
+        return lines
+
+    @property
+    def core_pid(self) -> int | None:
+        """The spawned core's process id (``None`` for a shared core)."""
+        return self._proc.pid if self._proc is not None else None

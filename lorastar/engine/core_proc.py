@@ -1,0 +1,335 @@
+"""The engine core in its own process: schedule -> run -> sample, and nothing else of the server.
+
+Why a process: in one interpreter the HTTP layer (JSON, SSE, asyncio) and the step loop take turns
+on one GIL, so each streamed token's HTTP work delays the next step (benchmarks/serving.py). Here the
+frontend (``AsyncCoreClient``, engine/core_client.py) tokenizes, validates and serves HTTP in its
+process; this one only steps the engine and sends each step's outputs as ``msgspec`` messages.
+
+One thread: between steps it drains its input socket without blocking (while idle it blocks up to
+``IDLE_POLL_S``), applies adds, aborts and calls, runs one ``LLMEngine.step`` and sends the outputs
+to the clients that own the requests (several frontends, e.g. app workers, may share one core).
+Adapter loads read and validate their files on a worker thread (``LLMEngine.load_adapter`` takes the
+engine lock only to register); their replies are sent by this thread once done.
+
+A step that raises is recovered from as in ``AsyncLLM`` (``rebuild_engine``): its started requests
+fail, the engine is rebuilt, queued requests move over. Clients see ``State.restarting`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from lorastar.config import EngineConfig
+from lorastar.engine.async_engine import rebuild_engine
+from lorastar.engine.engine import LLMEngine
+from lorastar.engine.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    CoreInput,
+    Goodbye,
+    Hello,
+    Outputs,
+    Ready,
+    Reply,
+    StartupFailed,
+    State,
+    encoder,
+    error_info,
+    input_decoder,
+)
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.summary import engine_summary
+from lorastar.errors import EngineUnavailableError
+
+logger = logging.getLogger("lorastar")
+
+IDLE_POLL_S = 0.05  # how long an idle core blocks on its input before checking jobs and heartbeats
+STATE_EVERY_S = 0.1  # State is sent at most this often while stepping (counters for /metrics)
+HEARTBEAT_S = 1.0  # and at least this often while idle (clients judge the core alive by it)
+RESTART_BACKOFF = (0.5, 30.0)
+
+
+class EngineCoreProc:
+    """Serves one ``LLMEngine`` to the clients that connect to ``input_address``."""
+
+    def __init__(self, config: EngineConfig, input_address: str, *, report_to: str | None = None) -> None:
+        self.config = config
+        self.core_id = uuid.uuid4().hex
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.bind(input_address)  # before the model loads: clients may connect and queue
+        self.enc = encoder()
+        self.dec = input_decoder()
+        self.clients: dict[str, zmq.Socket] = {}
+        self.owner: dict[str, str] = {}  # request id -> client id
+        self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorastar-adapter-load")
+        self.stop = threading.Event()
+        self.drain_deadline: float | None = None
+        self.restarting = False
+        self.retry_after = 0.0
+        self.num_restarts = 0
+        self._state_sent = 0.0
+        try:
+            self.engine = LLMEngine(config)
+        except BaseException as exc:
+            if report_to is not None:
+                sock = self._connect(report_to)
+                sock.send(self.enc.encode(StartupFailed(error_info(exc))))
+                sock.close(linger=2000)
+            self.close()
+            raise
+
+    # ---- sockets --------------------------------------------------------------------------------
+    def _connect(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        return sock
+
+    def _send(self, client_id: str, msg: Any) -> None:
+        sock = self.clients.get(client_id)
+        if sock is not None:
+            sock.send(self.enc.encode(msg), copy=False)
+
+    def _broadcast_state(self) -> None:
+        self._state_sent = time.monotonic()
+        if not self.clients:
+            return
+        data = self.enc.encode(self.state())
+        for sock in self.clients.values():
+            sock.send(data, copy=False)
+
+    def state(self) -> State:
+        eng = self.engine
+        return State(
+            self.core_id,
+            None if self.restarting else eng.stats(),
+            [] if self.restarting else eng.list_adapters(),
+            self.restarting,
+            self.retry_after,
+            self.num_restarts,
+        )
+
+    def ready(self) -> Ready:
+        eng = self.engine
+        return Ready(
+            self.core_id, eng.model_name, str(eng.model_dir), str(eng.tokenizer_dir), self.config.chat_template,
+            eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng, eng.model_name),
+            self.state(),
+        )  # fmt: skip
+
+    # ---- inputs ---------------------------------------------------------------------------------
+    def _handle(self, msg: CoreInput) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                out = self.engine.abort_request(rid)
+                if out is not None:
+                    self._deliver([out])
+                self.owner.pop(rid, None)
+        elif isinstance(msg, Call):
+            self._call(msg)
+        elif isinstance(msg, Hello):
+            old = self.clients.pop(msg.client_id, None)
+            if old is not None:
+                old.close(linger=0)
+            self.clients[msg.client_id] = self._connect(msg.output_address)
+            self._send(msg.client_id, self.ready())
+        elif isinstance(msg, Goodbye):
+            if msg.shutdown:  # the owner: in-flight requests drain, then the rest are aborted
+                self.drain_deadline = time.monotonic() + msg.drain_timeout
+                return
+            for rid in [r for r, c in self.owner.items() if c == msg.client_id]:
+                self.engine.abort_request(rid)
+                del self.owner[rid]
+            if (sock := self.clients.pop(msg.client_id, None)) is not None:
+                sock.close()
+
+    def _add(self, msg: AddRequest) -> None:
+        try:
+            if self.drain_deadline is not None:
+                raise EngineUnavailableError("The engine is shutting down.", 1.0)
+            self.engine.add_request(
+                msg.prompt_token_ids, msg.params, adapter=msg.adapter, request_id=msg.request_id
+            )
+        except Exception as exc:  # validation, overload, unknown adapter: the client raises it
+            self._send(msg.client_id, Outputs([], [(msg.request_id, error_info(exc))]))
+            return
+        self.owner[msg.request_id] = msg.client_id
+
+    def _call(self, msg: Call) -> None:
+        if msg.method == "load_adapter" and len(msg.args) == 2:
+            fut = self.pool.submit(self.engine.load_adapter, msg.args[0], msg.args[1])
+            self.jobs.append((msg.client_id, msg.call_id, fut))
+            return
+        reply = Reply(msg.call_id)
+        try:
+            if msg.method == "unload_adapter" and len(msg.args) == 1:
+                self.engine.unload_adapter(msg.args[0])
+            else:
+                raise ValueError(f"unknown call {msg.method!r} with {len(msg.args)} arguments")
+        except Exception as exc:
+            reply.error = error_info(exc)
+        self._broadcast_state()  # the adapter list changed before the caller hears back
+        self._send(msg.client_id, reply)
+
+    def _finish_jobs(self) -> None:
+        while self.jobs and self.jobs[0][2].done():
+            client, call_id, fut = self.jobs.popleft()
+            exc = fut.exception() if not fut.cancelled() else RuntimeError("cancelled")
+            reply = Reply(call_id, fut.result() if exc is None else None, error_info(exc) if exc else None)
+            self._broadcast_state()
+            self._send(client, reply)
+
+    def _drain_inputs(self, timeout_ms: int) -> None:
+        if not self.input.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self.dec.decode(frame.buffer)
+            except msgspec.DecodeError:
+                logger.error("lorastar: engine core dropped a malformed message")
+                continue
+            self._handle(msg)
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def _deliver(self, outs: list[RequestOutput], failures: list[tuple[str, Any]] = ()) -> None:  # type: ignore[assignment]
+        by_client: dict[str, Outputs] = {}
+        for out in outs:
+            client = self.owner.pop(out.request_id, None) if out.finished else self.owner.get(out.request_id)
+            if client is None:
+                continue
+            out.prompt, out.prompt_token_ids = None, []  # the frontend has them
+            by_client.setdefault(client, Outputs([])).outputs.append(out)
+        for rid, info in failures:
+            client = self.owner.pop(rid, None)
+            if client is not None:
+                by_client.setdefault(client, Outputs([])).failures.append((rid, info))
+        if any(o.finished for o in outs) or failures:
+            state = self.state()
+            for msg in by_client.values():
+                msg.state = state
+        for client, msg in by_client.items():
+            self._send(client, msg)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until a ``Goodbye(shutdown=True)`` drained, or ``stop`` is set."""
+        try:
+            while not self.stop.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain_inputs(0 if busy else (10 if self.jobs else int(IDLE_POLL_S * 1000)))
+                self._finish_jobs()
+                if self.drain_deadline is not None and (
+                    not self.engine.has_unfinished() or time.monotonic() >= self.drain_deadline
+                ):
+                    self._deliver([o for rid in list(self.engine.requests)
+                                   if (o := self.engine.abort_request(rid)) is not None])  # fmt: skip
+                    return
+                if self.engine.has_unfinished():
+                    self._step()
+                now = time.monotonic()
+                if now - self._state_sent >= (STATE_EVERY_S if busy else HEARTBEAT_S):
+                    self._broadcast_state()
+        finally:
+            self.close()
+
+    def _step(self) -> None:
+        try:
+            self._deliver(self.engine.step())
+        except Exception as exc:
+            logger.exception("lorastar: engine step failed; rebuilding the engine")
+            self.restarting = True
+            self._broadcast_state()
+            failed: list[tuple[str, Any]] = []
+
+            def fail(rid: str, e: BaseException) -> None:
+                failed.append((rid, error_info(e)))
+
+            def waiting(delay: float) -> None:
+                self.retry_after = delay
+                self._broadcast_state()
+
+            new = rebuild_engine(
+                self.engine, self.config, fail=fail, stop=self.stop, delay=RESTART_BACKOFF[0],
+                cap=RESTART_BACKOFF[1], on_wait=waiting,
+            )  # fmt: skip
+            self._deliver([], failed)
+            if new is None:
+                return
+            self.engine = new
+            self.num_restarts += 1
+            self.restarting = False
+            self.retry_after = 0.0
+            self._broadcast_state()
+            logger.warning("lorastar: engine rebuilt after a failed step (%s)", type(exc).__name__)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for sock in self.clients.values():
+            sock.close(linger=1000)
+        self.clients.clear()
+        self.input.close(linger=0)
+        self.ctx.term()
+
+
+def run_engine_core(config: EngineConfig, input_address: str, report_to: str | None = None) -> None:
+    """Entry point of a spawned core process (and of ``lorastar engine``)."""
+    if report_to is not None:  # spawned by a client: die with the parent (no orphaned model in memory)
+        _exit_with_parent()
+    try:
+        core = EngineCoreProc(config, input_address, report_to=report_to)
+    except BaseException:
+        logger.exception("lorastar: the engine core failed to start")
+        raise SystemExit(1) from None
+    core.run()
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="lorastar-parent-watch", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lorastar.engine.core_proc --config-file F --address A [--report-to B]``: how a
+    client spawns its core (the config is a pickled ``EngineConfig`` the client wrote)."""
+    import argparse
+    import pickle
+
+    p = argparse.ArgumentParser(prog="lorastar-engine-core")
+    p.add_argument("--config-file", required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--report-to", default=None)
+    a = p.parse_args(argv)
+    with open(a.config_file, "rb") as f:
+        config = pickle.load(f)  # noqa: S301 -- written by the parent process, in its private folder
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s core: %(message)s")
+    run_engine_core(config, a.address, a.report_to)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Prompt checks and tokenization: what a frontend does before a request reaches the engine core.
+
+``LLMEngine`` uses one for its own ``add_request``; a frontend talking to a core in another process
+(engine/core_client.py) builds its own from the same tokenizer folder, so a prompt is tokenized once,
+in the frontend, and the core only checks the ids it receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from lorastar.errors import InvalidParamError, LimitExceededError
+
+
+def load_tokenizer(folder: Path, chat_template: str | None = None) -> Any:
+    """The folder's transformers tokenizer (no network), with ``chat_template`` replacing its own."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+class InputProcessor:
+    """Validates and tokenizes prompts for one model. Stateless apart from its limits; thread-safe
+    as far as the tokenizer is (transformers' fast tokenizers are)."""
+
+    def __init__(
+        self, tokenizer: Any, *, model_name: str, max_model_len: int, max_prompt_bytes: int, vocab_size: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_prompt_bytes
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: str) -> list[int]:
+        self.check_prompt_size(prompt)
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def check_prompt_size(self, text: str | Sequence[str], param: str = "prompt") -> None:
+        """Refuse text over ``max_prompt_bytes`` before any tokenizing (a 9 MB prompt would hold
+        a tokenizer thread for seconds only to be refused for its length)."""
+        texts = [text] if isinstance(text, str) else text
+        limit = self.max_prompt_bytes
+        size = 0
+        for t in texts:
+            if len(t) > limit:  # characters <= bytes: no need to encode a huge string
+                size = len(t)
+                break
+            size += len(t.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise LimitExceededError(
+                param, f"{param} is over {limit} bytes (max_prompt_bytes); shorten the input."
+            )
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
+        if not messages:
+            raise InvalidParamError("messages", "messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
+        self.check_prompt_size([c for m in messages if isinstance(c := m.get("content"), str)], "messages")
+        text = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as text or ids; ``InvalidParamError``
+        naming ``prompt`` when it is empty, malformed, outside the vocabulary or too long."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidParamError("prompt", "prompt must not be empty")
+            text, ids = prompt, self.tokenize(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidParamError("prompt", "prompt must not be empty")
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise InvalidParamError("prompt", "prompt_token_ids must be a list of integers")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidParamError(
+                    "prompt",
+                    f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})",
+                )
+            text, ids = None, list(prompt)
+        else:
+            raise InvalidParamError(
+                "prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise InvalidParamError("prompt", "prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidParamError(
+                "prompt",
+                f"prompt is {len(ids)} tokens, over the limit: max_model_len is {self.max_model_len} "
+                "(prompt + at least one generated token)",
+            )
+        return text, ids

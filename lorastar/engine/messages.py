@@ -1,0 +1,162 @@
+"""The typed messages between a frontend and the engine core process (msgspec over zmq).
+
+Frontend -> core (one PUSH per client into the core's bound PULL socket): ``Hello`` (a client
+announces the address of its own output socket), ``AddRequest`` (token ids, already validated and
+tokenized by the frontend), ``Abort``, ``Call`` (adapter load/unload, answered by ``Reply``),
+``Goodbye`` (a client leaves; ``shutdown=True`` also stops the core after draining).
+
+Core -> frontend (one PUSH per client into the client's bound PULL socket): ``Ready`` (what the
+frontend needs to tokenize and validate), ``Outputs`` (one step's outputs for this client's
+requests, and the requests that failed), ``Reply``, ``State`` (counters, adapters, health; sent
+after every change and as a heartbeat), ``StartupFailed``.
+
+Outputs carry no prompt (``prompt=None``, ``prompt_token_ids=[]``): the frontend has both and fills
+them in, so a long prompt is not re-sent on every step of its request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from lorastar.adapters.registry import AdapterInfo
+from lorastar.engine.metrics import EngineStats
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import SamplingParams
+from lorastar.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineUnavailableError,
+    InvalidParamError,
+    LimitExceededError,
+    LoraStarError,
+    RequestFailedError,
+)
+
+
+class ErrorInfo(msgspec.Struct):
+    """An exception as it crosses the process boundary (``to_error`` rebuilds it)."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    retry_after: float | None = None
+
+
+# ---- frontend -> core --------------------------------------------------------------------------
+class Hello(msgspec.Struct, tag=True):
+    client_id: str
+    output_address: str
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    client_id: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Call(msgspec.Struct, tag=True):
+    client_id: str
+    call_id: int
+    method: str  # "load_adapter" | "unload_adapter"
+    args: list[str]
+
+
+class Goodbye(msgspec.Struct, tag=True):
+    client_id: str
+    shutdown: bool = False  # also stop the core (the client that spawned it)
+    drain_timeout: float = 0.0
+
+
+CoreInput = Hello | AddRequest | Abort | Call | Goodbye
+
+
+# ---- core -> frontend --------------------------------------------------------------------------
+class State(msgspec.Struct, tag=True):
+    core_id: str
+    stats: EngineStats | None
+    adapters: list[AdapterInfo]
+    restarting: bool = False
+    retry_after: float = 0.0
+    num_restarts: int = 0
+
+
+class Ready(msgspec.Struct, tag=True):
+    core_id: str
+    model_name: str
+    model_dir: str
+    tokenizer_dir: str
+    chat_template: str | None
+    max_model_len: int
+    max_prompt_bytes: int
+    vocab_size: int
+    summary: list[str]  # the start-up summary lines (plugin/startup_log.py's, computed in the core)
+    state: State
+
+
+class Outputs(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    failures: list[tuple[str, ErrorInfo]] = []
+    # With a finished request: the counters as of this step, applied before the outputs are
+    # handed out (a caller that saw its request finish reads counters that include it).
+    state: State | None = None
+
+
+class Reply(msgspec.Struct, tag=True):
+    call_id: int
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    error: ErrorInfo
+
+
+CoreOutput = Ready | Outputs | Reply | State | StartupFailed
+
+
+# ---- errors --------------------------------------------------------------------------------------
+_ERRORS: dict[str, type[BaseException]] = {
+    cls.__name__: cls
+    for cls in (
+        LoraStarError, InvalidParamError, LimitExceededError, AdapterError, AdapterNotFoundError,
+        EngineOverloadedError, EngineDeadError, EngineUnavailableError, RequestFailedError,
+        ValueError, KeyError, TypeError, RuntimeError, FileNotFoundError, PermissionError,
+    )
+}  # fmt: skip
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    kind = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in _ERRORS), "RuntimeError")
+    message = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return ErrorInfo(kind, message, getattr(exc, "param", None), getattr(exc, "retry_after", None))
+
+
+def to_error(info: ErrorInfo) -> BaseException:
+    cls = _ERRORS.get(info.kind, RuntimeError)
+    if issubclass(cls, InvalidParamError):
+        return cls(info.param, info.message)
+    if issubclass(cls, EngineUnavailableError):
+        return cls(info.message, info.retry_after if info.retry_after is not None else 1.0)
+    return cls(info.message)
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def input_decoder() -> msgspec.msgpack.Decoder[CoreInput]:
+    return msgspec.msgpack.Decoder(CoreInput)
+
+
+def output_decoder() -> msgspec.msgpack.Decoder[CoreOutput]:
+    return msgspec.msgpack.Decoder(CoreOutput)

@@ -1,0 +1,39 @@
+"""The engine's start-up summary lines (vLLM-like): model, dtype, device, quantization, KV cache,
+concurrency, CUDA graphs, LoRA limits. Read from a built ``LLMEngine``; nothing is computed twice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def engine_summary(core: Any, served_name: str) -> list[str]:
+    """The lines for an ``LLMEngine`` (the plugin logs them; a core process sends them to its clients)."""
+    lines: list[str] = []
+    cfg = core.config
+    quant = getattr(core.quant_config, "name", None) or "none"
+    lines.append(
+        f"Model {core.model_name!r} from {core.model_dir} (served as {served_name!r}): "
+        f"dtype={str(core.dtype).removeprefix('torch.')}, device={core.device}, quantization={quant}, "
+        f"kv_cache_dtype={cfg.kv_cache_dtype}, max_model_len={core.max_model_len}"
+    )
+    spec = core.kv_spec
+    tokens = spec.num_blocks * spec.block_size
+    gib = spec.num_blocks * spec.bytes_per_block / 2**30
+    lines.append(
+        f"KV cache: {spec.num_blocks} blocks of {spec.block_size} tokens = {tokens} tokens ({gib:.2f} GiB)"
+    )
+    lines.append(
+        f"Maximum concurrency for {core.max_model_len} tokens per request: "
+        f"{tokens / core.max_model_len:.2f}x (max_num_seqs={cfg.max_num_seqs})"
+    )
+    graphs = getattr(getattr(core, "runner", None), "graphs", None)
+    if graphs is not None:
+        lines.append(f"CUDA graphs: decode batches up to {min(cfg.max_num_seqs, 256)} captured")
+    else:
+        why = "enforce_eager" if cfg.enforce_eager else f"not on {core.device.type}"
+        lines.append(f"CUDA graphs: off ({why})")
+    lines.append(
+        f"LoRA: max_loras={cfg.max_loras} on the device, max_cpu_loras={cfg.max_cpu_loras}, "
+        f"max_lora_rank={cfg.max_lora_rank}"
+    )
+    return lines

@@ -1,0 +1,259 @@
+"""The engine core in its own process (engine/core_proc.py) behind ``AsyncCoreClient``.
+
+The reference is the in-process engine on the same config (itself held to HF and PEFT by the
+parity tests): what crosses the process boundary must arrive unchanged, token for token, text,
+logprobs and finish reasons; errors arrive as the same exception types; aborts and failures leave
+no blocks held; a killed core is replaced and its adapters come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from lorastar import LLM
+from lorastar.config import EngineConfig
+from lorastar.engine.core_client import AsyncCoreClient
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.errors import (
+    AdapterNotFoundError,
+    EngineDeadError,
+    EngineUnavailableError,
+    InvalidParamError,
+    LimitExceededError,
+    RequestFailedError,
+)
+from tests.conftest import make_peft_adapter
+
+
+def _config(model: str | None = None, **kw: Any) -> EngineConfig:
+    """SmolLM2 (``None``) where tokens are compared: a random tiny model's near-flat logits tie
+    often enough that two batch shapes may pick different greedy tokens."""
+    opts: dict[str, Any] = dict(model=model, device="cpu", dtype="float32", max_model_len=256,
+                                num_kv_blocks=256, max_num_seqs=16, max_loras=2, max_cpu_loras=4, seed=0)  # fmt: skip
+    opts.update(kw)
+    return EngineConfig(**opts)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Any) -> str:
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from lorastar.models.default import default_model_dir
+
+    return make_peft_adapter(default_model_dir(), tmp_path_factory.mktemp("ad"), seed=3, r=8, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[AsyncCoreClient]:
+    c = AsyncCoreClient(_config())
+    yield c
+    asyncio.run(c.shutdown(drain_timeout=0))
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(**vars(_config()))
+
+
+async def _collect(c: Any, prompt: Any, sp: SamplingParams, **kw: Any) -> list[Any]:
+    return [o async for o in c.generate(prompt, sp, **kw)]
+
+
+PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop=["e"], ignore_eos=True),
+        SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=8, ignore_eos=True),
+    ],
+    ids=["greedy", "logprobs", "n3-seeded", "stop-string", "beam"],
+)
+async def test_outputs_equal_the_in_process_engine(
+    client: AsyncCoreClient, llm: LLM, sp: SamplingParams
+) -> None:
+    ref = llm.generate(PROMPTS, sp)
+    got = await asyncio.gather(*(_collect(client, p, sp) for p in PROMPTS))
+    for r, outs in zip(ref, got):
+        final = outs[-1]
+        assert final.finished and sum(o.finished for o in outs) == 1
+        assert final.prompt == r.prompt and final.prompt_token_ids == r.prompt_token_ids
+        assert [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in final.outputs] == [
+            (o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in r.outputs
+        ]
+        if sp.logprobs is not None:  # same ranks and tokens; values as close as two batch shapes allow
+            for mine, theirs in zip(final.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
+                assert {t: (v.rank, v.decoded_token) for t, v in mine.items()} == {
+                    t: (v.rank, v.decoded_token) for t, v in theirs.items()
+                }
+                assert all(abs(v.logprob - theirs[t].logprob) < 1e-4 for t, v in mine.items())
+
+
+async def test_delta_stream_joins_to_the_final_text(client: AsyncCoreClient, llm: LLM) -> None:
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    ref = llm.generate([PROMPTS[0]], sp)[0].outputs[0]
+    outs = await _collect(client, PROMPTS[0], sp)
+    assert len(outs) > 1  # streamed, not one final output
+    assert "".join(o.outputs[0].text for o in outs) == ref.text
+    assert [t for o in outs for t in o.outputs[0].token_ids] == ref.token_ids
+    final_only = dict(vars(sp), output_kind=RequestOutputKind.FINAL_ONLY)
+    outs = await _collect(client, PROMPTS[0], SamplingParams(**final_only))
+    assert len(outs) == 1 and outs[0].outputs[0].text == ref.text
+
+
+async def test_errors_cross_the_boundary_with_their_type_and_param(client: AsyncCoreClient) -> None:
+    with pytest.raises(LimitExceededError) as e:
+        await _collect(client, "hi", SamplingParams(n=10_000))
+    assert e.value.param == "n"
+    with pytest.raises(AdapterNotFoundError, match="nope"):
+        await _collect(client, "hi", SamplingParams(), adapter="nope")
+    with pytest.raises(InvalidParamError) as e:  # checked in the frontend, never sent
+        await _collect(client, [10**9], SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(ValueError, match="already in use"):
+        gen = client.generate("hi", SamplingParams(max_tokens=50, ignore_eos=True), request_id="dup")
+        await gen.__anext__()
+        await _collect(client, "hi", SamplingParams(), request_id="dup")
+    await gen.aclose()
+
+
+def _wait(predicate: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
+async def test_closing_a_stream_aborts_and_frees_its_blocks(client: AsyncCoreClient) -> None:
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    gens = [client.generate(p, sp) for p in PROMPTS]
+    for g in gens:
+        await g.__anext__()
+    # counters arrive with each finish and every STATE_EVERY_S while the core steps
+    assert await asyncio.to_thread(_wait, lambda: client.stats().num_running == 3)
+    for g in gens:
+        await g.aclose()
+    await asyncio.to_thread(_wait, lambda: (s := client.stats()) is not None and s.num_running == 0)
+    s = client.stats()
+    assert s.num_running == 0 and s.num_waiting == 0 and s.num_used_blocks == 0
+
+
+async def test_adapters_load_serve_and_unload_through_the_core(
+    client: AsyncCoreClient, llm: LLM, adapter: str
+) -> None:
+    info = await client.load_adapter("ad", adapter)
+    assert info.name == "ad" and info.rank == 8
+    assert [a.name for a in client.list_adapters()] == ["ad"]  # visible as soon as the load returns
+    llm.load_adapter("ad", adapter)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    try:
+        ref = llm.generate(PROMPTS, sp, adapter="ad")
+        base = llm.generate(PROMPTS, sp)
+        got = await asyncio.gather(*(_collect(client, p, sp, adapter="ad") for p in PROMPTS))
+        assert [g[-1].outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
+        assert [r.outputs[0].token_ids for r in ref] != [b.outputs[0].token_ids for b in base]
+        assert got[0][-1].adapter == "ad"
+        assert client.stats().adapter_generation_tokens["ad"] >= 3 * 16  # counters as of the finish
+    finally:
+        llm.unload_adapter("ad")
+        await client.unload_adapter("ad")
+    assert client.list_adapters() == []
+    with pytest.raises(AdapterNotFoundError):
+        await client.unload_adapter("ad")
+
+
+async def test_a_killed_core_fails_open_requests_and_is_replaced(adapter: str) -> None:
+    c = await asyncio.to_thread(AsyncCoreClient, _config())
+    try:
+        await c.load_adapter("ad", adapter)
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        gen = c.generate("hello", sp, adapter="ad")
+        await gen.__anext__()
+        pid = c.core_pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RequestFailedError, match="exited"):
+            async for _ in gen:
+                pass
+        assert await asyncio.to_thread(_wait, lambda: c.restarting, 10)
+        with pytest.raises(EngineUnavailableError):  # 503 + Retry-After while it restarts
+            await _collect(c, "hi", SamplingParams())
+        assert await asyncio.to_thread(_wait, lambda: not c.restarting, 120)
+        assert c.core_pid != pid and c.num_restarts == 1
+        assert [a.name for a in c.list_adapters()] == ["ad"]  # loaded again by name and path
+        outs = await _collect(c, "hello", SamplingParams(temperature=0.0, max_tokens=4), adapter="ad")
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    finally:
+        await c.shutdown(drain_timeout=0)
+    assert c.core_pid is not None and _wait(lambda: _gone(c.core_pid), 10)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def test_shutdown_drains_in_flight_requests(model: str) -> None:
+    c = await asyncio.to_thread(AsyncCoreClient, _config(model))
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    gen = c.generate("hello", sp)
+    first = await gen.__anext__()
+    await c.shutdown(drain_timeout=60)
+    rest = [o async for o in gen]
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "length"
+    assert sum(len(o.outputs[0].token_ids) for o in [first, *rest]) == 40
+    assert _gone(c.core_pid)
+    with pytest.raises(EngineDeadError):
+        await _collect(c, "hi", SamplingParams())
+
+
+async def test_two_clients_share_one_core(llm: LLM, tmp_path: Any) -> None:
+    """``lorastar engine`` serves several frontends (app workers): each gets its own outputs."""
+    cfg = _config()
+    address = f"ipc://{tmp_path}/core"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lorastar.plugin.cli", "engine", "--address", address, "--device", "cpu",
+         "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--max-num-seqs", "16"],
+    )  # fmt: skip
+    try:
+        a = await asyncio.to_thread(AsyncCoreClient, cfg, address=address, start_timeout=120)
+        b = await asyncio.to_thread(AsyncCoreClient, cfg, address=address, start_timeout=120)
+        sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        ra, rb = await asyncio.gather(_collect(a, PROMPTS[0], sp), _collect(b, PROMPTS[1], sp))
+        ref = llm.generate(PROMPTS[:2], sp)
+        assert ra[-1].outputs[0].token_ids == ref[0].outputs[0].token_ids
+        assert rb[-1].outputs[0].token_ids == ref[1].outputs[0].token_ids
+        # a worker leaving aborts its own requests only
+        long = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        ga = a.generate(PROMPTS[0], long)
+        await ga.__anext__()
+        tb = asyncio.ensure_future(_collect(b, PROMPTS[1], long))
+        await a.shutdown(drain_timeout=0)
+        assert (await tb)[-1].outputs[0].finish_reason == "length"
+        assert proc.poll() is None  # the shared core keeps running
+        await b.shutdown(drain_timeout=0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
