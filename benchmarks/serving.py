@@ -42,6 +42,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="tiny (1 layer, hidden 32) or smollm2")
     p.add_argument("--threads", type=int, default=1, help="torch threads, server and offline alike")
     p.add_argument("--other", type=Path, default=None, help="a second checkout whose server runs too")
+    p.add_argument(
+        "--modes",
+        default="thread,process",
+        help="this checkout's engine: thread (in the server process) and/or process (--engine-process)",
+    )
     p.add_argument("--out", type=Path, default=common.RESULTS)
     return p.parse_args()
 
@@ -68,14 +73,14 @@ def offline(model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs:
 
 
 def start_server(
-    model: str, port: int, max_num_seqs: int, env: dict[str, str], checkout: Path
+    model: str, port: int, max_num_seqs: int, env: dict[str, str], checkout: Path, extra: list[str]
 ) -> subprocess.Popen[bytes]:
     """``lorastar serve`` with ``checkout``'s code (run from its root, so its package is imported)."""
     import httpx
 
     cmd = [sys.executable, "-c", "from lorastar.plugin.cli import main; main()", "serve", model, "--port", str(port),
            "--served-model-name", "m", "--dtype", "float32", "--max-num-seqs", str(max_num_seqs),
-           "--max-waiting", "4096", "--uvicorn-log-level", "warning"]  # fmt: skip
+           "--max-waiting", "4096", "--uvicorn-log-level", "warning", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -162,15 +167,18 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     rows, data = [], []
-    checkouts = {"this": common.REPO, **({"other": a.other.resolve()} if a.other else {})}
+    flags = {"thread": [], "process": ["--engine-process"]}
+    checkouts = {f"this ({m})": (common.REPO, flags[m]) for m in a.modes.split(",")}
+    if a.other:
+        checkouts["other"] = (a.other.resolve(), [])
     for c in [int(x) for x in a.clients.split(",")]:
         n = c * a.requests_per_client
         prompts = common.text_prompts(tok, n, a.prompt_len, seed=c)
         per_client = [prompts[i::c] for i in range(c)]
         off = offline(model, prompts, a.new_tokens, max(c, 1))
-        for name, checkout in checkouts.items():
+        for name, (checkout, extra) in checkouts.items():
             port = free_port()
-            server = start_server(model, port, max(c, 1), env, checkout)
+            server = start_server(model, port, max(c, 1), env, checkout, extra)
             try:
                 srv = asyncio.run(serve_load(port, per_client, a.new_tokens))
             finally:
@@ -186,7 +194,7 @@ def main() -> None:
             data.append({"checkout": name, "clients": c, "offline_tok_s": off, **srv, "ratio": ratio})
     table = common.markdown_table(
         [
-            "checkout",
+            "server",
             "clients",
             "offline tok/s",
             "HTTP tok/s",
@@ -206,10 +214,10 @@ def main() -> None:
     )
     common.write_results("serving", a.out, [desc, table], {"env": env_desc, "rows": data})
     fig, (ax,) = common.new_figure(width=6.0, height=3.6)
-    this = [r for r in data if r["checkout"] == "this"]
+    this = [r for r in data if r["checkout"] == next(iter(checkouts))]
     xs = [r["clients"] for r in this]
     ax.plot(xs, [r["offline_tok_s"] for r in this], "o-", label="offline LLM.generate", color="#999")
-    for name, color in zip(checkouts, ("#c33", "#36c")):
+    for name, color in zip(checkouts, ("#c33", "#3a3", "#36c")):
         ys = [r["tok_s"] for r in data if r["checkout"] == name]
         ax.plot(xs, ys, "o-", label=f"HTTP streaming ({name})", color=color)
     common.log_x_axis(ax, xs)

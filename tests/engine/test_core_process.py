@@ -257,3 +257,12 @@ async def test_two_clients_share_one_core(llm: LLM, tmp_path: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_engine_command_refuses_a_bad_address_before_loading() -> None:
+    from click.testing import CliRunner
+
+    from lorastar.plugin.cli import main
+
+    r = CliRunner().invoke(main, ["engine", "--address", "localhost:5555"])
+    assert r.exit_code == 2 and "--address must start with tcp:// or ipc://" in r.output
