@@ -260,7 +260,13 @@ class BlockManager:
         self._seq_hashes.pop(seq.seq_id, None)
 
     # ---- introspection --------------------------------------------------------------------
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by some sequence (O(1): what counters read every step)."""
+        return self.num_blocks - len(self._free)
+
     def usage(self, seqs: list[Sequence]) -> KVCacheUsage:
+        """The full picture, O(free blocks + held blocks): tokens stored, cached free blocks."""
         fill: dict[int, int] = {}
         for s in seqs:
             for i, b in enumerate(s.block_table):
@@ -268,7 +274,7 @@ class BlockManager:
                     continue
                 n = min(self.block_size, max(0, s.num_computed_tokens - i * self.block_size))
                 fill[b] = max(fill.get(b, 0), n)
-        used = self.num_blocks - len(self._free)
+        used = self.num_used_blocks
         cached_free = sum(1 for b in self._free if self.block_hash[b] is not None)
         return KVCacheUsage(self.block_size, self.num_blocks, used, sum(fill.values()), cached_free)
 

@@ -740,7 +740,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         with self.lock:
             sched = self.scheduler
-            usage = self.block_manager.usage(sched.running)
+            bm = self.block_manager
             adapters: dict[str, dict[str, int]] = {}
             for state, seqs in (("running", sched.running), ("waiting", sched.waiting)):
                 for seq in seqs:
@@ -751,9 +751,9 @@ class LLMEngine:
             return EngineStats(
                 num_running=len({s.request.request_id for s in sched.running}),
                 num_waiting=len({s.request.request_id for s in sched.waiting}),
-                kv_cache_usage=usage.usage,
-                num_blocks=usage.num_blocks,
-                num_used_blocks=usage.num_used_blocks,
+                kv_cache_usage=bm.num_used_blocks / bm.num_blocks,
+                num_blocks=bm.num_blocks,
+                num_used_blocks=bm.num_used_blocks,
                 num_preemptions=sched.stats.num_preemptions,
                 prefix_cache_queries=sched.stats.prefix_queries,
                 prefix_cache_hits=sched.stats.prefix_hits,
@@ -763,9 +763,9 @@ class LLMEngine:
                 adapters=adapters,
                 adapter_generation_tokens=dict(self.adapter_tokens),
                 adapter_tiers={a.name: a.tier for a in self.registry.list()},
-                block_size=self.block_manager.block_size,
+                block_size=bm.block_size,
                 cache_dtype=self.config.kv_cache_dtype,
-                enable_prefix_caching=self.block_manager.enable_prefix_caching,
+                enable_prefix_caching=bm.enable_prefix_caching,
                 iteration_tokens=self.iteration_tokens.snapshot(),
             )
 
