@@ -19,6 +19,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
+from lorastar.engine.host_memory import keep_freed_memory
 from lorastar.engine.input_processor import InputProcessor, load_tokenizer
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats, TokenHistogram
@@ -83,6 +84,8 @@ class LLMEngine:
             self.model_name = Path(config.model).name
         self.hf_config = read_hf_config(self.model_dir)
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.tune_malloc:
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         cfg = self.hf_config
         max_pos = int(cfg.get("max_position_embeddings", 8192))

@@ -191,6 +191,12 @@ _ENGINE_OPTIONS = [
         help="CPU decode attention and LoRA (native: C++ ops, built once; auto: native if they build).",
     ),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
+    click.option(
+        "--tune-malloc/--no-tune-malloc",
+        default=True,
+        show_default=True,
+        help="CPU: keep freed memory for reuse (glibc mallopt) instead of page-faulting big buffers each step.",
+    ),
 ]
 
 
