@@ -203,11 +203,11 @@ class EngineCoreProc:
             except zmq.Again:
                 return
             try:
-                msg = self.dec.decode(frame.buffer)
+                self._handle(self.dec.decode(frame.buffer))
             except msgspec.DecodeError:
                 logger.error("lorastar: engine core dropped a malformed message")
-                continue
-            self._handle(msg)
+            except Exception:  # one bad message must not stop the core
+                logger.exception("lorastar: engine core could not handle a message")
 
     # ---- outputs --------------------------------------------------------------------------------
     def _deliver(self, outs: list[RequestOutput], failures: list[tuple[str, Any]] = ()) -> None:  # type: ignore[assignment]

@@ -364,6 +364,12 @@ def engine(
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
     if not address.startswith(("tcp://", "ipc://")):
         raise UsageProblem(f"--address must start with tcp:// or ipc://, got {address!r}")
+    host = address[len("tcp://") :].rpartition(":")[0].strip("[]") if address.startswith("tcp://") else ""
+    if address.startswith("tcp://") and host not in ("127.0.0.1", "localhost", "::1"):
+        raise UsageProblem(
+            f"--address {address!r}: the engine socket has no authentication (it loads adapters from any "
+            "path it is sent); bind it to 127.0.0.1 or an ipc:// path"
+        )
     try:
         config = engine_config(model=_check_model(model or model_opt), max_waiting=max_waiting, **engine_kw)
     except ValueError as exc:

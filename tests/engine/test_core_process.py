@@ -266,3 +266,12 @@ def test_engine_command_refuses_a_bad_address_before_loading() -> None:
 
     r = CliRunner().invoke(main, ["engine", "--address", "localhost:5555"])
     assert r.exit_code == 2 and "--address must start with tcp:// or ipc://" in r.output
+    r = CliRunner().invoke(main, ["engine", "--address", "tcp://0.0.0.0:5555"])
+    assert r.exit_code == 2 and "no authentication" in r.output
+
+
+async def test_a_malformed_message_does_not_stop_the_core(client: AsyncCoreClient) -> None:
+    client._send({"type": "AddRequest", "client_id": 1})  # wrong shape: dropped and logged
+    client._send([1, 2, 3])
+    outs = await _collect(client, "hi", SamplingParams(temperature=0.0, max_tokens=3))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
