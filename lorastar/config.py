@@ -73,9 +73,9 @@ class EngineConfig:
     """On CPU (Linux, glibc): ask malloc to keep freed memory for reuse (``mallopt`` mmap and trim
     thresholds of 1 GiB) instead of unmapping it on every free. A step's large buffers (the logits
     of 256 rows x 49,152 tokens are 50 MB) were otherwise mapped and page-faulted anew every step:
-    SmolLM2 offline (2 threads, 128+64 tokens) 299 -> 359 tok/s at 32 requests, 345 -> 376 at 64, no change
-    at 1 and 4. Process-wide
-    and kept until exit (the process holds on to its peak heap); ``False`` leaves malloc alone."""
+    SmolLM2 offline (2 threads, 128+64 tokens) 299 -> 359 tok/s at 32 requests, 345 -> 376 at 64,
+    no change at 1 and 4 (engine/host_memory.py). Process-wide and kept until exit (the heap holds
+    on to its peak); ``False`` leaves malloc alone."""
 
     embedding_quantization: str | None = None
     """``None`` keeps the token embedding and lm_head as loaded (16-bit, as AWQ/GPTQ checkpoints store

@@ -107,7 +107,6 @@ class AsyncCoreClient:
         self._call_ids = itertools.count()
         self._proc: subprocess.Popen[bytes] | None = None
         self._closing = False
-        self._error: BaseException | None = None
         self._stopping_core = False  # shutdown() asked the spawned core to exit
         self._respawning = False
         self._reloading = 0
@@ -307,7 +306,8 @@ class AsyncCoreClient:
 
     @property
     def errored(self) -> bool:
-        return self._error is not None
+        """Shut down: no new requests (a dead spawned core is replaced, never "errored")."""
+        return self._closing
 
     @property
     def restarting(self) -> bool:
@@ -325,7 +325,7 @@ class AsyncCoreClient:
         return self._respawns + (self._state.num_restarts if self._state else 0)
 
     def _check_available(self) -> None:
-        if self._error is not None or self._closing:
+        if self._closing:
             raise EngineDeadError("The engine has stopped and cannot serve requests.")
         if self.restarting:
             raise EngineUnavailableError(
@@ -447,13 +447,6 @@ class AsyncCoreClient:
         """The counters the core sent last (at most ``STATE_EVERY_S`` old while it steps)."""
         state = self._state
         return None if state is None or self.restarting else state.stats
-
-    def summary_lines(self, served_name: str) -> list[str]:
-        """The core's start-up summary, with the name this server serves the base model as."""
-        lines = list(self.summary)
-        if lines:
-            lines[0] = lines[0].replace(f"(served as {self.model_name!r})", f"(served as {served_name!r})")
-        return lines
 
     @property
     def core_pid(self) -> int | None:

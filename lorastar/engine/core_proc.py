@@ -24,6 +24,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -37,6 +38,7 @@ from lorastar.engine.messages import (
     AddRequest,
     Call,
     CoreInput,
+    ErrorInfo,
     Goodbye,
     Hello,
     Outputs,
@@ -126,7 +128,7 @@ class EngineCoreProc:
         eng = self.engine
         return Ready(
             self.core_id, eng.model_name, str(eng.model_dir), str(eng.tokenizer_dir), self.config.chat_template,
-            eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng, eng.model_name),
+            eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng),
             self.state(),
         )  # fmt: skip
 
@@ -210,7 +212,7 @@ class EngineCoreProc:
                 logger.exception("lorastar: engine core could not handle a message")
 
     # ---- outputs --------------------------------------------------------------------------------
-    def _deliver(self, outs: list[RequestOutput], failures: list[tuple[str, Any]] = ()) -> None:  # type: ignore[assignment]
+    def _deliver(self, outs: list[RequestOutput], failures: Sequence[tuple[str, ErrorInfo]] = ()) -> None:
         by_client: dict[str, Outputs] = {}
         for out in outs:
             client = self.owner.pop(out.request_id, None) if out.finished else self.owner.get(out.request_id)
@@ -258,10 +260,9 @@ class EngineCoreProc:
             logger.exception("lorastar: engine step failed; rebuilding the engine")
             self.restarting = True
             self._broadcast_state()
-            failed: list[tuple[str, Any]] = []
 
-            def fail(rid: str, e: BaseException) -> None:
-                failed.append((rid, error_info(e)))
+            def fail(rid: str, e: BaseException) -> None:  # told at once, not after the rebuild
+                self._deliver([], [(rid, error_info(e))])
 
             def waiting(delay: float) -> None:
                 self.retry_after = delay
@@ -271,7 +272,6 @@ class EngineCoreProc:
                 self.engine, self.config, fail=fail, stop=self.stop, delay=RESTART_BACKOFF[0],
                 cap=RESTART_BACKOFF[1], on_wait=waiting,
             )  # fmt: skip
-            self._deliver([], failed)
             if new is None:
                 return
             self.engine = new

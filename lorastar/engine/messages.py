@@ -99,7 +99,7 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     max_prompt_bytes: int
     vocab_size: int
-    summary: list[str]  # the start-up summary lines (plugin/startup_log.py's, computed in the core)
+    summary: list[str]  # the start-up summary lines (engine/summary.py), computed in the core
     state: State
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 
-def engine_summary(core: Any, served_name: str) -> list[str]:
+def engine_summary(core: Any) -> list[str]:
     """The lines for an ``LLMEngine`` (the plugin logs them; a core process sends them to its clients)."""
     lines: list[str] = []
     cfg = core.config
     quant = getattr(core.quant_config, "name", None) or "none"
     lines.append(
-        f"Model {core.model_name!r} from {core.model_dir} (served as {served_name!r}): "
+        f"Model {core.model_name!r} from {core.model_dir}: "
         f"dtype={str(core.dtype).removeprefix('torch.')}, device={core.device}, quantization={quant}, "
         f"kv_cache_dtype={cfg.kv_cache_dtype}, max_model_len={core.max_model_len}"
     )

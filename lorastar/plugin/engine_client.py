@@ -1,9 +1,8 @@
 """``EngineClient``: what the plugin's routes and service need from an engine.
 
 ``AsyncLLM`` and ``AsyncCoreClient`` (the core in its own process) implement it; the tests' fake
-engine does too. Routes are typed against this
-protocol instead of ``Any``, so a renamed engine method fails type checks and the protocol test,
-not a request at run time.
+engine does too. Routes are typed against this protocol instead of ``Any``, so a renamed engine
+method fails type checks and the protocol test, not a request at run time.
 """
 
 from __future__ import annotations

@@ -15,12 +15,11 @@ logger = logging.getLogger("lorastar")
 def startup_lines(engine: Any, served_name: str, url: str | None = None) -> list[str]:
     """The summary of an ``AsyncLLM`` (or ``LLM``); engines without a core (test fakes) get less."""
     core = getattr(engine, "engine", None)
+    lines = [f"Serving model {served_name!r}"]
     if core is not None and hasattr(core, "kv_spec"):
-        lines = engine_summary(core, served_name)
-    elif hasattr(engine, "summary_lines"):  # a client of an engine core process: the core's lines
-        lines = engine.summary_lines(served_name)
-    else:
-        lines = [f"Serving model {served_name!r}"]
+        lines += engine_summary(core)
+    else:  # a client of an engine core process: the core's lines (test fakes have none)
+        lines += getattr(engine, "summary", [])
     adapters = list(engine.list_adapters()) if hasattr(engine, "list_adapters") else []
     if adapters:
         shown = ", ".join(

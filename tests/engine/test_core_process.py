@@ -275,3 +275,35 @@ async def test_a_malformed_message_does_not_stop_the_core(client: AsyncCoreClien
     client._send([1, 2, 3])
     outs = await _collect(client, "hi", SamplingParams(temperature=0.0, max_tokens=3))
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+
+async def test_a_failed_step_in_the_core_fails_its_requests_and_the_core_rebuilds(
+    model: str, tmp_path: Any
+) -> None:
+    """The core's own recovery (``rebuild_engine``, as in ``AsyncLLM``): the step's request gets
+    ``RequestFailedError`` at once, the engine is rebuilt, the next request is served."""
+    import threading
+
+    from lorastar.engine.core_proc import EngineCoreProc
+
+    address = f"ipc://{tmp_path}/core"
+    core = await asyncio.to_thread(EngineCoreProc, _config(model), address)
+
+    def boom(*_: Any) -> Any:
+        raise RuntimeError("injected forward failure")
+
+    core.engine.runner.execute = boom  # type: ignore[method-assign]  # the rebuilt engine runs normally
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    c = await asyncio.to_thread(AsyncCoreClient, _config(model), address=address, start_timeout=60)
+    try:
+        with pytest.raises(RequestFailedError):
+            await _collect(c, "hello", SamplingParams(max_tokens=4))
+        assert await asyncio.to_thread(_wait, lambda: c.num_restarts == 1 and not c.restarting, 60)
+        outs = await _collect(c, "hello", SamplingParams(temperature=0.0, max_tokens=4))
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    finally:
+        await c.shutdown(drain_timeout=0)
+        core.stop.set()
+        await asyncio.to_thread(thread.join, 10)
+    assert not thread.is_alive()

@@ -57,6 +57,12 @@ def test_engine_runs_in_another_process(server: Any) -> None:
     engine = server.plugin.engine
     assert isinstance(engine, AsyncCoreClient) and engine.core_pid not in (None, os.getpid())
     assert httpx.get(server.url + "/health").status_code == 200
+    from lorastar.plugin.startup_log import startup_lines
+
+    lines = startup_lines(engine, "tiny")  # the core's summary, computed where the engine is
+    assert lines[0] == "Serving model 'tiny'" and any(
+        line.startswith("KV cache: 512 blocks") for line in lines
+    )
 
 
 @pytest.mark.parametrize("model", ["tiny", "alpha"])
