@@ -32,6 +32,7 @@ from lorastar.engine.engine import LLMEngine
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
 from lorastar.errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -51,7 +52,9 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         self.config = config
-        self.engine = LLMEngine(config)
+        # Built on a thread that exits: no OpenMP pool outlives it next to the step thread's
+        # (engine/threads.py).
+        self.engine = run_in_fresh_thread(LLMEngine, config, thread_name="lorastar-engine-build")
         # Read by the HTTP layer while a rebuild swaps the engine: fixed for the model.
         self._tokenizer = self.engine.tokenizer
         self._model_name = self.engine.model_name
@@ -292,11 +295,13 @@ class AsyncLLM:
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
         # Reading + validating runs off the event loop and outside the step lock.
         self._check_available()
-        return await asyncio.to_thread(self.engine.load_adapter, name, path)
+        return await to_fresh_thread(
+            self.engine.load_adapter, name, path, thread_name="lorastar-adapter-load"
+        )
 
     async def unload_adapter(self, name: str) -> None:
         self._check_available()
-        await asyncio.to_thread(self.engine.unload_adapter, name)
+        await to_fresh_thread(self.engine.unload_adapter, name, thread_name="lorastar-adapter-unload")
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()

@@ -52,6 +52,7 @@ from lorastar.engine.messages import (
 )
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.summary import engine_summary
+from lorastar.engine.threads import submit_to_fresh_thread
 from lorastar.errors import EngineUnavailableError
 
 logger = logging.getLogger("lorastar")
@@ -76,7 +77,6 @@ class EngineCoreProc:
         self.clients: dict[str, zmq.Socket] = {}
         self.owner: dict[str, str] = {}  # request id -> client id
         self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorastar-adapter-load")
         self.stop = threading.Event()
         self.drain_deadline: float | None = None
         self.restarting = False
@@ -174,7 +174,10 @@ class EngineCoreProc:
 
     def _call(self, msg: Call) -> None:
         if msg.method == "load_adapter" and len(msg.args) == 2:
-            fut = self.pool.submit(self.engine.load_adapter, msg.args[0], msg.args[1])
+            # A thread that exits with the load: no second OpenMP pool stays (engine/threads.py).
+            fut = submit_to_fresh_thread(
+                self.engine.load_adapter, msg.args[0], msg.args[1], thread_name="lorastar-adapter-load"
+            )
             self.jobs.append((msg.client_id, msg.call_id, fut))
             return
         reply = Reply(msg.call_id)
@@ -282,7 +285,6 @@ class EngineCoreProc:
             logger.warning("lorastar: engine rebuilt after a failed step (%s)", type(exc).__name__)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
         for sock in self.clients.values():
             sock.close(linger=1000)
         self.clients.clear()
