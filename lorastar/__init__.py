@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 # OpenMP threads that spin while waiting collapse throughput when the cores are shared
 # (measured on 2 busy cores: 2.7 tok/s spinning vs 30.1 passive). libgomp reads this when torch
 # loads it, so it only takes effect if lorastar is imported before torch; the user's value wins.
+# ``lorastar serve`` / ``lorastar engine`` own their cores and add a brief spin (__main__.py).
+_USER_OPENMP_ENV = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

@@ -12,7 +12,6 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,27 +75,22 @@ class ModelSpec:
     module_shapes: dict[str, tuple[int, int]]
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> ModelSpec:
-        """Build the spec from a HF Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 config (object or dict)."""
-        get = config.get if isinstance(config, Mapping) else (lambda k, d=None: getattr(config, k, d))
-        hidden = int(get("hidden_size"))
-        inter = int(get("intermediate_size"))
-        n_heads = int(get("num_attention_heads"))
-        n_kv = int(get("num_key_value_heads") or n_heads)
-        head_dim = int(get("head_dim") or hidden // n_heads)
-        q_out, kv_out = n_heads * head_dim, n_kv * head_dim
-        shapes = {"o_proj": (q_out, hidden), "down_proj": (inter, hidden)}
-        if get("model_type") == "phi3":  # the base's own modules are fused: so are its adapters'
-            shapes |= {"qkv_proj": (hidden, q_out + 2 * kv_out), "gate_up_proj": (hidden, 2 * inter)}
-        else:
-            shapes |= {
-                "q_proj": (hidden, q_out),
-                "k_proj": (hidden, kv_out),
-                "v_proj": (hidden, kv_out),
-                "gate_proj": (hidden, inter),
-                "up_proj": (hidden, inter),
-            }
-        return cls(num_layers=int(get("num_hidden_layers")), module_shapes=shapes)
+    def from_model(cls, model: Any) -> ModelSpec:
+        """The spec of a built model, read off its linears in layer 0 (``model.linears()``: each has
+        ``slice_names``, ``input_size``, ``output_sizes``): a fused linear's parts by their own names
+        (q_proj, k_proj, ...), or only the fused name where the checkpoint itself stores the fused
+        module (``model.checkpoint_fused``: Phi-3, whose adapters target qkv_proj / gate_up_proj)."""
+        fused_checkpoint = bool(getattr(model, "checkpoint_fused", False))
+        shapes: dict[str, tuple[int, int]] = {}
+        for prefix, lin in model.linears().items():
+            if prefix.split(".")[:3] != ["model", "layers", "0"]:
+                continue
+            outs = list(lin.output_sizes)
+            if len(outs) > 1 and not fused_checkpoint:
+                shapes |= {part: (lin.input_size, n) for part, n in zip(lin.slice_names, outs)}
+            else:
+                shapes[prefix.rpartition(".")[2]] = (lin.input_size, sum(outs))
+        return cls(num_layers=int(model.num_layers), module_shapes=shapes)
 
 
 @dataclass

@@ -162,7 +162,7 @@ class LLMEngine:
         self.kv_scales = (k_scales, v_scales)
 
         # ---- adapters ----
-        self.model_spec = ModelSpec.from_hf_config(cfg)
+        self.model_spec = ModelSpec.from_model(self.model)
         self.lora_state = LoRADeviceState(
             self.model.linears(), config.max_loras, config.max_lora_rank, self.dtype, self.device
         )

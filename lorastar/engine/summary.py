@@ -1,8 +1,9 @@
 """The engine's start-up summary lines (vLLM-like): model, dtype, device, quantization, KV cache,
-concurrency, CUDA graphs, LoRA limits. Read from a built ``LLMEngine``; nothing is computed twice."""
+concurrency, CUDA graphs, CPU threads and OpenMP wait, LoRA limits. Read from a built ``LLMEngine``; nothing is computed twice."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -32,6 +33,16 @@ def engine_summary(core: Any) -> list[str]:
     else:
         why = "enforce_eager" if cfg.enforce_eager else f"not on {core.device.type}"
         lines.append(f"CUDA graphs: off ({why})")
+    if core.device.type == "cpu":  # what CPU speed hangs on (layers/cpu_gemm.py, lorastar/__main__.py)
+        import torch
+
+        spin = os.environ.get("GOMP_SPINCOUNT")
+        wait = (
+            f"GOMP_SPINCOUNT={spin}"
+            if spin
+            else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+        )
+        lines.append(f"CPU: {torch.get_num_threads()} threads, GEMM {core.cpu_gemm}, OpenMP wait {wait}")
     lines.append(
         f"LoRA: max_loras={cfg.max_loras} on the device, max_cpu_loras={cfg.max_cpu_loras}, "
         f"max_lora_rank={cfg.max_lora_rank}"

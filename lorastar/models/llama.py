@@ -29,6 +29,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj checkpoints
 }
+# Families whose checkpoints (and so their PEFT adapters) store the fused modules themselves.
+FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 
 
 def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SUPPORTED_ARCHITECTURES) -> str:
@@ -200,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.architecture = check_architecture(cfg, self.architectures)
+        # Adapters target the fused qkv_proj / gate_up_proj, not their parts (adapters/peft.py ModelSpec).
+        self.checkpoint_fused = self.architectures[self.architecture] in FUSED_CHECKPOINT_FAMILIES
         if quant is not None:
             quant.packed_modules_mapping = self.packed_modules_mapping
         hidden = cfg["hidden_size"]

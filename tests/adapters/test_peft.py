@@ -50,9 +50,16 @@ def make_peft(out: Path, seed: int = 0, **lora_kwargs: Any) -> Any:
     return pm
 
 
+def spec_of(config: dict[str, Any]) -> ModelSpec:
+    """The spec the engine builds: read off the model's own linears."""
+    from lorastar.models.llama import LlamaForCausalLM
+
+    return ModelSpec.from_model(LlamaForCausalLM(config, torch.float32, None, 64))
+
+
 @pytest.fixture(scope="module")
 def spec() -> ModelSpec:
-    return ModelSpec.from_hf_config(tiny_config())
+    return spec_of(tiny_config().to_dict())
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +345,7 @@ def test_rank_over_max(spec: ModelSpec, good: tuple[Path, Any]) -> None:
 
 
 def test_shape_mismatch_against_other_base(good: tuple[Path, Any]) -> None:
-    other = ModelSpec.from_hf_config({**tiny_config().to_dict(), "hidden_size": 96, "head_dim": 16})
+    other = spec_of({**tiny_config().to_dict(), "hidden_size": 96, "head_dim": 16})
     with pytest.raises(AdapterError, match="do not match the base"):
         load_peft_adapter(good[0], other, max_rank=64)
 
@@ -407,3 +414,26 @@ def test_adapter_modules_mirror_the_model_declaration() -> None:
     assert set(MODULE_GROUP) == want
     assert {MODULE_GROUP[p] for p in packed["qkv_proj"]} == {"self_attn"}
     assert {MODULE_GROUP[p] for p in packed["gate_up_proj"]} == {"mlp"}
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_model_spec_matches_the_hf_modules_adapters_target(family: str) -> None:
+    """ModelSpec.from_model (the model's own linears) names and sizes exactly the nn.Linear
+    modules of HF's model, the ones PEFT wraps: q/k/v/gate/up for Llama, fused qkv/gate_up for Phi-3."""
+    if family == "llama":
+        hf_cfg = tiny_config()
+        hf = transformers.LlamaForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.Phi3Config(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+        )  # fmt: skip
+        hf = transformers.Phi3ForCausalLM(hf_cfg)
+    want = {
+        name.rpartition(".")[2]: (m.in_features, m.out_features)
+        for name, m in hf.model.layers[0].named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
+    spec = spec_of(hf_cfg.to_dict())
+    assert spec.module_shapes == want
+    assert spec.num_layers == hf_cfg.num_hidden_layers

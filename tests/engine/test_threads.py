@@ -79,10 +79,9 @@ def test_a_fresh_thread_leaves_no_openmp_worker_behind() -> None:
 def test_async_llm_builds_and_loads_adapters_on_threads_that_exit(
     tiny_model_dir, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
-    from conftest import make_peft_adapter
-
     from lorastar.engine import async_engine
     from lorastar.engine.async_engine import AsyncLLM
+    from tests.conftest import make_peft_adapter
 
     seen: dict[str, threading.Thread] = {}
     real_engine = async_engine.LLMEngine
