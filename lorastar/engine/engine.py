@@ -95,8 +95,8 @@ class LLMEngine:
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
             )
 
-        from lorastar.layers.embedding import quantize_embeddings
         from lorastar.quant import get_quant_config
+        from lorastar.quant.embedding_int8 import embedding_method
 
         self.quant_config = get_quant_config(cfg, config.quantization, self.dtype)
         qc = self.quant_config
@@ -111,8 +111,8 @@ class LLMEngine:
             device=self.device,
             quant=self.quant_config,
             max_positions=max_len,
+            embedding_method=embedding_method(config.embedding_quantization),
         )
-        quantize_embeddings(self.model, config.embedding_quantization)  # before the KV cache is sized
         self.cpu_gemm = "torch"  # the GEMM behind 32-bit CPU linears (layers/cpu_gemm.py)
         if self.device.type == "cpu":
             from lorastar.layers.cpu_gemm import choose_backend

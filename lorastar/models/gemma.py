@@ -13,12 +13,14 @@ What differs from Llama (transformers' Gemma2/Gemma3 modeling is the reference):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from lorastar.forward_context import ForwardContext
+from lorastar.layers.embedding import EmbeddingMethod
 from lorastar.layers.norm import GemmaRMSNorm
 from lorastar.layers.rotary import RotaryEmbedding
 from lorastar.models.llama import MLP, Attention, LlamaForCausalLM
@@ -90,13 +92,18 @@ class GemmaForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[dict[str, str]] = GEMMA_ARCHITECTURES
 
     def __init__(
-        self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
+        self,
+        cfg: dict[str, Any],
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        max_positions: int,
+        embedding_method: Callable[[], EmbeddingMethod] | None = None,
     ) -> None:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (embedding models) is not supported")
         self._max_positions = max_positions
         self._ropes: dict[str, RotaryEmbedding] = {}
-        super().__init__(cfg, dtype, quant, max_positions)
+        super().__init__(cfg, dtype, quant, max_positions, embedding_method)
         self.local_rope = self._ropes.get("sliding_attention")  # registered as submodules
         self.global_rope = self._ropes.get("full_attention")
         self.final_softcap = float(cfg.get("final_logit_softcapping") or 0.0)

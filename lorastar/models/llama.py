@@ -6,6 +6,7 @@ gate/up are fused linears whose slices carry LoRA; every linear carries a quant 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -14,8 +15,7 @@ from torch import nn
 
 from lorastar.forward_context import ForwardContext
 from lorastar.layers.attention import attention_forward
-from lorastar.layers.cpu_gemm import pack, packed_linear
-from lorastar.layers.embedding import Int8Embedding
+from lorastar.layers.embedding import EmbeddingMethod, UnquantizedEmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, UnquantizedLinearMethod
 from lorastar.layers.norm import RMSNorm
 from lorastar.layers.rotary import RotaryEmbedding
@@ -197,8 +197,15 @@ class LlamaForCausalLM(nn.Module):
     architectures: ClassVar[dict[str, str]] = SUPPORTED_ARCHITECTURES  # HF class name -> family
 
     def __init__(
-        self, cfg: dict[str, Any], dtype: torch.dtype, quant: QuantConfig | None, max_positions: int
+        self,
+        cfg: dict[str, Any],
+        dtype: torch.dtype,
+        quant: QuantConfig | None,
+        max_positions: int,
+        embedding_method: Callable[[], EmbeddingMethod] | None = None,
     ) -> None:
+        """``embedding_method``: the storage of the embedding and lm_head tables (one instance per
+        table; ``quant/embedding_int8.py``); None keeps them as loaded."""
         super().__init__()
         self.config = cfg
         self.architecture = check_architecture(cfg, self.architectures)
@@ -212,10 +219,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
-        embed = nn.Embedding(self.vocab_size, hidden, dtype=dtype)
-        embed.weight.requires_grad_(False)
-        # nn.Embedding as loaded; Int8Embedding after quantize_embeddings (embedding_quantization="int8").
-        self.embed_tokens: nn.Embedding | Int8Embedding = embed
+        table = embedding_method or UnquantizedEmbeddingMethod
+        self.embed_tokens = VocabEmbedding(self.vocab_size, hidden, dtype, table())
         rope = self.make_rope(cfg, max_positions)
         self.rope = rope
         self.layer_windows = layer_windows(cfg)  # per layer: sliding window (0: full attention)
@@ -224,15 +229,12 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = self.make_norm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.head_packed: torch.Tensor | None = None  # oneDNN-packed lm_head (CPU backend)
-        # None: tied (logits use embed_tokens); Int8Embedding after quantize_embeddings.
-        self.lm_head: nn.Parameter | Int8Embedding | None
-        if self.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = nn.Parameter(
-                torch.empty(self.vocab_size, hidden, dtype=dtype), requires_grad=False
-            )
+        # Tied: the one table serves both (nn.Module dedups it in parameters() and state loading).
+        self.lm_head = (
+            self.embed_tokens
+            if self.tie_word_embeddings
+            else VocabEmbedding(self.vocab_size, hidden, dtype, table())
+        )
 
     def make_layer(
         self,
@@ -259,25 +261,13 @@ class LlamaForCausalLM(nn.Module):
             x = layer(positions, x, ctx)
         return self.norm(x)
 
-    def _head(self) -> nn.Module | torch.Tensor:
-        """The lm_head: the embedding module when tied, else its own weight (or an int8 table)."""
-        return self.embed_tokens if self.lm_head is None else self.lm_head
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head_packed is not None:
-            return packed_linear(hidden, self.head_packed)  # [rows, vocab]
-        head = self._head()
-        if isinstance(head, Int8Embedding):
-            return head.logits(hidden)  # [rows, vocab], no full-precision table
-        w = head.weight if isinstance(head, nn.Embedding) else head
-        return F.linear(hidden, w)  # [rows, vocab]
+        return self.lm_head.logits(hidden)  # [rows, vocab]
 
     def head_weight(self) -> torch.Tensor | None:
         """The lm_head's float weight ``[vocab, hidden]`` (the embedding table when tied), or None
-        (an int8 table, or already packed)."""
-        head = self._head()
-        w = head.weight if isinstance(head, nn.Embedding) else head
-        return w if isinstance(w, torch.Tensor) and w.dtype.is_floating_point and w.numel() else None
+        (an int8 table)."""
+        return self.lm_head.method.float_weight(self.lm_head)
 
     def pack_for_cpu(self) -> int:
         """Prepack every 32-bit CPU linear and the lm_head for oneDNN (``layers/cpu_gemm.py``); a tied
@@ -286,11 +276,9 @@ class LlamaForCausalLM(nn.Module):
         for lin in self.linears().values():
             if isinstance(lin.quant_method, UnquantizedLinearMethod):
                 n += lin.quant_method.pack_for_cpu(lin)
-        w = self.head_weight()
-        if w is not None and w.device.type == "cpu" and w.dtype == torch.float32:
-            self.head_packed = pack(w.data)
-            if self.lm_head is not None:
-                w.data = torch.empty(0, dtype=w.dtype)  # untied: the packed copy replaces it
+        head = self.lm_head
+        if isinstance(head.method, UnquantizedEmbeddingMethod):
+            head.method.pack_for_cpu(head, keep_table=self.tie_word_embeddings)
         return n
 
     def linears(self) -> dict[str, Linear]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from lorastar.layers.embedding import EmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.registry import check_architecture, model_class
@@ -94,8 +96,8 @@ class WeightLoader:
         if route is not None:
             route[0].weight_loader(suffix, tensor, route[1], name)
             return
-        target = "lm_head" if name == "lm_head.weight" else name.removeprefix("model.")
-        if target == "lm_head" and self.model.lm_head is None:
+        target = name if name.startswith("lm_head.") else name.removeprefix("model.")
+        if target == "lm_head.weight" and self.model.tie_word_embeddings:
             return  # tied embeddings: some checkpoints still store a copy
         param = self._plain.get(target)
         if param is None:
@@ -107,6 +109,9 @@ class WeightLoader:
         missing = sorted(set(self._plain) - self._loaded_plain)
         if missing:
             raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+        self._plain.clear()  # a method may replace a parameter (and free it) below
+        for table in {id(m): m for m in self.model.modules() if isinstance(m, VocabEmbedding)}.values():
+            table.method.process_weights_after_loading(table)
         for prefix, layer in self.linears.items():
             fused = len(layer.output_sizes) > 1
             want = set(range(len(layer.output_sizes))) if fused else {None}
@@ -139,13 +144,15 @@ def load_model(
     device: torch.device,
     quant: QuantConfig | None,
     max_positions: int,
+    embedding_method: Callable[[], EmbeddingMethod] | None = None,
 ) -> tuple[LlamaForCausalLM, KVScales]:
     """Build the model on ``device`` and fill it from the folder's safetensors.
 
     Returns the model and any per-layer KV-cache scales the checkpoint declares.
+    ``embedding_method``: how the embedding / lm_head tables are stored (None: as loaded).
     """
     with torch.device(device):
-        model = model_class(cfg)(cfg, dtype, quant, max_positions)
+        model = model_class(cfg)(cfg, dtype, quant, max_positions, embedding_method)
     loader = WeightLoader(model)
     files = safetensors_files(model_dir)
     total = 0

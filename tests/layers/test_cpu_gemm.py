@@ -54,7 +54,7 @@ def test_engine_backends_agree_with_transformers(tiny_model_dir) -> None:
         assert llm.engine.cpu_gemm == backend
         outs[backend] = llm.generate(prompts, sp)
     model = llm.engine.model
-    assert model.head_packed is not None and model.lm_head.numel() == 0
+    assert model.lm_head.weight_packed is not None and model.lm_head.weight.numel() == 0
     for p, a, b in zip(prompts, outs["torch"], outs["onednn"]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf, p, 10)
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

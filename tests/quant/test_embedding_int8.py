@@ -13,8 +13,14 @@ import torch
 from quant_fixtures import fixture_dir, have_fixture, read_config
 
 from lorastar import LLM, EngineConfig, SamplingParams
-from lorastar.layers.embedding import Int8Embedding, quantize_embeddings, quantize_rows_int8
+from lorastar.layers.embedding import VocabEmbedding
 from lorastar.models.llama import LlamaForCausalLM
+from lorastar.quant.embedding_int8 import (
+    CHUNK_ELEMS,
+    Int8EmbeddingMethod,
+    embedding_method,
+    quantize_rows_int8,
+)
 
 # fp32 logits through the int8 head vs x @ dequantized.T: only the summation order differs (the row
 # scale is applied after the int8 matmul), so the gap is float rounding, relative to max |logit|.
@@ -27,6 +33,19 @@ def _table(vocab: int = 1000, hidden: int = 48, seed: int = 0) -> torch.Tensor:
     w = torch.randn(vocab, hidden, generator=g) * torch.rand(vocab, 1, generator=g)  # rows of varied range
     w[7] = 0.0  # an all-zero row (scale 0)
     return w
+
+
+def _int8_table(w: torch.Tensor, chunk_elems: int = CHUNK_ELEMS) -> VocabEmbedding:
+    """A table layer filled with ``w`` (as the checkpoint loader fills it), then quantized."""
+    layer = VocabEmbedding(*w.shape, w.dtype, Int8EmbeddingMethod(chunk_elems))
+    layer.weight.data.copy_(w)
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def _deq(layer: VocabEmbedding) -> torch.Tensor:
+    assert isinstance(layer.method, Int8EmbeddingMethod)
+    return layer.method.dequantize(layer)
 
 
 def test_round_trip_error_is_at_most_half_a_step_per_row() -> None:
@@ -43,8 +62,8 @@ def test_round_trip_error_is_at_most_half_a_step_per_row() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_lookup_equals_dequantized_table_rows(dtype: torch.dtype) -> None:
-    emb = Int8Embedding.from_float(_table().to(dtype))
-    deq = emb.dequantize()
+    emb = _int8_table(_table().to(dtype))
+    deq = _deq(emb)
     assert deq.dtype == dtype
     ids = torch.tensor([[0, 7, 999, 3], [3, 3, 500, 1]])
     out = emb(ids)
@@ -54,9 +73,9 @@ def test_lookup_equals_dequantized_table_rows(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("chunk_elems", [48 * 100, 1 << 22])  # 8 blocks of vocab rows / one block
 def test_logits_equal_matmul_with_dequantized_table(chunk_elems: int) -> None:
-    emb = Int8Embedding.from_float(_table(), chunk_elems=chunk_elems)
+    emb = _int8_table(_table(), chunk_elems=chunk_elems)
     x = torch.randn(5, 48, generator=torch.Generator().manual_seed(1))
-    ref = x @ emb.dequantize().T
+    ref = x @ _deq(emb).T
     got = emb.logits(x)
     assert got.shape == (5, 1000) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=LOGIT_TOL, atol=LOGIT_TOL * ref.abs().max().item())
@@ -66,9 +85,9 @@ def test_logits_equal_matmul_with_dequantized_table(chunk_elems: int) -> None:
 def test_half_logits_follow_the_fp32_reference(dtype: torch.dtype) -> None:
     # fp16 takes the dequantize-the-block path (x @ q alone could overflow fp16); both round once
     # more than fp32, so the bound is a few steps of the format at the largest logit.
-    emb = Int8Embedding.from_float(_table().to(dtype), chunk_elems=48 * 100)
+    emb = _int8_table(_table().to(dtype), chunk_elems=48 * 100)
     x = torch.randn(5, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
-    ref = x.float() @ emb.dequantize().float().T
+    ref = x.float() @ _deq(emb).float().T
     got = emb.logits(x)
     assert got.dtype == dtype
     assert ((got.float() - ref).abs().max() / ref.abs().max()).item() < 4 * torch.finfo(dtype).eps
@@ -96,25 +115,21 @@ def _dequantized_reference(path: str, int8: LLM, **kw: object) -> LLM:
     """The same checkpoint with its tables replaced by the int8 engine's dequantized tables."""
     ref = LLM(path, **{"device": "cpu", "num_kv_blocks": 64, "enable_prefix_caching": False, **kw})
     model, qmodel = ref.engine.model, int8.engine.model
-    assert isinstance(qmodel.embed_tokens, Int8Embedding) and isinstance(
-        model.embed_tokens, torch.nn.Embedding
-    )
-    model.embed_tokens.weight.data.copy_(qmodel.embed_tokens.dequantize())
-    if model.lm_head is not None:
-        assert isinstance(qmodel.lm_head, Int8Embedding) and isinstance(model.lm_head, torch.Tensor)
-        model.lm_head.data = qmodel.lm_head.dequantize()  # (the oneDNN backend emptied the dense copy)
-    if model.head_packed is not None:  # oneDNN backend: the head's packed copy is what runs
+    assert isinstance(qmodel.embed_tokens.method, Int8EmbeddingMethod)
+    assert not isinstance(model.embed_tokens.method, Int8EmbeddingMethod)
+    model.embed_tokens.weight.data.copy_(_deq(qmodel.embed_tokens))
+    if model.lm_head is not model.embed_tokens:
+        assert isinstance(qmodel.lm_head.method, Int8EmbeddingMethod)
+        model.lm_head.weight.data = _deq(qmodel.lm_head)  # (the oneDNN backend emptied the dense copy)
+    if model.lm_head.weight_packed is not None:  # oneDNN backend: the head's packed copy is what runs
         from lorastar.layers.cpu_gemm import pack
 
-        model.head_packed = pack(
-            model.embed_tokens.weight.data if model.lm_head is None else model.lm_head.data
-        )
+        model.lm_head.weight_packed = pack(model.lm_head.weight.data)
     return ref
 
 
 def _embedding_bytes(model: LlamaForCausalLM) -> int:
-    tables = [model.embed_tokens] + ([model.lm_head] if model.lm_head is not None else [])
-    params = {id(p): p for t in tables for p in ([t] if isinstance(t, torch.Tensor) else t.parameters())}
+    params = {id(p): p for t in (model.embed_tokens, model.lm_head) for p in t.parameters()}
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
@@ -125,11 +140,11 @@ def test_llm_int8_embedding_matches_dequantized_reference(tiny_model_dir, name: 
         path, device="cpu", num_kv_blocks=64, enable_prefix_caching=False, embedding_quantization="int8"
     )
     model = int8.engine.model
-    tied = model.lm_head is None
-    assert isinstance(model.embed_tokens, Int8Embedding)
+    tied = model.lm_head is model.embed_tokens
+    assert isinstance(model.embed_tokens.method, Int8EmbeddingMethod)
     assert tied == (name == "llama-mha-llama3")
     if not tied:
-        assert isinstance(model.lm_head, Int8Embedding) and model.lm_head is not model.embed_tokens
+        assert isinstance(model.lm_head.method, Int8EmbeddingMethod)
     # No float [vocab, hidden] table is left anywhere in the model.
     vocab, hidden = model.vocab_size, model.embed_tokens.embedding_dim
     assert not [
@@ -155,33 +170,40 @@ def test_llm_int8_embedding_matches_dequantized_reference(tiny_model_dir, name: 
     assert ratio == pytest.approx((hidden + 4) / (4 * hidden)) and ratio < 0.27
 
 
-def test_quantize_frees_the_float_tables(tiny_model_dir) -> None:
+def test_quantize_frees_the_float_table() -> None:
+    w = _table()
+    layer = VocabEmbedding(*w.shape, w.dtype, Int8EmbeddingMethod())
+    layer.weight.data.copy_(w)
+    ref = weakref.ref(layer.weight)
+    layer.method.process_weights_after_loading(layer)
+    gc.collect()
+    assert ref() is None and "weight" not in dict(layer.named_parameters())
+    assert {n: p.dtype for n, p in layer.named_parameters()} == {
+        "qweight": torch.int8,
+        "scale": torch.float32,
+    }
+
+
+def test_loaded_int8_tables_replace_the_float_ones(tiny_model_dir) -> None:
     from lorastar.models.loader import load_model, read_hf_config
 
     path = tiny_model_dir("llama-gqa")  # untied: embedding and lm_head both go
-    model, _ = load_model(
-        path,
-        read_hf_config(path),
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        quant=None,
-        max_positions=64,
-    )
-    assert isinstance(model.embed_tokens, torch.nn.Embedding) and isinstance(model.lm_head, torch.Tensor)
-    refs = [weakref.ref(model.embed_tokens.weight), weakref.ref(model.lm_head)]
-    head = model.lm_head.detach().clone()
+    kw = {"dtype": torch.float32, "device": torch.device("cpu"), "quant": None, "max_positions": 64}
+    model, _ = load_model(path, read_hf_config(path), **kw)
+    qmodel, _ = load_model(path, read_hf_config(path), **kw, embedding_method=embedding_method("int8"))
+    assert qmodel.lm_head is not qmodel.embed_tokens
     before = sum(p.numel() * p.element_size() for p in model.parameters())
-    quantize_embeddings(model, "int8")
-    gc.collect()
-    assert [r() for r in refs] == [None, None]
-    after = sum(p.numel() * p.element_size() for p in model.parameters())
-    v, h = head.shape
+    after = sum(p.numel() * p.element_size() for p in qmodel.parameters())
+    v, h = model.lm_head.weight.shape
     assert before - after == 2 * (v * h * 4 - (v * h + v * 4))
-    assert "lm_head" not in dict(model.named_parameters())  # the module replaced the parameter
-    assert isinstance(model.lm_head, Int8Embedding)
-    assert bool(((model.lm_head.dequantize() - head).abs() <= model.lm_head.scale[:, None] / 2 + 1e-7).all())
-    quantize_embeddings(model, None)  # a no-op
-    assert isinstance(model.lm_head, Int8Embedding)
+    names = dict(qmodel.named_parameters())
+    assert "lm_head.weight" not in names and "embed_tokens.weight" not in names
+    assert names["lm_head.qweight"].dtype == torch.int8
+    for table, dense in (
+        (qmodel.lm_head, model.lm_head.weight),
+        (qmodel.embed_tokens, model.embed_tokens.weight),
+    ):
+        assert bool(((_deq(table) - dense).abs() <= table.scale[:, None] / 2 + 1e-7).all())
 
 
 @pytest.mark.skipif(not have_fixture("awq_g32"), reason="AWQ fixture missing")
@@ -219,12 +241,17 @@ def test_cuda_int8_embedding(dtype: str) -> None:
     )
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated(dev)
-    v, h = cfg["vocab_size"], cfg["hidden_size"]
-    quantize_embeddings(model, "int8")
-    freed = before - torch.cuda.memory_allocated(dev)
-    # Two 16-bit tables (untied) out, two int8 tables + fp32 scales in; allocator rounds to 512 B.
-    assert abs(freed - 2 * (v * h * 2 - (v * h + v * 4))) <= 4 * 512
     del model
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
+    qmodel, _ = load_model(
+        path, cfg, dtype=tdtype, device=dev, quant=get_quant_config(cfg, None, tdtype), max_positions=64,
+        embedding_method=embedding_method("int8"),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated(dev)
+    # Two 16-bit tables (untied) out, two int8 tables + fp32 scales in; allocator rounds to 512 B.
+    assert abs(before - held - 2 * (v * h * 2 - (v * h + v * 4))) <= 4 * 512
+    del qmodel
 
     kw = {"device": "cuda", "dtype": dtype, "num_kv_blocks": 64, "enable_prefix_caching": False}
     int8 = LLM(path, embedding_quantization="int8", **kw)
@@ -244,4 +271,4 @@ def test_bad_embedding_quantization_is_rejected(bad: object) -> None:
     with pytest.raises(ValueError, match="embedding_quantization"):
         LLM(device="cpu", embedding_quantization=bad)  # fails in the config, before any loading
     with pytest.raises(ValueError, match="embedding_quantization"):
-        quantize_embeddings(SimpleNamespace(), bad)  # type: ignore[arg-type]
+        embedding_method(bad)  # type: ignore[arg-type]

@@ -146,7 +146,9 @@ def test_int8_weights_are_the_checkpoint_quantized(int8_llm: LLM) -> None:
     lins = int8_llm.engine.model.linears()
     assert len(lins) == 4 * hf.config.num_hidden_layers
     if onednn_available():
-        assert int8_llm.engine.cpu_gemm == "onednn" and int8_llm.engine.model.head_packed is not None
+        assert (
+            int8_llm.engine.cpu_gemm == "onednn" and int8_llm.engine.model.lm_head.weight_packed is not None
+        )
     for prefix, lin in lins.items():
         assert type(lin.quant_method).__name__ == "Int8LinearMethod"
         assert lin.weight.numel() == 0 and lin.weight_t.dtype == torch.int8  # only the [in, out] copy
