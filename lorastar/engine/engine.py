@@ -27,7 +27,7 @@ from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
 from lorastar.engine.request import Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
-from lorastar.engine.sampler import Sampler, SamplingRow, make_generator
+from lorastar.engine.sampler import RowLogprobs, Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import (
@@ -502,7 +502,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         if rows:
             idx = torch.tensor(logit_rows, device=logits.device)
-            sampled = self.sampler(
+            new_tokens = self._sample(
                 logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits, rows
             )
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
@@ -521,8 +521,11 @@ class LLMEngine:
                 seq.request.sequences.append(child)
                 seq.request.forked = True
                 targets.append(child)
-            for seq, tok, lp in zip(targets, sampled.token_ids, sampled.logprobs):
-                self._append(seq, tok, lp, now)
+            for seq, (toks, lps) in zip(targets, new_tokens):
+                for i, tok in enumerate(toks):  # up to the first that finishes the sequence
+                    self._append(seq, tok, lps[i] if lps is not None else None, now)
+                    if seq.is_finished:
+                        break
                 touched[seq.request.request_id] = seq.request
         if beam_rows:
             self._beam_proposals(beam_rows, logits, touched)
@@ -535,6 +538,17 @@ class LLMEngine:
             ):  # beam search streams nothing but its final hypotheses (they change wholesale)
                 outputs.append(self._output(req))
         return outputs
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> list[tuple[list[int], list[RowLogprobs | None] | None]]:
+        """Each row's new tokens in order, with their logprobs (None: not asked for). The sampler
+        gives one token a row; a verifier of drafted tokens (speculative decoding) gives several,
+        and everything after this takes any number: ``_append`` stops at the first token that
+        finishes the sequence, the scheduler computes the KV of all appended tokens in the next
+        step (as a chunk), and outputs carry every new token of the step."""
+        sampled = self.sampler(logits, rows)  # [rows] token ids
+        return [([t], None if lp is None else [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
 
     # ---- beam search ------------------------------------------------------------------------
     def _beam_proposals(
