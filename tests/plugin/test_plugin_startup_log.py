@@ -47,6 +47,7 @@ def test_summary_lines_and_progress_bar(
     assert "Maximum concurrency for 128 tokens per request: 3.00x" in text
     assert "CUDA graphs: off (not on cpu)" in text
     assert f"CPU: {torch.get_num_threads()} threads, GEMM " in text and "OpenMP wait " in text
+    assert ", kernels native," in text or ", kernels torch," in text
     assert "Adapters (1): alpha (rank 4, " in text
     assert "http://127.0.0.1:1/v1" in lines[-1]
     with caplog.at_level(logging.INFO, logger="lorastar"):
