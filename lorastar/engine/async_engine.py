@@ -274,6 +274,9 @@ class AsyncLLM:
             self._check_available()
             self.engine.add_request(prompt, params, adapter=adapter, request_id=rid)
 
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
     def fail_streams(self, exc: BaseException) -> int:
         """End every open stream by raising ``exc`` in it (its request aborted); how many there were."""
         with self._streams_lock:

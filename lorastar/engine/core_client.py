@@ -276,6 +276,19 @@ class AsyncCoreClient:
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
                 loop.call_soon_threadsafe(q.put_nowait, exc)
 
+    def has_unfinished(self) -> bool:
+        return bool(self._streams)
+
+    def fail_streams(self, exc: BaseException) -> int:
+        """End every open stream by raising ``exc`` in it (the core aborts them); how many there were."""
+        with self._streams_lock:
+            rids = list(self._streams)
+        if rids and not self._closing:
+            self._send(Abort(rids))
+        for rid in rids:
+            self._fail(rid, exc)
+        return len(rids)
+
     def _fail_all(self, exc: BaseException) -> None:
         with self._streams_lock:
             rids = list(self._streams)

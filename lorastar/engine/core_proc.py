@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -293,8 +294,14 @@ class EngineCoreProc:
 
 
 def run_engine_core(config: EngineConfig, input_address: str, report_to: str | None = None) -> None:
-    """Entry point of a spawned core process (and of ``lorastar engine``)."""
+    """Entry point of a spawned core process (and of ``lorastar engine``).
+
+    A spawned core leaves SIGINT and SIGTERM to its parent: Ctrl-C in a terminal (or systemd's stop)
+    signals the whole process group, and the parent's shutdown drains open requests through this
+    core before its ``Goodbye`` stops it; the core ends at once when the parent is gone."""
     if report_to is not None:  # spawned by a client: die with the parent (no orphaned model in memory)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         _exit_with_parent()
     try:
         core = EngineCoreProc(config, input_address, report_to=report_to)

@@ -31,14 +31,14 @@ async def drain(service: Any, timeout: float) -> int:
     """Refuse new requests, wait up to ``timeout`` s for in-flight ones, end the rest; how many ended."""
     service.refuse_new_requests()
     engine = service.engine
-    core = getattr(engine, "engine", None)
-    deadline = time.monotonic() + timeout
-    while core is not None and core.has_unfinished() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    fail = getattr(engine, "fail_streams", None)
-    if fail is None:
+    if engine is None:
         return 0
-    n = int(fail(APIError("The server is shutting down; the request was ended before it finished.", 503)))
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    n = engine.fail_streams(
+        APIError("The server is shutting down; the request was ended before it finished.", 503)
+    )
     if n:
         logger.warning("lorastar: shutdown: ended %d unfinished request(s) after %.1f s", n, timeout)
     return n

@@ -75,6 +75,7 @@ class FakeAsyncLLM:
         self.total_gen = 0
         self.fail_after: int | None = None  # raise RuntimeError after this many steps (in-band errors)
         self.fail_on_submit: BaseException | None = None
+        self.failed: dict[str, BaseException] = {}  # fail_streams: raised in the request's stream
 
     async def start(self) -> None:
         self.started = True
@@ -126,6 +127,16 @@ class FakeAsyncLLM:
             adapters=per,
         )
 
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def fail_streams(self, exc: BaseException) -> int:
+        rids = list(self.running)
+        for rid in rids:
+            self.failed[rid] = exc
+            self.running.pop(rid, None)
+        return len(rids)
+
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
             self.aborted.append(request_id)
@@ -168,6 +179,8 @@ class FakeAsyncLLM:
                 await asyncio.sleep(self.step_delay)
                 if self.fail_after is not None and step >= self.fail_after:
                     raise RuntimeError("boom: secret internal detail")
+                if rid in self.failed:
+                    raise self.failed.pop(rid)
                 if rid not in self.running:
                     for o in outs:
                         o.finish_reason = "abort"

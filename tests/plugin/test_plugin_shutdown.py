@@ -20,17 +20,42 @@ from plugin_support import free_port, wait_until
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("signals", [1, 2], ids=["one-sigint", "two-sigints"])
-def test_sigint_drains_then_ends_streams_and_exits_0(signals: int) -> None:
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("signals", "engine_process"),
+    [(1, False), (2, False), (1, True)],
+    ids=["one-sigint", "two-sigints", "one-sigint-to-the-group-engine-process"],
+)
+def test_sigint_drains_then_ends_streams_and_exits_0(signals: int, engine_process: bool) -> None:
     """One SIGINT: the 1.5 s drain window, then the error frame. Two: the stream ends at once (the
-    drain window is 60 s here), still with the error frame, exit 0 and no traceback."""
+    drain window is 60 s here), still with the error frame, exit 0 and no traceback. With the engine
+    in a process of its own, the SIGINT goes to the whole process group, as Ctrl-C in a terminal
+    sends it: the core child must not die before the drain, and must be gone after."""
     drain = "1.5" if signals == 1 else "60"
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "lorastar.plugin.cli", "serve", "--port", str(port), "--device", "cpu",
          "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "128",
-         "--shutdown-drain-timeout", drain],
+         "--shutdown-drain-timeout", drain, *(["--engine-process"] if engine_process else [])],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=engine_process,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
 
@@ -58,8 +83,13 @@ def test_sigint_drains_then_ends_streams_and_exits_0(signals: int) -> None:
         t.start()
         assert first.wait(60)
         time.sleep(0.5)
+        core = _children(proc.pid) if engine_process else []
+        assert len(core) == (1 if engine_process else 0), core
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        if engine_process:
+            os.killpg(proc.pid, signal.SIGINT)  # the server and its core, as a terminal's Ctrl-C
+        else:
+            proc.send_signal(signal.SIGINT)
         if signals == 2:
             time.sleep(0.3)
             proc.send_signal(signal.SIGINT)
@@ -86,3 +116,4 @@ def test_sigint_drains_then_ends_streams_and_exits_0(signals: int) -> None:
     assert "KV cache: 128 blocks of 16 tokens = 2048 tokens" in stderr, stderr[-3000:]
     assert f"OpenAI API at http://127.0.0.1:{port}/v1" in stderr
     assert "Traceback" not in stderr and "terminate called" not in stderr, stderr[-3000:]
+    assert wait_until(lambda: not any(map(_alive, core)), timeout=10, interval=0.2)
