@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +74,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def server_cmd(
     system: str, model: str, port: int, vllm_python: str, adapters: dict[str, Path], max_rank: int
 ) -> list[str]:
@@ -99,23 +91,6 @@ def server_cmd(
         return [vllm_python, "-c", _VLLM_CLI, "serve", model, "--port", str(port), "--served-model-name", "m",
                 "--dtype", "float32", "--disable-log-stats", *(lora if mods else [])]  # fmt: skip
     raise SystemExit(f"unknown system {system!r} (lorastar, lorastar_passive, lorastar_process, vllm_cpu)")
-
-
-def wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
 
 
 def bench(
@@ -164,7 +139,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for system in systems:
-            port = free_port()
+            port = common.free_port()
             log = tmp / f"{system}.log"
             server = system.removesuffix("_base")  # the same server without adapters
             served = {} if system.endswith("_base") else adapters
@@ -178,7 +153,7 @@ def main() -> None:
                     stdout=f, stderr=subprocess.STDOUT,
                 )  # fmt: skip
             try:
-                wait_healthy(proc, port, log)
+                common.wait_healthy(proc, port, log.read_text)
                 # First requests pay one-time costs in every server (heap growth, kernel and graph
                 # caches for new shapes): an untimed run at the largest concurrency first.
                 warm = max(concs) if args.warmup_prompts < 0 else args.warmup_prompts

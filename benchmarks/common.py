@@ -12,6 +12,7 @@ import os
 import platform
 import random
 import shlex
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -356,3 +357,29 @@ def machine_line(gemm_roof: float | None = None) -> str:
         + (f" ({share} of the FMA peak)" if share else "")
         + f"; one request streaming 540 MB of fp32 weights per token: at most {bw / 0.54:.0f} tok/s at that bandwidth."
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a server the benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(proc: Any, port: int, output: Callable[[], str], timeout: float = 600.0) -> None:
+    """Poll ``http://127.0.0.1:{port}/health`` until it answers 200; if ``proc`` exits first, raise
+    with the tail of ``output()`` (the server's log)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{output()[-3000:]}")
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")

@@ -27,7 +27,6 @@ import asyncio
 import logging
 import os
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from common import (  # noqa: E402
     RESULTS,
     LoadMonitor,
     env_line,
+    free_port,
     markdown_table,
     new_figure,
     save_figure,
@@ -75,12 +75,6 @@ def zipf_names(names: list[str], n: int, s: float, seed: int) -> list[str]:
     """``n`` draws, adapter ``names[k]`` with weight ``1 / (k + 1)^s``."""
     rng = random.Random(seed)
     return rng.choices(names, weights=[1.0 / (k + 1) ** s for k in range(len(names))], k=n)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def drive(

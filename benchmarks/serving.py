@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,12 +50,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def offline(model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> float:
     """Output tokens/s of ``LLM.generate`` on the prompts (after a warm-up on the first few)."""
     from lorastar import LLM, SamplingParams
@@ -76,24 +69,13 @@ def start_server(
     model: str, port: int, max_num_seqs: int, env: dict[str, str], checkout: Path, extra: list[str]
 ) -> subprocess.Popen[bytes]:
     """``lorastar serve`` with ``checkout``'s code (run from its root, so its package is imported)."""
-    import httpx
 
     cmd = [sys.executable, "-c", "from lorastar.plugin.cli import main; main()", "serve", model, "--port", str(port),
            "--served-model-name", "m", "--dtype", "float32", "--max-num-seqs", str(max_num_seqs),
            "--max-waiting", "4096", "--uvicorn-log-level", "warning", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"lorastar serve exited:\n{proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("lorastar serve did not become healthy")
+    common.wait_healthy(proc, port, lambda: proc.stderr.read().decode(), timeout=300)  # type: ignore[union-attr]
+    return proc
 
 
 async def one_client(
@@ -177,7 +159,7 @@ def main() -> None:
         per_client = [prompts[i::c] for i in range(c)]
         off = offline(model, prompts, a.new_tokens, max(c, 1))
         for name, (checkout, extra) in checkouts.items():
-            port = free_port()
+            port = common.free_port()
             server = start_server(model, port, max(c, 1), env, checkout, extra)
             try:
                 srv = asyncio.run(serve_load(port, per_client, a.new_tokens))

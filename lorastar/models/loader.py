@@ -110,8 +110,9 @@ class WeightLoader:
         if missing:
             raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
         self._plain.clear()  # a method may replace a parameter (and free it) below
-        for table in {id(m): m for m in self.model.modules() if isinstance(m, VocabEmbedding)}.values():
-            table.method.process_weights_after_loading(table)
+        for table in self.model.modules():  # each module once: a tied table is one module
+            if isinstance(table, VocabEmbedding):
+                table.method.process_weights_after_loading(table)
         for prefix, layer in self.linears.items():
             fused = len(layer.output_sizes) > 1
             want = set(range(len(layer.output_sizes))) if fused else {None}
