@@ -1,4 +1,5 @@
-"""Kernel benchmarks on a CUDA GPU: decode/prefill paged attention and punica BGMV/SGMV LoRA.
+"""Kernel benchmarks on a CUDA GPU: decode/prefill paged attention and the punica-style LoRA
+shrink/expand (one launch each per fused linear, eager and CUDA-graph grids).
 
 Reports achieved bandwidth (the fewest bytes each op must move: every input read once, every
 output written once) against the device's measured copy bandwidth (bytes read + written by a
@@ -25,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton.testing  # noqa: E402
 
-from lorastar.kernels.lora import bgmv_expand, bgmv_shrink, sgmv_expand, sgmv_shrink  # noqa: E402
+from lorastar.forward_context import lora_ranges, slot_runs  # noqa: E402
+from lorastar.kernels.lora import lora_expand, lora_shrink  # noqa: E402
 from lorastar.kernels.paged_attention import paged_attention  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -159,74 +161,64 @@ def bench_prefill_attention(quick: bool) -> list[dict]:
     return rows
 
 
-def _lora_case(tokens: int, rank: int, num_adapters: int, hidden: int, n: int) -> dict:
-    slots = 8
-    a = torch.randn(slots, rank, hidden, device="cuda", dtype=DTYPE) * 0.02
-    b = torch.randn(slots, n, rank, device="cuda", dtype=DTYPE) * 0.02
-    ranks = torch.full((slots,), rank, dtype=torch.int32, device="cuda")
-    token_slots = (torch.arange(tokens, device="cuda") % num_adapters).to(torch.int32)
-    token_slots, _ = torch.sort(token_slots)  # segments for SGMV
-    counts = torch.bincount(token_slots, minlength=num_adapters)[:num_adapters]
-    seg_starts = torch.zeros(num_adapters + 1, dtype=torch.int32, device="cuda")
-    seg_starts[1:] = torch.cumsum(counts, 0)
+WIDTHS = [4096, 1024, 1024]  # q/k/v of a 4096-wide GQA model: one fused linear, three slices
+
+
+def _lora_case(tokens: int, rank: int, num_adapters: int, hidden: int) -> dict:
+    """A fused q/k/v linear in the GPU slot layout (8 slots), ``tokens`` rows spread evenly over
+    ``num_adapters`` slots, sorted by slot as the runner orders them."""
+    slots, p = 8, len(WIDTHS)
+    bounds = [sum(WIDTHS[:i]) for i in range(p + 1)]
+    token_slots = sorted(t % num_adapters for t in range(tokens))
+    ranges = lora_ranges([(s, 1) for s in token_slots])
     return {
         "x": torch.randn(tokens, hidden, device="cuda", dtype=DTYPE),
-        "y": torch.randn(tokens, n, device="cuda", dtype=DTYPE),
-        "buf": torch.zeros(tokens, rank, device="cuda", dtype=torch.float32),
-        "a": a,
-        "b": b,
-        "ranks": ranks,
-        "token_slots": token_slots,
-        "seg_starts": seg_starts,
-        "seg_slots": torch.arange(num_adapters, dtype=torch.int32, device="cuda"),
-        "max_seg": int(counts.max()),
+        "y": torch.randn(tokens, bounds[-1], device="cuda", dtype=DTYPE),
+        "buf": torch.zeros(tokens, p * rank, device="cuda", dtype=torch.float32),
+        "a": torch.randn(slots, p * rank, hidden, device="cuda", dtype=DTYPE) * 0.02,
+        "b": torch.randn(slots, bounds[-1], rank, device="cuda", dtype=DTYPE) * 0.02,
+        "ranks": torch.full((slots, p), rank, dtype=torch.int32, device="cuda"),
+        "bounds": torch.tensor(bounds, dtype=torch.int32, device="cuda"),
+        "runs": slot_runs(ranges, slots, "cuda"),
+        "max_rows": max(e - s for _, s, e in ranges),
     }
 
 
+def _shrink(c: dict, rows: int) -> None:
+    c["buf"].zero_()  # split-K atomics: the memset counts in the shrink's time
+    lora_shrink(c["x"], c["a"], c["buf"], c["runs"], c["ranks"], max_rows=rows)
+
+
+def _expand(c: dict, rows: int, **kw: int) -> None:
+    lora_expand(
+        c["buf"], c["b"], c["y"], c["runs"], c["ranks"], c["bounds"],
+        max_rows=rows, max_width=max(WIDTHS), **kw,
+    )  # fmt: skip
+
+
 def bench_lora(copy_bw: float, quick: bool) -> list[dict]:
+    """One shrink and one expand launch per fused q/k/v linear; ``grid`` = fitted (eager: the
+    longest run known on the host) or ``graph`` (a CUDA graph's grid over the whole batch)."""
     rows = []
-    hidden = n = 4096
+    hidden, n = 4096, sum(WIDTHS)
     cases = [(t, r, min(t, 4)) for r in (16, 64) for t in ([1, 8, 16, 32, 64] if not quick else [1, 64])]
     cases += [(64, 64, 8), (64, 16, 8)]  # decode, every slot busy
-    cases += [(t, r, 4) for r in (16, 64) for t in ([256, 2048] if not quick else [2048])]  # prefill: SGMV
+    cases += [(t, r, 4) for r in (16, 64) for t in ([256, 2048] if not quick else [2048])]  # prefill
     for tokens, rank, num_adapters in cases:
-        c = _lora_case(tokens, rank, num_adapters, hidden, n)
-        forms = ("bgmv", "sgmv") if tokens <= 64 else ("sgmv",)
-        for form in forms:
-            if form == "bgmv":
-                shrink = lambda c=c: bgmv_shrink(c["x"], c["a"], c["buf"], c["token_slots"], c["ranks"])  # noqa: E731
-                expand = lambda c=c: bgmv_expand(c["buf"], c["b"], c["y"], c["token_slots"], c["ranks"], 0)  # noqa: E731
-            else:
-                shrink = lambda c=c: sgmv_shrink(  # noqa: E731
-                    c["x"],
-                    c["a"],
-                    c["buf"],
-                    c["seg_starts"],
-                    c["seg_slots"],
-                    c["ranks"],
-                    max_seg_len=c["max_seg"],
-                )
-                expand = lambda c=c: sgmv_expand(  # noqa: E731
-                    c["buf"],
-                    c["b"],
-                    c["y"],
-                    c["seg_starts"],
-                    c["seg_slots"],
-                    c["ranks"],
-                    0,
-                    max_seg_len=c["max_seg"],
-                )
-            # Shrink's fp32 out needs zeroing (split-K atomics); count that memset in its time.
-            ms_s = bench(lambda shrink=shrink, c=c: (c["buf"].zero_(), shrink()))
-            ms_e = bench(expand)
-            eager_s = bench_eager(lambda shrink=shrink, c=c: (c["buf"].zero_(), shrink()))
-            shrink_bytes = num_adapters * rank * hidden * 2 + tokens * hidden * 2 + tokens * rank * 4
-            expand_bytes = num_adapters * n * rank * 2 + tokens * rank * 4 + 2 * tokens * n * 2
+        c = _lora_case(tokens, rank, num_adapters, hidden)
+        grids = {"fitted": c["max_rows"], "graph": tokens} if tokens <= 256 else {"fitted": c["max_rows"]}
+        for grid, max_rows in grids.items():
+            ms_s = bench(lambda c=c, m=max_rows: _shrink(c, m))
+            ms_e = bench(lambda c=c, m=max_rows: _expand(c, m))
+            eager_s = bench_eager(lambda c=c, m=max_rows: _shrink(c, m))
+            p = len(WIDTHS)
+            shrink_bytes = num_adapters * p * rank * hidden * 2 + tokens * hidden * 2 + tokens * p * rank * 4
+            expand_bytes = num_adapters * n * rank * 2 + tokens * p * rank * 4 + 2 * tokens * n * 2
             for op, ms, nbytes in (("shrink", ms_s, shrink_bytes), ("expand", ms_e, expand_bytes)):
                 gbs = nbytes / ms / 1e6
                 rows.append(
                     {
-                        "op": f"{form}_{op}",
+                        "op": f"{op}_{grid}",
                         "tokens": tokens,
                         "rank": rank,
                         "adapters": num_adapters,
@@ -239,57 +231,34 @@ def bench_lora(copy_bw: float, quick: bool) -> list[dict]:
     return rows
 
 
-def sweep_bgmv_blocks(copy_bw: float) -> list[dict]:
-    """Tile-size sweep of the BGMV kernels at 64 decode tokens over 8 rank-64 adapters."""
+def sweep_lora_expand(copy_bw: float) -> list[dict]:
+    """Tile sweep of the expand at prefill size (2048 tokens, 4 rank-64 adapters), checked vs torch."""
     rows = []
-    c = _lora_case(64, 64, 8, 4096, 4096)
-    for bk in (32, 64, 128, 256):
-        ms = bench(
-            lambda c=c, bk=bk: (
-                c["buf"].zero_(),
-                bgmv_shrink(c["x"], c["a"], c["buf"], c["token_slots"], c["ranks"], block_k=bk),
-            )
-        )
-        rows.append({"op": "bgmv_shrink", "block": bk, "us": ms * 1e3})
-    for bn in (32, 64, 128, 256):
-        ms = bench(
-            lambda c=c, bn=bn: bgmv_expand(
-                c["buf"], c["b"], c["y"], c["token_slots"], c["ranks"], 0, block_n=bn
-            )
-        )
-        nbytes = 8 * 4096 * 64 * 2 + 64 * 64 * 4 + 2 * 64 * 4096 * 2
-        rows.append(
-            {"op": "bgmv_expand", "block": bn, "us": ms * 1e3, "%copy": 100 * nbytes / ms / 1e6 / copy_bw}
-        )
-    return rows
-
-
-def sweep_sgmv_expand(copy_bw: float) -> list[dict]:
-    """Tile sweep of SGMV expand at prefill size (2048 tokens, 4 rank-64 adapters), checked vs torch."""
-    rows = []
-    c = _lora_case(2048, 64, 4, 4096, 4096)
+    c = _lora_case(2048, 64, 4, 4096)
     c["buf"].normal_()
     y0 = c["y"].clone()
     ref = y0.float()
-    for g in range(4):
-        rs = slice(int(c["seg_starts"][g]), int(c["seg_starts"][g + 1]))
-        ref[rs] += c["buf"][rs] @ c["b"][g].float().t()
-    nbytes = 4 * 4096 * 64 * 2 + 2048 * 64 * 4 + 2 * 2048 * 4096 * 2
+    bounds = c["bounds"].tolist()
+    runs = c["runs"].tolist()
+    for s in range(4):
+        rs = slice(runs[0][s], runs[0][s] + runs[1][s])
+        for i in range(len(WIDTHS)):
+            cols = slice(bounds[i], bounds[i + 1])
+            ref[rs, cols] += c["buf"][rs, i * 64 : (i + 1) * 64] @ c["b"][s, cols].float().t()
+    n = sum(WIDTHS)
+    nbytes = 4 * n * 64 * 2 + 2048 * 3 * 64 * 4 + 2 * 2048 * n * 2
     for bm in (16, 32, 64):
         for br in (16, 32, 64):
 
             def fn(c: dict = c, bm: int = bm, br: int = br) -> None:
-                sgmv_expand(
-                    c["buf"], c["b"], c["y"], c["seg_starts"], c["seg_slots"], c["ranks"], 0,
-                    max_seg_len=c["max_seg"], block_m=bm, block_r=br,
-                )  # fmt: skip
+                _expand(c, c["max_rows"], block_m=bm, block_r=br)
 
             c["y"].copy_(y0)
             fn()
             err = ((c["y"].float() - ref).norm() / ref.norm()).item()
             ms = bench(fn)
             rows.append(
-                {"op": "sgmv_expand", "block_m": bm, "block_r": br, "us": ms * 1e3,
+                {"op": "lora_expand", "block_m": bm, "block_r": br, "us": ms * 1e3,
                  "%copy": 100 * nbytes / ms / 1e6 / copy_bw, "rel_err": err}
             )  # fmt: skip
     return rows
@@ -341,7 +310,12 @@ def _plot(decode: list[dict], lora: list[dict], copy_bw: float, path: Path) -> N
                     [p["tokens"] for p in pts], [p["GB/s"] for p in pts], marker="o", label=f"{op} r{rank}"
                 )
     ax.axhline(copy_bw, color="gray", ls="--", label="copy bandwidth")
-    ax.set(xscale="log", xlabel="tokens", ylabel="GB/s", title="LoRA shrink/expand (hidden 4096, bf16)")
+    ax.set(
+        xscale="log",
+        xlabel="tokens",
+        ylabel="GB/s",
+        title="LoRA shrink/expand, fused q/k/v (hidden 4096, bf16)",
+    )
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -362,7 +336,7 @@ def main() -> None:
     decode = bench_decode_attention(copy_bw, args.quick)
     prefill = bench_prefill_attention(args.quick)
     lora = bench_lora(copy_bw, args.quick)
-    sweep = sweep_bgmv_blocks(copy_bw) + sweep_sgmv_expand(copy_bw)
+    sweep = sweep_lora_expand(copy_bw)
     header = (
         f"{name}, torch {torch.__version__}, triton {triton.__version__}; copy bandwidth {copy_bw:.0f} GB/s"
     )

@@ -40,27 +40,51 @@ def padded_block_tables(tables: list[list[int]], fill: int = 0) -> torch.Tensor:
 
 @dataclass
 class LoRAMetadata:
-    """Which adapter slot each token uses. Built once per step by the runner.
+    """Which rows use which adapter slot. Built once per step by the runner.
 
-    Invariant: the batch is ordered by adapter slot, so each adapter's tokens are one contiguous
-    run. ``ranges`` lists them as ``(slot, start, end)`` (slot >= 0 only; the CPU path indexes rows
-    with it); ``seg_starts``/``seg_slots`` are the same runs as tensors (-1 = no adapter; punica
-    SGMV); ``token_slots[t]`` is token ``t``'s slot or -1 (punica BGMV, decode). ``ranks[slot]`` is
-    the adapter's true rank, so kernels never compute over the padding.
+    Invariant: rows are ordered by adapter slot, so each adapter's rows are one contiguous run
+    (the one encoding). ``ranges`` lists the runs on the host as ``(slot, start, end)``, slot >= 0
+    only (the CPU path); ``slot_runs`` holds the same runs on the device in a fixed shape,
+    ``[2, max_loras]`` = (start, count) per slot, count 0 for a slot absent from the step (GPU
+    only, vLLM's ``LoRAKernelMeta``): a CUDA graph captured with it replays for any mix of adapters.
     """
 
-    token_slots: torch.Tensor  # [num_tokens] int32
-    seg_starts: torch.Tensor  # [num_segments + 1] int32
-    seg_slots: torch.Tensor  # [num_segments] int32
-    ranks: torch.Tensor  # [max_loras] int32
+    ranges: list[tuple[int, int, int]]  # host-side (slot, start, end), by slot
     max_rank: int  # largest rank among the slots in this batch
-    is_decode: bool = False  # every sequence contributes one token
-    force_bgmv: bool = False  # CUDA graphs: the gather form whatever the batch (no segment data)
+    max_rows: int  # the longest run, or a bound of it (a CUDA graph: its padded batch)
+    slot_runs: torch.Tensor | None = None  # [2, max_loras] int32 (start, count); None on CPU
+    active_slots: int | None = None  # slots with rows (None: unknown, a graph)
     native: bool = False  # CPU: decode rows through the C++ SGMV op (kernels/cpu_native.py)
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # host-side (slot, start, end)
     # Layouts derived from the above by the first layer that needs them, reused by every other
     # layer of the step (the CPU LoRA plan, ``layers/lora.py``).
     derived: dict[str, Any] = field(default_factory=dict)
+
+
+def lora_ranges(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(slot, start, end)`` per adapter from ``(slot, rows)`` per sequence in row order, rows
+    sorted by slot (slot -1: no adapter, skipped)."""
+    ranges: list[tuple[int, int, int]] = []
+    row = 0
+    for slot, n in runs:
+        if slot >= 0:
+            if ranges and ranges[-1][0] == slot and ranges[-1][2] == row:
+                ranges[-1] = (slot, ranges[-1][1], row + n)
+            else:
+                if ranges and ranges[-1][0] >= slot:
+                    raise ValueError(f"LoRA rows not ordered by slot: slot {slot} after {ranges[-1][0]}")
+                ranges.append((slot, row, row + n))
+        row += n
+    return ranges
+
+
+def slot_runs(
+    ranges: list[tuple[int, int, int]], max_loras: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``[2, max_loras]`` int32 (start, count) per slot from ``ranges`` (absent slots: 0, 0)."""
+    runs = [[0] * max_loras, [0] * max_loras]
+    for slot, start, end in ranges:
+        runs[0][slot], runs[1][slot] = start, end - start
+    return torch.tensor(runs, dtype=torch.int32, device=device)
 
 
 @dataclass

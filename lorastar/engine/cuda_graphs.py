@@ -8,10 +8,12 @@ only that block, carry no adapter, and their outputs are dropped.
 
 Graphs are captured lazily, the first time a size is needed, after an eager warm-up run on the
 same buffers (Triton compiles outside the capture). Attention is captured for ``max_model_len``
-contexts (the kernels stop at each row's ``seq_lens`` on the device), LoRA in the gather form
-(BGMV) whatever the batch; adapter weights and ranks are read from the slot buffers at replay,
-so hot-loading an adapter needs no recapture unless it allocates a new slice buffer
-(``LoRADeviceState.layout_version``), which drops the LoRA graphs. If a capture fails (an op that
+contexts (the kernels stop at each row's ``seq_lens`` on the device); LoRA graphs run the same
+sorted shrink/expand as eager steps (rows ordered by adapter slot, each slot's run read from the
+static ``[2, max_loras]`` buffer at replay, so one graph serves any mix of adapters). Adapter
+weights and ranks are read from the slot buffers at replay, so hot-loading an adapter needs no
+recapture unless it allocates a new linear's buffers (``LoRADeviceState.layout_version``), which
+drops the LoRA graphs. If a capture fails (an op that
 cannot be captured), decode falls back to eager for good, with a warning.
 """
 
@@ -22,7 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.forward_context import (
+    AttentionMetadata,
+    ForwardContext,
+    LoRAMetadata,
+    padded_block_tables,
+    slot_runs,
+)
 
 if TYPE_CHECKING:
     from lorastar.layers.lora import LoRADeviceState
@@ -73,12 +81,13 @@ class DecodeGraphs:
         # Static inputs; rows past the live batch always hold the padding values.
         self.i64 = torch.zeros(3, n, dtype=torch.int64, device=dev)  # input_ids, positions, slot_mapping
         self.i64[2] = self.scratch_slot
-        self.i32 = torch.zeros(2, n, dtype=torch.int32, device=dev)  # seq_lens, token_slots
-        self.i32[0] = 1
-        self.i32[1] = -1
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        # (start, count) of each adapter slot's rows; rows are sorted by slot, padding has none.
+        self.lora_runs = torch.zeros(
+            2, lora_state.max_loras if lora_state else 1, dtype=torch.int32, device=dev
+        )
         self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.no_segments = torch.zeros(1, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: tuple[int, int] | None = None
         self.lora_version = lora_state.layout_version if lora_state is not None else 0
@@ -96,7 +105,7 @@ class DecodeGraphs:
         md = AttentionMetadata(
             slot_mapping=self.i64[2, :n],
             query_start_loc=self.query_start_loc[: n + 1],
-            seq_lens=self.i32[0, :n],
+            seq_lens=self.seq_lens[:n],
             block_tables=self.block_tables[:n],
             max_query_len=1,
             max_seq_len=self.max_model_len,
@@ -105,13 +114,7 @@ class DecodeGraphs:
         lora = None
         if with_lora and self.lora_state is not None:
             lora = LoRAMetadata(
-                token_slots=self.i32[1, :n],
-                seg_starts=self.no_segments,
-                seg_slots=self.no_segments,
-                ranks=self.lora_state.ranks,
-                max_rank=self.lora_state.max_rank,
-                is_decode=True,
-                force_bgmv=True,
+                ranges=[], max_rank=self.lora_state.max_rank, max_rows=n, slot_runs=self.lora_runs
             )
         return ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
@@ -140,15 +143,17 @@ class DecodeGraphs:
         slots: list[int],
         seq_lens: list[int],
         tables: list[list[int]],
-        token_slots: list[int] | None,
+        lora_ranges: list[tuple[int, int, int]] | None,
     ) -> torch.Tensor | None:
         """Logits ``[b, vocab]`` of one decode step of ``b = len(ids)`` sequences, or ``None``
-        when graphs cannot serve it (too many sequences, or disabled after a failed capture)."""
+        when graphs cannot serve it (too many sequences, or disabled after a failed capture).
+        ``lora_ranges``: each adapter's rows ``(slot, start, end)`` (rows sorted by slot), or
+        ``None`` for a step without adapters."""
         b = len(ids)
         n = self.padded_size(b)
         if self.disabled or n is None:
             return None
-        with_lora = token_slots is not None and self.lora_state is not None
+        with_lora = lora_ranges is not None and self.lora_state is not None
         if with_lora and self.lora_state.layout_version != self.lora_version:  # type: ignore[union-attr]
             self.graphs = {k: v for k, v in self.graphs.items() if not k[1]}
             self.lora_version = self.lora_state.layout_version  # type: ignore[union-attr]
@@ -156,14 +161,15 @@ class DecodeGraphs:
         if self.prev_batch > b:
             self.i64[:2, b : self.prev_batch] = 0
             self.i64[2, b : self.prev_batch] = self.scratch_slot
-            self.i32[0, b : self.prev_batch] = 1
-            self.i32[1, b : self.prev_batch] = -1
+            self.seq_lens[b : self.prev_batch] = 1
             self.block_tables[b : self.prev_batch, 0] = self.scratch_block
         self.prev_batch = b
         bt = padded_block_tables(tables, self.scratch_block)  # [b, width]
         width = bt.shape[1]
         self.i64[:, :b].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64))
-        self.i32[:, :b].copy_(torch.tensor([seq_lens, token_slots or [-1] * b], dtype=torch.int32))
+        self.seq_lens[:b].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        if with_lora:
+            self.lora_runs.copy_(slot_runs(lora_ranges or [], self.lora_runs.shape[1]))
         self.block_tables[:b, :width].copy_(bt)
         key = (n, with_lora)
         entry = self.graphs.get(key)

@@ -9,7 +9,7 @@ import torch
 from lorastar.engine.cuda_graphs import DecodeGraphs
 from lorastar.engine.prompt_logprobs import PromptTokenLogprobs, score_prompt_rows
 from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
-from lorastar.forward_context import ForwardContext, LoRAMetadata, padded_block_tables
+from lorastar.forward_context import ForwardContext, LoRAMetadata, lora_ranges, padded_block_tables, slot_runs
 from lorastar.layers.attention import build_attention_metadata
 from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.llama import LlamaForCausalLM
@@ -111,13 +111,13 @@ class ModelRunner:
         seq_lens: list[int] = []
         q_lens: list[int] = []
         tables: list[list[int]] = []
-        token_slots: list[int] = []
+        runs: list[tuple[int, int]] = []  # (slot, rows) per sequence, in row order
         seq_slots: list[int] = []
         scheduled = out.scheduled
         order = range(len(scheduled))
         if adapter_slot is not None:
-            # Rows in adapter order: each adapter's tokens are one contiguous range (one segment
-            # for SGMV, plain views on CPU); logits rows are mapped back to schedule order below.
+            # Rows in adapter order: each adapter's tokens are one contiguous run (LoRAMetadata's
+            # one encoding); logits rows are mapped back to schedule order below.
             seq_slots = [
                 -1 if s.seq.adapter_key is None else adapter_slot[s.seq.adapter_key] for s in scheduled
             ]
@@ -134,14 +134,14 @@ class ModelRunner:
             tables.append(seq.block_table)
             last_row[idx] = len(ids) - 1
             if adapter_slot is not None:
-                token_slots.extend([seq_slots[idx]] * n)
+                runs.append((seq_slots[idx], n))
 
         dev = self.device
         md = build_attention_metadata(
             slots, q_lens, seq_lens, padded_block_tables(tables), block_size=self.block_size, device=dev,
             native_cpu_decode=self.native_cpu_kernels,
         )  # fmt: skip
-        lora = self._prepare_lora(token_slots, q_lens) if adapter_slot is not None else None
+        lora = self._prepare_lora(runs) if adapter_slot is not None else None
         ctx = ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
         )  # fmt: skip
@@ -149,38 +149,20 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.int64, device=dev)
         return input_ids, positions, ctx, last_row
 
-    def _prepare_lora(self, token_slots: list[int], q_lens: list[int]) -> LoRAMetadata | None:
-        if all(s < 0 for s in token_slots):
-            return None
+    def _prepare_lora(self, runs: list[tuple[int, int]]) -> LoRAMetadata | None:
+        """The step's LoRA rows from ``(slot, rows)`` per sequence in row order (sorted by slot)."""
         state = self.lora_state
         if state is None:
             return None
-        dev = self.device
-        seg_starts = [0]
-        seg_slots: list[int] = []
-        row = 0
-        for n in q_lens:
-            slot = token_slots[row]
-            if seg_slots and seg_slots[-1] == slot:
-                seg_starts[-1] = row + n
-            else:
-                seg_slots.append(slot)
-                seg_starts.append(row + n)
-            row += n
-        # Rows come sorted by slot (``prepare``), so each adapter is one contiguous range.
-        ranges: list[tuple[int, int, int]] = []
-        for slot, start, end in zip(seg_slots, seg_starts, seg_starts[1:]):
-            if slot >= 0:
-                ranges.append((slot, start, end))
-        ranks_host = state.ranks_host
+        ranges = lora_ranges(runs)
+        if not ranges:
+            return None
         return LoRAMetadata(
             ranges=ranges,
-            token_slots=torch.tensor(token_slots, dtype=torch.int32, device=dev),
-            seg_starts=torch.tensor(seg_starts, dtype=torch.int32, device=dev),
-            seg_slots=torch.tensor(seg_slots, dtype=torch.int32, device=dev),
-            ranks=state.ranks,
-            max_rank=max(ranks_host[s] for s, _, _ in ranges),
-            is_decode=all(q == 1 for q in q_lens),
+            max_rank=max(state.ranks_host[s] for s, _, _ in ranges),
+            max_rows=max(e - s for _, s, e in ranges),
+            slot_runs=slot_runs(ranges, state.max_loras, self.device) if state.reads_slot_runs else None,
+            active_slots=len(ranges),
             native=self.native_cpu_kernels,
         )
 
@@ -238,23 +220,33 @@ class ModelRunner:
     def _execute_graph(
         self, graphs: DecodeGraphs, out: SchedulerOutput, adapter_slot: dict[str, int] | None
     ) -> torch.Tensor | None:
-        """A pure-decode step through a captured CUDA graph (rows in schedule order)."""
+        """A pure-decode step through a captured CUDA graph (rows sorted by adapter slot, as in
+        eager steps; logits returned in schedule order)."""
         bs = self.block_size
+        scheduled = out.scheduled
+        order: list[int] = list(range(len(scheduled)))
+        ranges = None
+        if adapter_slot is not None:
+            keys = [s.seq.adapter_key for s in scheduled]
+            seq_slots = [-1 if k is None else adapter_slot[k] for k in keys]
+            order.sort(key=seq_slots.__getitem__)
+            ranges = lora_ranges([(seq_slots[i], 1) for i in order])
         ids, pos, slots, seq_lens, tables = [], [], [], [], []
-        for s in out.scheduled:
-            seq, p = s.seq, s.start
+        for i in order:
+            seq, p = scheduled[i].seq, scheduled[i].start
             ids.append(seq.token_ids[p])
             pos.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
             seq_lens.append(p + 1)
             tables.append(seq.block_table)
-        token_slots = None
-        if adapter_slot is not None:
-            keys = [s.seq.adapter_key for s in out.scheduled]
-            token_slots = [-1 if k is None else adapter_slot[k] for k in keys]
-        logits = graphs.run(ids, pos, slots, seq_lens, tables, token_slots)
+        logits = graphs.run(ids, pos, slots, seq_lens, tables, ranges)
         if logits is None:
             return None
-        if not all(s.samples for s in out.scheduled):  # a one-token prefill chunk that is not the last
-            logits = logits[[i for i, s in enumerate(out.scheduled) if s.samples]]
+        if order != list(range(len(order))):  # back to schedule order
+            inverse = [0] * len(order)
+            for row, i in enumerate(order):
+                inverse[i] = row
+            logits = logits[inverse]
+        if not all(s.samples for s in scheduled):  # a one-token prefill chunk that is not the last
+            logits = logits[[i for i, s in enumerate(scheduled) if s.samples]]
         return logits

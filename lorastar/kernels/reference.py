@@ -108,7 +108,7 @@ def ref_paged_attention(
 
 
 # ---------------------------------------------------------------------------------------------
-# Multi-LoRA (punica BGMV/SGMV semantics)
+# Multi-LoRA: per token (the CPU path's semantics) and over slot runs (the Triton kernels)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -154,6 +154,49 @@ def ref_lora_expand(
         r = int(ranks[s])
         delta = lora_b[s, :, :r].float() @ buf[t, :r].float()  # [N]
         new_y[t, offset : offset + n] = (y[t, offset : offset + n].float() + delta).to(y.dtype)
+    return new_y
+
+
+def ref_lora_shrink_runs(
+    x: torch.Tensor,  # [T, H]
+    lora_a: torch.Tensor,  # [S, P * R, H]
+    slot_runs: torch.Tensor,  # [2, S] int32 (start, count)
+    ranks: torch.Tensor,  # [S, P] int32
+) -> torch.Tensor:
+    """``kernels/lora.lora_shrink``: ``out[rows_s, i*R : i*R + r] = x[rows_s] @ lora_a[s, i*R : i*R + r].T``
+    for each slot ``s`` and slice ``i`` (``r = ranks[s, i]``); zero elsewhere. Returns fp32 ``[T, P * R]``."""
+    num_slots, p = ranks.shape
+    width = lora_a.shape[1] // p
+    out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for s in range(num_slots):
+        start, count = int(slot_runs[0, s]), int(slot_runs[1, s])
+        for i in range(p):
+            r, c = int(ranks[s, i]), i * width
+            for t in range(start, start + count):
+                out[t, c : c + r] = lora_a[s, c : c + r].float() @ x[t].float()
+    return out
+
+
+def ref_lora_expand_runs(
+    y: torch.Tensor,  # [T, Ntot]
+    buf: torch.Tensor,  # [T, P * R]
+    lora_b: torch.Tensor,  # [S, Ntot, R]
+    slot_runs: torch.Tensor,  # [2, S] int32
+    ranks: torch.Tensor,  # [S, P] int32
+    bounds: torch.Tensor,  # [P + 1] int32
+) -> torch.Tensor:
+    """``kernels/lora.lora_expand``: a new ``y`` with ``y[rows_s, lo:hi] += buf[rows_s, i*R : i*R + r] @ lora_b[s, lo:hi, :r].T``
+    for each slot ``s`` and slice ``i`` (``lo, hi = bounds[i], bounds[i + 1]``). Sum in fp32."""
+    num_slots, p = ranks.shape
+    width = buf.shape[1] // p
+    new_y = y.clone()
+    for s in range(num_slots):
+        start, count = int(slot_runs[0, s]), int(slot_runs[1, s])
+        for i in range(p):
+            r, c, lo, hi = int(ranks[s, i]), i * width, int(bounds[i]), int(bounds[i + 1])
+            for t in range(start, start + count):
+                delta = lora_b[s, lo:hi, :r].float() @ buf[t, c : c + r].float()
+                new_y[t, lo:hi] = (y[t, lo:hi].float() + delta).to(y.dtype)
     return new_y
 
 

@@ -1,12 +1,12 @@
-"""LoRA on the device: per-linear slot buffers, the per-slot rank table, and a fused linear's
-LoRA entry points (``add_lora`` on GPU: punica kernels; ``add_lora_cpu`` on CPU).
+"""LoRA on the device: per-linear slot buffers and the entry points that add a fused linear's
+adapter deltas (``GpuLoRASlots.apply``: the punica kernels; ``add_lora_cpu`` on CPU).
 
-Each LoRA-capable ``Linear`` gets a ``LoRASlots``, one implementation per device (``GpuLoRASlots``,
-``CpuLoRASlots``): per slice (q/k/v, gate/up, ...) an A buffer ``[max_loras, max_rank, in]`` and
-a B buffer (scaling folded in) ``[max_loras, out_slice, max_rank]`` on GPU, transposed
-``[max_loras, max_rank, out_slice]`` on CPU, allocated the first time an adapter targets that
-slice. Ranks below ``max_rank`` are zero-padded in storage but the kernels compute only up to each
-slot's true rank.
+Each LoRA-capable ``Linear`` gets a ``LoRASlots``, one implementation per device. On GPU all
+slices (q/k/v, gate/up, ...) share one A ``[max_loras, P * max_rank, in]`` and one B
+``[max_loras, out, max_rank]`` buffer, so one shrink and one expand launch cover the linear; on CPU
+each slice has its own A ``[max_loras, max_rank, in]`` and B transposed
+``[max_loras, max_rank, out_slice]``. Ranks below ``max_rank`` are zero-padded in storage but every
+path computes only up to each slot's true rank.
 """
 
 from __future__ import annotations
@@ -18,21 +18,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from lorastar.forward_context import LoRAMetadata
+from lorastar.kernels._triton import HAS_TRITON
 from lorastar.kernels.cpu_native import lora_segments
-from lorastar.kernels.lora import (
-    bgmv_expand,
-    bgmv_shrink,
-    sgmv_expand,
-    sgmv_shrink,
-)
+from lorastar.kernels.lora import lora_expand, lora_shrink
 
 if TYPE_CHECKING:
     from lorastar.layers.linear import Linear
 
 
 class LoRASlots(ABC):
-    """One linear's adapter slots: B per slice ``[S, N_i, R]`` (allocated the first time an adapter
-    targets the slice), each slot's targeted slices and rank. Subclasses store A for their device."""
+    """One linear's adapter slots: which slices each slot targets, at which rank. Subclasses store
+    the weights in their device's layout."""
+
+    reads_slot_runs = False  # whether ``apply`` needs ``LoRAMetadata.slot_runs`` (device tensors)
 
     def __init__(
         self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
@@ -42,9 +40,6 @@ class LoRASlots(ABC):
         self.max_rank = max_rank
         self.dtype = dtype
         self.device = device
-        self.a: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, R, in]
-        # Per slice [S, N_i, R] (GPU) or [S, R, N_i] (CPU: rows of B.T, read contiguously per rank).
-        self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)
         self.slot_slices: list[list[int]] = [[] for _ in range(max_loras)]  # slices each slot targets
         self.slot_ranks = [0] * max_loras  # each slot's rank in this linear
         # Slots whose slices share one A (a LoRA on the fused module, Phi-3): the CPU path shrinks once
@@ -59,29 +54,29 @@ class LoRASlots(ABC):
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], *, shared_a: bool = False
     ) -> None:
         """Write an adapter's A ``[r, in]`` / B ``[out, r]`` per module name into ``slot``
-        (modules of lower rank than the slot's are zero-padded to it). ``shared_a``: every slice has
-        the same A (a LoRA on the fused module), so one shrink serves them all."""
+        (everything the slot held before is zeroed). ``shared_a``: every slice has the same A (a
+        LoRA on the fused module), so one shrink serves them all."""
         names = self.layer.slice_names
-        rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         slices = [i for i, name in enumerate(names) if name in weights]
-        for buf in (*self.a, *self.b):
-            if buf is not None:
-                buf[slot].zero_()
+        self._clear(slot)
         for i in slices:
-            a, b = weights[names[i]]
-            if self.a[i] is None:
-                self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
-            self.a[i][slot, : a.shape[0]].copy_(a)  # type: ignore[index]
-            self._write_b(slot, i, b)
+            self._write(slot, i, *weights[names[i]])
         self.slot_slices[slot] = slices
-        self.slot_ranks[slot] = rank
+        self.slot_ranks[slot] = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.slot_shared_a[slot] = shared_a
 
-    def _write_b(self, slot: int, i: int, b: torch.Tensor) -> None:
-        """Store B ``[out, r]`` (scaled) of slice ``i``: ``[S, N_i, R]`` buffers by default."""
-        if self.b[i] is None:
-            self.b[i] = self._zeros(self.max_loras, self.layer.output_sizes[i], self.max_rank)
-        self.b[i][slot, :, : b.shape[1]].copy_(b)  # type: ignore[index]
+    @property
+    @abstractmethod
+    def num_buffers(self) -> int:
+        """Weight buffers allocated so far (a new one makes captured CUDA graphs stale)."""
+
+    @abstractmethod
+    def _clear(self, slot: int) -> None:
+        """Zero everything ``slot`` holds."""
+
+    @abstractmethod
+    def _write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Store slice ``i``'s A ``[r, in]`` and B ``[N_i, r]`` (scaled) in ``slot``."""
 
     @abstractmethod
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
@@ -89,24 +84,106 @@ class LoRASlots(ABC):
 
 
 class GpuLoRASlots(LoRASlots):
-    """Run by the punica kernels (``add_lora``)."""
+    """All slices of the linear in one buffer each, so one shrink and one expand launch cover it
+    (``kernels/lora.py``): A ``[S, P * R, in]`` (slice ``i`` in rows ``i * R ..``), B
+    ``[S, Ntot, R]`` (slice ``i`` in the rows of its output columns) and ``ranks [S, P]`` (each
+    slot's true rank per slice, 0 where it targets none; the kernels skip those). Allocated whole
+    the first time an adapter targets the linear: a slice no adapter targets costs memory (vLLM
+    allocates every slice too) but no compute. The buffers never move, so captured CUDA graphs
+    read hot-loaded adapters at replay."""
+
+    reads_slot_runs = True
+
+    def __init__(
+        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(layer, max_loras, max_rank, dtype, device)
+        self.a: torch.Tensor | None = None  # [S, P * R, in]
+        self.b: torch.Tensor | None = None  # [S, Ntot, R]
+        self.ranks = torch.zeros(max_loras, len(layer.slice_names), dtype=torch.int32, device=device)
+        self.bounds = torch.tensor(layer.slice_offsets(), dtype=torch.int32, device=device)  # [P + 1]
+        self.max_width = max(layer.output_sizes)
+
+    @property
+    def num_buffers(self) -> int:
+        return int(self.a is not None)
+
+    def _clear(self, slot: int) -> None:
+        if self.a is not None and self.b is not None:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        self.ranks[slot] = 0
+
+    def _write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.a is None or self.b is None:
+            p = len(self.layer.slice_names)
+            self.a = self._zeros(self.max_loras, p * self.max_rank, self.layer.input_size)
+            self.b = self._zeros(self.max_loras, sum(self.layer.output_sizes), self.max_rank)
+        r, lo = a.shape[0], i * self.max_rank
+        self.a[slot, lo : lo + r].copy_(a)
+        self.b[slot, self.offsets[i] : self.offsets[i] + b.shape[0], :r].copy_(b)
+        self.ranks[slot, i] = r
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
-        add_lora(y, x, self.a, self.b, meta, self.offsets)
+        """Semantics: ``for slot's rows, slice i: y[rows, cols_i] += (x[rows] @ A_i[slot, :r].T) @ B_i[slot, :, :r].T``
+        (``r = ranks[slot, i]``; rows of no slot untouched)."""
+        if self.a is None or self.b is None or x.shape[0] == 0 or meta.max_rows == 0:
+            return
+        if meta.slot_runs is None:
+            raise ValueError("GPU LoRA needs LoRAMetadata.slot_runs")
+        # fp32 intermediate: split-K shrink accumulates with atomics, and rounding stays out of it.
+        buf = torch.zeros(x.shape[0], self.a.shape[1], dtype=torch.float32, device=x.device)  # [T, P * R]
+        lora_shrink(
+            x, self.a, buf, meta.slot_runs, self.ranks, max_rows=meta.max_rows, active_slots=meta.active_slots
+        )
+        lora_expand(
+            buf, self.b, y, meta.slot_runs, self.ranks, self.bounds,
+            max_rows=meta.max_rows, max_width=self.max_width,
+        )  # fmt: skip
 
 
 class CpuLoRASlots(LoRASlots):
-    """B transposed, ``[S, R, out]``: the expand then reads rank ``j``'s row of B.T as one
-    contiguous run (a B row ``[R]`` read its first r of R floats, strided). A fused-module LoRA
-    writes its one A into every slice. Run by ``add_lora_cpu``."""
+    """Per slice, allocated the first time an adapter targets it: A ``[S, R, in]`` and B
+    transposed, ``[S, R, out]``: the expand then reads rank ``j``'s row of B.T as one contiguous
+    run (a B row ``[R]`` read its first r of R floats, strided). A fused-module LoRA writes its one
+    A into every slice. Run by ``add_lora_cpu``."""
 
-    def _write_b(self, slot: int, i: int, b: torch.Tensor) -> None:
+    def __init__(
+        self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__(layer, max_loras, max_rank, dtype, device)
+        self.a: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, R, in]
+        self.b: list[torch.Tensor | None] = [None] * len(layer.slice_names)  # per slice [S, R, N_i]
+
+    @property
+    def num_buffers(self) -> int:
+        return sum(b is not None for b in self.b)
+
+    def _clear(self, slot: int) -> None:
+        for buf in (*self.a, *self.b):
+            if buf is not None:
+                buf[slot].zero_()
+
+    def _write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self.a[i] is None:
+            self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
         if self.b[i] is None:
             self.b[i] = self._zeros(self.max_loras, self.max_rank, self.layer.output_sizes[i])
+        self.a[i][slot, : a.shape[0]].copy_(a)  # type: ignore[index]
         self.b[i][slot, : b.shape[1]].copy_(b.t())  # type: ignore[index]
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         add_lora_cpu(y, x, self.a, self.b, meta, self.offsets, self.slot_ranks, self.slot_shared_a)
+
+
+def lora_slots_class(device: torch.device) -> type[LoRASlots]:
+    """The slot implementation for ``device``: torch matmuls (and the C++ op) on CPU, the Triton
+    kernels elsewhere."""
+    if device.type == "cpu":
+        return CpuLoRASlots
+    if not HAS_TRITON:
+        raise RuntimeError(f"LoRA on {device.type} needs Triton for its kernels (pip install triton)")
+    return GpuLoRASlots
 
 
 class LoRADeviceState:
@@ -123,12 +200,12 @@ class LoRADeviceState:
         self.max_loras = max_loras
         self.device = device
         self.slots: list[tuple[int, LoRASlots]] = []  # (layer index, slots of one linear)
-        slots_cls = CpuLoRASlots if device.type == "cpu" else GpuLoRASlots
+        slots_cls = lora_slots_class(device)
+        self.reads_slot_runs = slots_cls.reads_slot_runs
         for prefix, lin in linears.items():
             lin.lora = slots_cls(lin, max_loras, max_rank, dtype, device)
             self.slots.append((int(prefix.split(".")[2]), lin.lora))
-        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [max_loras]
-        self.ranks_host = [0] * max_loras
+        self.ranks_host = [0] * max_loras  # each slot's largest rank
         self.max_rank = max_rank
         # Bumped when an upload allocates a slice buffer: captured CUDA graphs that skipped the
         # slice (no buffer then) are stale.
@@ -156,12 +233,11 @@ class LoRADeviceState:
             }, shared_a=fused is not None and len(lora.layer.slice_names) > 1)  # fmt: skip
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.ranks_host[slot] = rank
-        self.ranks[slot] = rank
         if self._num_buffers() != allocated:
             self.layout_version += 1
 
     def _num_buffers(self) -> int:
-        return sum(b is not None for _, lora in self.slots for b in lora.b)
+        return sum(lora.num_buffers for _, lora in self.slots)
 
 
 @dataclass
@@ -370,57 +446,3 @@ def add_lora_cpu(
             if t is None or not (slot_shared_a is not None and slot_shared_a[slot]):
                 t = xs @ a[slot, :r].t()  # [n, r]
             y[s:e, off : off + b.shape[2]].addmm_(t, b[slot, :r])
-
-
-def add_lora(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a_slices: list[torch.Tensor | None],
-    lora_b_slices: list[torch.Tensor | None],
-    meta: LoRAMetadata,
-    offsets: list[int],
-    *,
-    force_triton: bool = False,
-) -> None:
-    """GPU path: add every slice's LoRA delta to a fused linear's output (q/k/v or gate/up slices)
-    with the punica kernels (on CPU tensors they fall back to their torch forms; the engine's CPU
-    path is ``add_lora_cpu``).
-
-    Semantics: ``for i: if A[i] is not None: y[:, offsets[i]:offsets[i]+N_i] += (x @ A[i][slot].T) @ B[i][slot].T``
-    per token with its slot (``meta.token_slots``; -1 rows untouched), at the slot's true rank.
-
-    Args:
-        y: ``[T, Ntot]`` base output, updated in place.
-        x: ``[T, H]`` layer input.
-        lora_a_slices: per slice ``[S, R, H]`` or ``None`` (no adapter targets that slice).
-        lora_b_slices: per slice ``[S, N_i, R]`` (scaling folded in by the caller).
-        meta: the step's ``LoRAMetadata`` (BGMV when ``meta.is_decode``, SGMV otherwise).
-        offsets: first column of each slice in ``y``.
-    """
-    if x.shape[0] == 0:
-        return
-    # Decode rows sorted by adapter form few long segments: SGMV's tensor-core tiles then beat
-    # one GEMV per token. Shapes only (no device sync): tokens vs number of segments.
-    num_segments = meta.seg_slots.shape[0]
-    use_bgmv = meta.force_bgmv or (meta.is_decode and (x.shape[0] < 16 or 4 * num_segments > x.shape[0]))
-    live = _live_slices(lora_a_slices, lora_b_slices, offsets)
-    if not live:
-        return
-    # One fp32 intermediate for all slices (column block per slice): split-K shrink accumulates
-    # with atomics, and rounding stays out of it.
-    cols = [0]
-    for a, _, _ in live:
-        cols.append(cols[-1] + a.shape[1])
-    buf_all = torch.zeros(x.shape[0], cols[-1], dtype=torch.float32, device=x.device)  # [T, P * R]
-    for k, (a, b, off) in enumerate(live):
-        buf = buf_all[:, cols[k] : cols[k + 1]]  # [T, R] view
-        if use_bgmv:
-            bgmv_shrink(x, a, buf, meta.token_slots, meta.ranks, 1.0, force_triton=force_triton)
-            bgmv_expand(buf, b, y, meta.token_slots, meta.ranks, off, force_triton=force_triton)
-        else:
-            sgmv_shrink(
-                x, a, buf, meta.seg_starts, meta.seg_slots, meta.ranks, 1.0, force_triton=force_triton
-            )
-            sgmv_expand(
-                buf, b, y, meta.seg_starts, meta.seg_slots, meta.ranks, off, force_triton=force_triton
-            )

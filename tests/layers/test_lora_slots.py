@@ -1,21 +1,19 @@
 """The two LoRA slot implementations store the same adapters and add the same deltas (the GPU one
-runs here through the punica ops' torch forms on CPU tensors, and interpreted Triton)."""
+through the Triton kernels, interpreted on CPU), for a step's rows sorted by slot and for a CUDA
+graph's fixed grid over the whole batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import lorastar.kernels.lora as lora_kernels
-from lorastar.forward_context import LoRAMetadata
+from lorastar.forward_context import LoRAMetadata, lora_ranges, slot_runs
 from lorastar.layers.linear import Linear
 from lorastar.layers.lora import CpuLoRASlots, GpuLoRASlots
 
 
-@pytest.mark.parametrize("is_decode", [False, True])  # SGMV segments / BGMV gather
-@pytest.mark.parametrize("triton", [False, True])
-def test_cpu_and_gpu_slots_agree(triton: bool, is_decode: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lora_kernels, "FORCE_TRITON", triton)  # the punica kernels, interpreted
+@pytest.mark.parametrize("graph_grid", [False, True])
+def test_cpu_and_gpu_slots_agree(graph_grid: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     layer = Linear(
         16, [8, 4, 4], bias=False, prefix="qkv", slice_names=["q", "k", "v"], params_dtype=torch.float32
@@ -39,15 +37,10 @@ def test_cpu_and_gpu_slots_agree(triton: bool, is_decode: bool, monkeypatch: pyt
     w = {"k": (torch.randn(8, 16, generator=gen), torch.randn(4, 8, generator=gen))}
     for s in slots:
         s.set_slot(1, w)  # the old q/v of slot 1 must be gone
-    token_slots = [0, 0, 1, 2, 2, -1]  # rows in slot order, as the runner builds them
+    ranges = lora_ranges([(-1, 1), (0, 2), (1, 1), (2, 2)])  # rows in slot order, as the runner builds them
+    assert ranges == [(0, 1, 3), (1, 3, 4), (2, 4, 6)]
     meta = LoRAMetadata(
-        token_slots=torch.tensor(token_slots, dtype=torch.int32),
-        seg_starts=torch.tensor([0, 2, 3, 5, 6], dtype=torch.int32),
-        seg_slots=torch.tensor([0, 1, 2, -1], dtype=torch.int32),
-        ranks=torch.tensor([4, 8, 2], dtype=torch.int32),
-        max_rank=8,
-        ranges=[(0, 0, 2), (1, 2, 3), (2, 3, 5)],
-        is_decode=is_decode,
+        ranges=ranges, max_rank=8, max_rows=6 if graph_grid else 2, slot_runs=slot_runs(ranges, 3)
     )
     x = torch.randn(6, 16, generator=gen)
     ys = []
@@ -56,5 +49,14 @@ def test_cpu_and_gpu_slots_agree(triton: bool, is_decode: bool, monkeypatch: pyt
         s.apply(x, y, meta)
         ys.append(y)
     torch.testing.assert_close(ys[0], ys[1])
-    assert ys[0][5].abs().sum() == 0 and ys[0][2, :8].abs().sum() == 0  # no adapter / slot 1 lost q
+    assert ys[0][0].abs().sum() == 0 and ys[0][3, :8].abs().sum() == 0  # no adapter / slot 1 lost q
     assert ys[0].abs().sum() > 0
+    gpu = slots[1]
+    assert isinstance(gpu, GpuLoRASlots)
+    assert gpu.ranks.tolist() == [[4, 0, 4], [0, 8, 0], [0, 2, 0]]  # the kernels skip the zeros
+
+
+def test_lora_ranges_rejects_unsorted_rows() -> None:
+    assert lora_ranges([(0, 2), (0, 1), (-1, 3), (2, 1)]) == [(0, 0, 3), (2, 6, 7)]
+    with pytest.raises(ValueError, match="not ordered by slot"):
+        lora_ranges([(1, 1), (0, 1)])
