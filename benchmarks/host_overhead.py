@@ -2,8 +2,10 @@
 
 A 1-layer random Llama with hidden size 32 and SmolLM2's tokenizer (real detokenization), N
 sequences decoding at once; each step is timed whole and by part: schedule, prepare (input
-tensors), forward (model + logits), sample, output (append, detokenize, stop checks, outputs)
-and update (scheduler bookkeeping). Per-part times come from wrapping the engine's own methods,
+tensors), forward (model + logits), sample, output (the core's token appends and deltas; before
+the output processor existed, also detokenization and stop strings), frontend (the output
+processor: detokenize, stop strings, RequestOutputs; in a frontend process when the core has its
+own) and update (scheduler bookkeeping). Per-part times come from wrapping the engine's own methods,
 so they cost the same in any checkout that has those methods.
 
 ``--other PATH`` runs the same measurement on a second checkout (``git worktree add /tmp/base
@@ -28,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PARTS = ("schedule", "prepare", "forward", "sample", "output", "update")
+PARTS = ("schedule", "prepare", "forward", "sample", "output", "frontend", "update")
 
 
 def tiny_model(out: Path) -> Path:
@@ -117,6 +119,9 @@ def measure(model_dir: Path, num_seqs: int, steps: int, temperature: float = 0.0
     runner.model.compute_logits = timer.wrap(runner.model.compute_logits, "forward")  # type: ignore[method-assign]
     eng.sampler = timer.wrap(eng.sampler, "sample")  # type: ignore[method-assign]
     eng._process = timer.wrap(eng._process, "output")  # type: ignore[method-assign]
+    if hasattr(eng, "output_processor"):  # checkouts before it detokenized inside _process
+        proc = eng.output_processor
+        proc.process = timer.wrap(proc.process, "frontend")  # type: ignore[method-assign]
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()

@@ -344,12 +344,14 @@ def rebuild_engine(
     cap: float,
     lock: AbstractContextManager[Any] | None = None,
     on_wait: Callable[[float], None] | None = None,
+    core_only: bool = False,
 ) -> LLMEngine | None:
     """After a failed step: fail the requests that had started (one of them may be the cause, so
     none is retried), close ``old``, build a new engine from ``config`` (retried with a doubling
     wait from ``delay`` up to ``cap`` until it works or ``stop`` is set: then ``None``), re-register
     the adapters by name and path, and move the never-scheduled requests to it unchanged.
-    ``lock`` is held while requests are read from ``old`` and moved to the new engine."""
+    ``lock`` is held while requests are read from ``old`` and moved to the new engine.
+    ``core_only``: the engine runs a core process (its outputs are detokenized by the frontend)."""
     lock = lock if lock is not None else contextlib.nullcontext()
     with lock, old.lock:
         started, queued = [], []
@@ -384,9 +386,8 @@ def rebuild_engine(
     with lock:
         for req in queued:  # never scheduled: the same request, unchanged, on the new engine
             try:
-                new.add_request(
-                    req.prompt_token_ids, req.params, adapter=req.adapter_name, request_id=req.request_id
-                )
+                add = new.add_core_request if core_only else new.add_request
+                add(req.prompt_token_ids, req.params, adapter=req.adapter_name, request_id=req.request_id)
             except Exception as exc:
                 fail(req.request_id, exc)
     return new

@@ -47,6 +47,7 @@ from lorastar.engine.messages import (
     AddRequest,
     Call,
     CoreOutput,
+    FinishSamples,
     Goodbye,
     Hello,
     Outputs,
@@ -59,6 +60,7 @@ from lorastar.engine.messages import (
     to_error,
 )
 from lorastar.engine.metrics import EngineStats
+from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.errors import EngineDeadError, EngineUnavailableError, RequestFailedError
@@ -102,7 +104,7 @@ class AsyncCoreClient:
         self._dec = output_decoder()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self._outputs_lock = threading.Lock()  # the output processor: receiver thread vs callers
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -127,6 +129,8 @@ class AsyncCoreClient:
         self.vocab_size = ready.vocab_size
         self.summary = ready.summary
         self._tokenizer = load_tokenizer(Path(ready.tokenizer_dir), ready.chat_template)
+        # Text, stop strings and RequestOutputs from the core's deltas, in this process.
+        self._processor = OutputProcessor(self._tokenizer)
         self.inputs = InputProcessor(
             self._tokenizer, model_name=ready.model_name, max_model_len=ready.max_model_len,
             max_prompt_bytes=ready.max_prompt_bytes, vocab_size=ready.vocab_size,
@@ -241,16 +245,12 @@ class AsyncCoreClient:
         if isinstance(msg, Outputs):
             if msg.state is not None and msg.state.core_id == self._core_id:
                 self._state = msg.state
-            for out in msg.outputs:
-                rec = (
-                    self._prompts.pop(out.request_id, None)
-                    if out.finished
-                    else self._prompts.get(out.request_id)
-                )
-                if rec is not None:
-                    out.prompt, out.prompt_token_ids = rec
-            if msg.outputs:
-                deliver(self._streams, self._streams_lock, msg.outputs)
+            with self._outputs_lock:
+                outs, stops = self._processor.process(msg.outputs)
+            if stops:  # ended here on a stop string: the core stops computing them
+                self._send(FinishSamples(stops))
+            if outs:
+                deliver(self._streams, self._streams_lock, outs)
             for rid, info in msg.failures:
                 self._fail(rid, to_error(info))
         elif isinstance(msg, State):
@@ -268,7 +268,8 @@ class AsyncCoreClient:
             self._on_ready(msg)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
-        self._prompts.pop(request_id, None)
+        with self._outputs_lock:
+            self._processor.drop(request_id)
         with self._streams_lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
@@ -415,13 +416,15 @@ class AsyncCoreClient:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
-        self._prompts[rid] = (text, ids)
+        with self._outputs_lock:
+            self._processor.add_request(rid, text, ids, params, adapter)
         self._send(AddRequest(self._client_id, rid, ids, params, adapter))
 
         def abandon() -> None:
             with self._streams_lock:
                 self._streams.pop(rid, None)
-            self._prompts.pop(rid, None)
+            with self._outputs_lock:
+                self._processor.drop(rid)
             if not self._closing:
                 self._send(Abort([rid]))
 

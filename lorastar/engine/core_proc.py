@@ -40,6 +40,7 @@ from lorastar.engine.messages import (
     Call,
     CoreInput,
     ErrorInfo,
+    FinishSamples,
     Goodbye,
     Hello,
     Outputs,
@@ -51,7 +52,7 @@ from lorastar.engine.messages import (
     error_info,
     input_decoder,
 )
-from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.outputs import EngineCoreOutput
 from lorastar.engine.summary import engine_summary
 from lorastar.engine.threads import submit_to_fresh_thread
 from lorastar.errors import EngineUnavailableError
@@ -139,10 +140,15 @@ class EngineCoreProc:
             self._add(msg)
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
-                out = self.engine.abort_request(rid)
+                out = self.engine.abort_core_request(rid)
                 if out is not None:
                     self._deliver([out])
                 self.owner.pop(rid, None)
+        elif isinstance(msg, FinishSamples):
+            for rid, index, stop in msg.samples:
+                out = self.engine.finish_sample(rid, index, stop)
+                if out is not None:  # the frontend ended it already; this updates the counters
+                    self._deliver([out])
         elif isinstance(msg, Call):
             self._call(msg)
         elif isinstance(msg, Hello):
@@ -156,7 +162,7 @@ class EngineCoreProc:
                 self.drain_deadline = time.monotonic() + msg.drain_timeout
                 return
             for rid in [r for r, c in self.owner.items() if c == msg.client_id]:
-                self.engine.abort_request(rid)
+                self.engine.abort_core_request(rid)
                 del self.owner[rid]
             if (sock := self.clients.pop(msg.client_id, None)) is not None:
                 sock.close()
@@ -165,7 +171,7 @@ class EngineCoreProc:
         try:
             if self.drain_deadline is not None:
                 raise EngineUnavailableError("The engine is shutting down.", 1.0)
-            self.engine.add_request(
+            self.engine.add_core_request(
                 msg.prompt_token_ids, msg.params, adapter=msg.adapter, request_id=msg.request_id
             )
         except Exception as exc:  # validation, overload, unknown adapter: the client raises it
@@ -216,13 +222,12 @@ class EngineCoreProc:
                 logger.exception("lorastar: engine core could not handle a message")
 
     # ---- outputs --------------------------------------------------------------------------------
-    def _deliver(self, outs: list[RequestOutput], failures: Sequence[tuple[str, ErrorInfo]] = ()) -> None:
+    def _deliver(self, outs: list[EngineCoreOutput], failures: Sequence[tuple[str, ErrorInfo]] = ()) -> None:
         by_client: dict[str, Outputs] = {}
         for out in outs:
             client = self.owner.pop(out.request_id, None) if out.finished else self.owner.get(out.request_id)
             if client is None:
                 continue
-            out.prompt, out.prompt_token_ids = None, []  # the frontend has them
             by_client.setdefault(client, Outputs([])).outputs.append(out)
         for rid, info in failures:
             client = self.owner.pop(rid, None)
@@ -247,7 +252,7 @@ class EngineCoreProc:
                     not self.engine.has_unfinished() or time.monotonic() >= self.drain_deadline
                 ):
                     self._deliver([o for rid in list(self.engine.requests)
-                                   if (o := self.engine.abort_request(rid)) is not None])  # fmt: skip
+                                   if (o := self.engine.abort_core_request(rid)) is not None])  # fmt: skip
                     return
                 if self.engine.has_unfinished():
                     self._step()
@@ -259,7 +264,7 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         try:
-            self._deliver(self.engine.step())
+            self._deliver(self.engine.step_core())
         except Exception as exc:
             logger.exception("lorastar: engine step failed; rebuilding the engine")
             self.restarting = True
@@ -274,7 +279,7 @@ class EngineCoreProc:
 
             new = rebuild_engine(
                 self.engine, self.config, fail=fail, stop=self.stop, delay=RESTART_BACKOFF[0],
-                cap=RESTART_BACKOFF[1], on_wait=waiting,
+                cap=RESTART_BACKOFF[1], on_wait=waiting, core_only=True,
             )  # fmt: skip
             if new is None:
                 return

@@ -18,12 +18,12 @@ from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
 from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
-from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
 from lorastar.engine.host_memory import keep_freed_memory
 from lorastar.engine.input_processor import InputProcessor, load_tokenizer
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats, TokenHistogram
-from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from lorastar.engine.output_processor import OutputProcessor
+from lorastar.engine.outputs import EngineCoreOutput, Logprob, RequestMetrics, RequestOutput, SampleDelta
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
 from lorastar.engine.request import Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
@@ -214,6 +214,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.lock = threading.RLock()  # AsyncLLM adds/aborts from other threads
+        # The in-process frontend: text, stop strings and outputs from the core's deltas (a
+        # frontend of the core process keeps its own; this one then stays empty).
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.adapter_tokens: dict[str, int] = {}
@@ -328,7 +331,25 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
     ) -> Request:
-        """Validate and queue one request; on any error nothing is queued or held."""
+        """Validate and queue one request; on any error nothing is queued or held. Its outputs
+        come from ``step`` (text, stop strings: the output processor)."""
+        req = self.add_core_request(prompt, params, adapter=adapter, request_id=request_id)
+        with self.lock:
+            self.output_processor.add_request(
+                req.request_id, req.prompt, req.prompt_token_ids, req.params, req.adapter_name
+            )
+        return req
+
+    def add_core_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """``add_request`` for the core alone: its outputs come from ``step_core`` (a frontend in
+        another process detokenizes them)."""
         if params is None:
             params = SamplingParams()
         elif isinstance(params, Mapping):
@@ -363,15 +384,19 @@ class LLMEngine:
 
     def _init_seq(self, seq: Sequence) -> None:
         req = seq.request
-        seq.detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, skip_special_tokens=req.params.skip_special_tokens
-        )
-        for t in seq.output_token_ids:
-            seq.detok.add(t)
         if req.params.seed is not None and seq.generator is None:
             seq.generator = make_generator(req.params.seed, self.device)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        with self.lock:
+            out = self.abort_core_request(request_id)
+            if out is None:
+                self.output_processor.drop(request_id)
+                return None
+            outs, _ = self.output_processor.process([out])
+            return outs[0] if outs else None
+
+    def abort_core_request(self, request_id: str) -> EngineCoreOutput | None:
         with self.lock:
             req = self.requests.get(request_id)
             if req is None:
@@ -379,11 +404,32 @@ class LLMEngine:
             self.scheduler.abort(req)
             return self._finish_request(req)
 
+    def finish_sample(self, request_id: str, index: int, stop: str) -> EngineCoreOutput | None:
+        """Finish sample ``index`` of a request, which the frontend saw end on the stop string
+        ``stop``; the request's final core output if that was its last running sample."""
+        with self.lock:
+            req = self.requests.get(request_id)
+            if req is None:
+                return None
+            for seq in req.sequences:
+                if seq.index == index and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop", stop)
+            return self._finish_request(req) if req.is_finished else None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step: the outputs to hand out, per each request's ``output_kind``."""
+        with self.lock:
+            outputs, stops = self.output_processor.process(self.step_core())
+            for rid, index, stop in stops:
+                self.finish_sample(rid, index, stop)
+            return outputs
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """One step of the core: schedule, run, sample; each touched request's new tokens."""
         with self.lock:
             out = self.scheduler.schedule()
             if out.is_empty:
@@ -476,7 +522,7 @@ class LLMEngine:
                 slots[entry.content_hash] = entry.slot
         return slots or None
 
-    def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[EngineCoreOutput]:
         now = time.monotonic()
         rows: list[SamplingRow] = []
         owners: list[tuple[Sequence, int]] = []  # (sequence, index among the request's samples)
@@ -529,14 +575,14 @@ class LLMEngine:
                 touched[seq.request.request_id] = seq.request
         if beam_rows:
             self._beam_proposals(beam_rows, logits, touched)
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineCoreOutput] = []
         for req in touched.values():
             if req.is_finished:
                 outputs.append(self._finish_request(req))
-            elif req.params.output_kind == RequestOutputKind.CUMULATIVE or (
-                req.params.output_kind == RequestOutputKind.DELTA and req.beam is None
-            ):  # beam search streams nothing but its final hypotheses (they change wholesale)
-                outputs.append(self._output(req))
+            elif req.beam is None or req.params.output_kind == RequestOutputKind.CUMULATIVE:
+                # Every step of a sample goes out (the frontend finds stop strings in its text);
+                # beam search streams its hypotheses only when asked for cumulative outputs.
+                outputs.append(self._core_output(req))
         return outputs
 
     def _sample(
@@ -621,70 +667,48 @@ class LLMEngine:
         if req.adapter_name:
             self.adapter_tokens[req.adapter_name] = self.adapter_tokens.get(req.adapter_name, 0) + 1
         if lp is not None:
-            seq.logprobs.append(
-                {t: Logprob(v, rank, self.tokenizer.decode([t])) for t, (v, rank) in lp.items()}
-            )
+            seq.logprobs.append([(t, v, rank) for t, (v, rank) in lp.items()])
             if tok in lp:
                 seq.cumulative_logprob += lp[tok][0]
-        new_text = seq.detok.add(tok)
-        seq.text += new_text
+        # Stop strings are the frontend's (engine/output_processor.py): they need the text.
         n_out = seq.num_output_tokens
         if not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
-            seq.text += seq.detok.flush()
             self.scheduler.finish(seq, "stop", None)
-            return
-        if p.stop_token_ids and tok in p.stop_token_ids and n_out >= p.min_tokens:
-            seq.text += seq.detok.flush()
+        elif p.stop_token_ids and tok in p.stop_token_ids and n_out >= p.min_tokens:
             self.scheduler.finish(seq, "stop", tok)
-            return
-        if p.stop and n_out >= p.min_tokens:
-            hit = find_stop(seq.text, len(new_text), p.stop, p.include_stop_str_in_output)
-            if hit is not None:
-                cut, stop_str = hit
-                seq.text = seq.text[:cut]
-                self.scheduler.finish(seq, "stop", stop_str)
-                return
-        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.text += seq.detok.flush()
+        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length", None)
 
-    def _output(self, req: Request) -> RequestOutput:
-        if req.beam is not None and req.beam.done:
-            return self._beam_output(req)
-        # DELTA (beam search excepted: its hypotheses change wholesale) hands out only what is new.
-        delta = req.params.output_kind == RequestOutputKind.DELTA and req.beam is None
+    def _core_output(self, req: Request) -> EngineCoreOutput:
+        """The request's step for the frontend: each sample's tokens since the last output (beam
+        search: the hypotheses whole), the prompt logprobs with the first output."""
         want_lp = req.params.logprobs is not None
-        outs = []
-        for seq in req.sequences:
-            text = seq.text
-            if not seq.is_finished and req.params.stop:
-                text = text[: len(text) - hold_back(text, req.params.stop)]  # never stream a partial stop
-            first_tok = seq.num_prompt_tokens + (seq.sent_tokens if delta else 0)
-            lps = seq.logprobs[seq.sent_tokens :] if delta else list(seq.logprobs)
-            if delta:
-                text, seq.sent_chars = text[seq.sent_chars :], max(seq.sent_chars, len(text))
-                seq.sent_tokens = seq.num_output_tokens
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=seq.token_ids[first_tok:],
-                    cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                    logprobs=lps if want_lp else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
+        samples: list[SampleDelta] = []
+        if req.beam is not None and req.beam.done:
+            for i, h in enumerate(req.beam.finished):
+                ended_on_eos = bool(h.token_ids) and h.token_ids[-1] in self.eos_token_ids
+                samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob,
+                                           "stop" if ended_on_eos else "length"))  # fmt: skip
+        elif req.beam is not None:
+            for seq in req.sequences:
+                samples.append(SampleDelta(seq.index, seq.output_token_ids, None,
+                                           seq.cumulative_logprob if want_lp else None,
+                                           seq.finish_reason, seq.stop_reason))  # fmt: skip
+        else:
+            for seq in req.sequences:
+                sent, seq.sent_tokens = seq.sent_tokens, seq.num_output_tokens
+                samples.append(SampleDelta(
+                    seq.index, seq.token_ids[seq.num_prompt_tokens + sent :],
+                    seq.logprobs[sent:] if want_lp else None, None, seq.finish_reason, seq.stop_reason,
+                ))  # fmt: skip
         req.num_outputs += 1
-        return RequestOutput(
+        return EngineCoreOutput(
             request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=outs,
+            samples=samples,
             finished=req.is_finished,
-            adapter=req.adapter_name,
+            whole=req.beam is not None,
             num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=None if delta and req.num_outputs > 1 else self._prompt_logprobs_output(req),
+            prompt_logprobs=self._prompt_logprobs_output(req) if req.num_outputs == 1 else None,
             metrics=RequestMetrics(
                 req.arrival_time,
                 req.first_scheduled_time,
@@ -693,17 +717,6 @@ class LLMEngine:
                 req.finished_time,
             ),  # fmt: skip
         )
-
-    def _beam_output(self, req: Request) -> RequestOutput:
-        outs = []
-        for i, h in enumerate(req.beam.finished):
-            ended_on_eos = bool(h.token_ids) and h.token_ids[-1] in self.eos_token_ids
-            text = self.tokenizer.decode(h.token_ids, skip_special_tokens=req.params.skip_special_tokens)
-            outs.append(CompletionOutput(i, text, list(h.token_ids), h.sum_logprob, None,
-                                         "stop" if ended_on_eos else "length"))  # fmt: skip
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             adapter=req.adapter_name, num_cached_tokens=req.num_cached_tokens,
-                             prompt_logprobs=self._prompt_logprobs_output(req))  # fmt: skip
 
     def _prompt_logprobs_output(self, req: Request) -> list[dict[int, Logprob] | None] | None:
         """vLLM's shape: None for position 0, then ``{token_id: Logprob}`` with the prompt token
@@ -731,14 +744,14 @@ class LLMEngine:
             req.prompt_logprobs_output = result
         return req.prompt_logprobs_output
 
-    def _finish_request(self, req: Request) -> RequestOutput:
+    def _finish_request(self, req: Request) -> EngineCoreOutput:
         req.finished_time = time.monotonic()
         self.requests.pop(req.request_id, None)
         if req.adapter_entry is not None:
             self.registry.release(req.adapter_entry)
             req.adapter_entry = None
         self.prompt_tokens_total += req.num_prompt_tokens
-        return self._output(req)
+        return self._core_output(req)
 
     def close(self) -> None:
         """Drop the weights, adapter slots and KV cache (a rebuilt engine replaces this one).

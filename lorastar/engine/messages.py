@@ -2,16 +2,17 @@
 
 Frontend -> core (one PUSH per client into the core's bound PULL socket): ``Hello`` (a client
 announces the address of its own output socket), ``AddRequest`` (token ids, already validated and
-tokenized by the frontend), ``Abort``, ``Call`` (adapter load/unload, answered by ``Reply``),
+tokenized by the frontend), ``Abort``, ``FinishSamples`` (samples the frontend saw end on a stop
+string), ``Call`` (adapter load/unload, answered by ``Reply``),
 ``Goodbye`` (a client leaves; ``shutdown=True`` also stops the core after draining).
 
 Core -> frontend (one PUSH per client into the client's bound PULL socket): ``Ready`` (what the
-frontend needs to tokenize and validate), ``Outputs`` (one step's outputs for this client's
-requests, and the requests that failed), ``Reply``, ``State`` (counters, adapters, health; sent
+frontend needs to tokenize and validate), ``Outputs`` (one step's ``EngineCoreOutput`` deltas for
+this client's requests: token ids, raw logprobs, finish reasons; the frontend detokenizes them;
+and the requests that failed), ``Reply``, ``State`` (counters, adapters, health; sent
 after every change and as a heartbeat), ``StartupFailed``.
 
-Outputs carry no prompt (``prompt=None``, ``prompt_token_ids=[]``): the frontend has both and fills
-them in, so a long prompt is not re-sent on every step of its request.
+Outputs carry no prompt and no text: the frontend has the prompt and the tokenizer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import msgspec
 
 from lorastar.adapters.registry import AdapterInfo
 from lorastar.engine.metrics import EngineStats
-from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.outputs import EngineCoreOutput
 from lorastar.engine.sampling import SamplingParams
 from lorastar.errors import (
     AdapterError,
@@ -64,6 +65,12 @@ class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class FinishSamples(msgspec.Struct, tag=True):
+    """``(request_id, index, stop string)`` per sample that a stop string ended in the frontend."""
+
+    samples: list[tuple[str, int, str]]
+
+
 class Call(msgspec.Struct, tag=True):
     client_id: str
     call_id: int
@@ -77,7 +84,7 @@ class Goodbye(msgspec.Struct, tag=True):
     drain_timeout: float = 0.0
 
 
-CoreInput = Hello | AddRequest | Abort | Call | Goodbye
+CoreInput = Hello | AddRequest | Abort | FinishSamples | Call | Goodbye
 
 
 # ---- core -> frontend --------------------------------------------------------------------------
@@ -104,7 +111,7 @@ class Ready(msgspec.Struct, tag=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
     failures: list[tuple[str, ErrorInfo]] = []
     # With a finished request: the counters as of this step, applied before the outputs are
     # handed out (a caller that saw its request finish reads counters that include it).

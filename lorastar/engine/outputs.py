@@ -1,8 +1,10 @@
-"""What the engine hands back to callers (vLLM's shapes)."""
+"""What the engine hands back to callers (vLLM's shapes), and what its core hands its frontend."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import msgspec
 
 
 @dataclass
@@ -51,3 +53,33 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+# ---- core -> frontend (engine/output_processor.py turns these into RequestOutputs) ----------------
+# Per new token: (token_id, logprob, rank) for the top k and the sampled token.
+RawLogprobs = list[tuple[int, float, int]]
+
+
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sample's step (``n > 1``: one of ``n``): its new token ids (beam search: every output
+    token of a hypothesis), their logprobs when asked for, and how it finished in the core."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[RawLogprobs] | None = None
+    cumulative_logprob: float | None = None  # beam search only (the frontend sums the rest)
+    finish_reason: str | None = None  # "stop" (EOS, a stop token id) | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """One request's step in the core (vLLM v1's shape): no text, no prompt; the frontend has
+    the prompt and the tokenizer. ``whole``: the samples are beam hypotheses, replaced wholesale."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool = False
+    whole: bool = False
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once, with the first output
+    metrics: RequestMetrics | None = None

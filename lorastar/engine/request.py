@@ -40,14 +40,11 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
-    logprobs: list[Any] = field(default_factory=list)  # per generated token, when requested
-    text: str = ""
-    detok: Any = None  # IncrementalDetokenizer, set by the output processor
+    # Per generated token, when requested: (token_id, logprob, rank) of the top k and the sampled.
+    logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded sampling
     num_preemptions: int = 0
-    # DELTA outputs: what has been handed out already (text characters, output tokens).
-    sent_chars: int = 0
-    sent_tokens: int = 0
+    sent_tokens: int = 0  # output tokens handed to the frontend already
 
     @property
     def num_tokens(self) -> int:

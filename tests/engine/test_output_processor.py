@@ -1,0 +1,136 @@
+"""The frontend's output processor alone: core deltas in, RequestOutputs out (torch-free; the
+embedded SmolLM2 tokenizer). The end-to-end checks (the engine in-process and as a core process
+against HF and each other) are in test_llm.py / test_core_process.py."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from lorastar.engine.output_processor import OutputProcessor
+from lorastar.engine.outputs import EngineCoreOutput, SampleDelta
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.models.default import default_model_dir
+
+
+@pytest.fixture(scope="module")
+def tok():  # noqa: ANN201
+    return AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def _ids(tok, text: str) -> list[int]:  # noqa: ANN001
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _proc(tok, params: SamplingParams, prompt: str = "Say:") -> OutputProcessor:  # noqa: ANN001
+    proc = OutputProcessor(tok)
+    proc.add_request("r", prompt, _ids(tok, prompt), params, adapter="a")
+    return proc
+
+
+def _step(proc: OutputProcessor, *samples: SampleDelta, finished: bool = False):  # noqa: ANN202
+    return proc.process([EngineCoreOutput("r", list(samples), finished=finished, num_cached_tokens=3)])
+
+
+def test_stop_string_across_tokens_in_one_delta_finishes_here(tok) -> None:  # noqa: ANN001
+    """Several tokens in one delta (speculative decoding's shape): the text is cut at the stop
+    string, later tokens of the delta are dropped, the sample is reported to the core, and the
+    core's further outputs for it are ignored."""
+    ids = _ids(tok, " hello world, and more")
+    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["world"]))
+    outs, stops = _step(proc, SampleDelta(0, ids))
+    assert stops == [("r", 0, "world")]
+    (out,) = outs
+    assert out.finished and out.outputs[0].text == " hello "
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "world"
+    assert out.outputs[0].token_ids == ids[: len(out.outputs[0].token_ids)] and len(
+        out.outputs[0].token_ids
+    ) < len(ids)
+    assert out.prompt == "Say:" and out.adapter == "a" and out.num_cached_tokens == 3
+    assert _step(proc, SampleDelta(0, ids[:1])) == ([], [])  # late core output: ignored
+    assert not proc.requests
+
+
+def test_precedence_eos_and_stop_tokens_before_stop_strings_before_length(tok) -> None:  # noqa: ANN001
+    ids = _ids(tok, " the end")
+    # The core ended the sample on this token for EOS / a stop token id: its reason stands.
+    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["end"]))
+    outs, stops = _step(proc, SampleDelta(0, ids, finish_reason="stop", stop_reason=ids[-1]))
+    assert stops == [] and outs[0].outputs[0].stop_reason == ids[-1] and outs[0].outputs[0].text == " the end"
+    # The core ended it on length: a stop string in the same token comes first.
+    proc = _proc(tok, SamplingParams(max_tokens=len(ids), stop=["end"]))
+    outs, stops = _step(proc, SampleDelta(0, ids, finish_reason="length"), finished=True)
+    o = outs[0].outputs[0]
+    assert stops == [("r", 0, "end")] and (o.finish_reason, o.stop_reason, o.text) == ("stop", "end", " the ")
+
+
+def test_min_tokens_defers_stop_strings(tok) -> None:  # noqa: ANN001
+    ids = _ids(tok, " stop here stop")
+    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["stop"], min_tokens=len(ids)))
+    outs, stops = _step(proc, SampleDelta(0, ids))
+    assert stops == [("r", 0, "stop")]
+    assert outs[0].outputs[0].text == " stop here "  # the first match in the new text window
+
+
+def test_delta_stream_holds_back_a_partial_stop_and_joins_to_the_final_text(tok) -> None:  # noqa: ANN001
+    ids = _ids(tok, " one two three four")
+    proc = _proc(
+        tok, SamplingParams(max_tokens=50, stop=["three four!"], output_kind=RequestOutputKind.DELTA)
+    )
+    texts, token_ids = [], []
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        outs, _ = _step(proc, SampleDelta(0, [t], finish_reason="length" if last else None), finished=last)
+        texts.append(outs[0].outputs[0].text)
+        token_ids += outs[0].outputs[0].token_ids
+        if not last:  # "three four" could still become the stop string: held back
+            assert "".join(texts) in " one two "
+    assert "".join(texts) == " one two three four" and token_ids == ids
+
+
+def test_n_samples_finish_separately_and_output_kinds(tok) -> None:  # noqa: ANN001
+    a, b = _ids(tok, " red fox"), _ids(tok, " blue cat")
+    for kind in RequestOutputKind:
+        proc = _proc(tok, SamplingParams(n=2, max_tokens=50, stop=["fox"], output_kind=kind))
+        outs, stops = _step(proc, SampleDelta(0, a), SampleDelta(1, b[:1]))
+        assert stops == [("r", 0, "fox")]
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert outs == []
+        else:
+            assert not outs[0].finished and [o.finish_reason for o in outs[0].outputs] == ["stop", None]
+        outs, stops = _step(
+            proc, SampleDelta(0, []), SampleDelta(1, b[1:], finish_reason="length"), finished=True
+        )
+        (out,) = outs
+        assert out.finished and [o.index for o in out.outputs] == [0, 1]
+        want_b = b[1:] if kind == RequestOutputKind.DELTA else b
+        assert out.outputs[1].token_ids == want_b
+        assert out.outputs[1].text == tok.decode(want_b) and out.outputs[1].finish_reason == "length"
+        assert out.outputs[0].text == ("" if kind == RequestOutputKind.DELTA else " red ")
+
+
+def test_logprobs_are_named_and_summed(tok) -> None:  # noqa: ANN001
+    ids = _ids(tok, " yes no")
+    proc = _proc(tok, SamplingParams(max_tokens=50, logprobs=1))
+    lps = [[(ids[0], -0.5, 1)], [(7, -0.1, 1), (ids[1], -2.0, 3)]]
+    outs, _ = _step(proc, SampleDelta(0, ids, lps))
+    o = outs[0].outputs[0]
+    assert o.cumulative_logprob == pytest.approx(-2.5)
+    assert o.logprobs is not None and o.logprobs[1][ids[1]].rank == 3
+    assert o.logprobs[0][ids[0]].decoded_token == tok.decode([ids[0]])
+
+
+def test_beam_hypotheses_are_decoded_whole(tok) -> None:  # noqa: ANN001
+    h0, h1 = _ids(tok, " a tree"), _ids(tok, " the sea")
+    proc = _proc(tok, SamplingParams(n=2, use_beam_search=True, max_tokens=8))
+    co = EngineCoreOutput(
+        "r",
+        [SampleDelta(0, h0, None, -1.0, "length"), SampleDelta(1, h1, None, -2.0, "stop")],
+        finished=True,
+        whole=True,
+    )
+    (out,), stops = proc.process([co])
+    assert stops == [] and out.finished
+    assert [(o.text, o.cumulative_logprob, o.finish_reason) for o in out.outputs] == [
+        (" a tree", -1.0, "length"), (" the sea", -2.0, "stop"),
+    ]  # fmt: skip
