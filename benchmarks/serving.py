@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--model", default="tiny", help="tiny (1 layer, hidden 32) or smollm2")
     p.add_argument("--threads", type=int, default=1, help="torch threads, server and offline alike")
-    p.add_argument("--other", type=Path, default=None, help="a second checkout whose server runs too")
+    p.add_argument("--other", type=Path, default=None, help="a second checkout whose servers run too")
     p.add_argument(
         "--modes",
         default="thread,process",
@@ -151,8 +151,9 @@ def main() -> None:
     rows, data = [], []
     flags = {"thread": [], "process": ["--engine-process"]}
     checkouts = {f"this ({m})": (common.REPO, flags[m]) for m in a.modes.split(",")}
-    if a.other:
-        checkouts["other"] = (a.other.resolve(), [])
+    if a.other:  # the same modes (a checkout from before --engine-process existed: thread only)
+        for m in a.modes.split(","):
+            checkouts[f"other ({m})"] = (a.other.resolve(), flags[m])
     for c in [int(x) for x in a.clients.split(",")]:
         n = c * a.requests_per_client
         prompts = common.text_prompts(tok, n, a.prompt_len, seed=c)

@@ -114,7 +114,8 @@ class Outputs(msgspec.Struct, tag=True):
     outputs: list[EngineCoreOutput]
     failures: list[tuple[str, ErrorInfo]] = []
     # With a finished request: the counters as of this step, applied before the outputs are
-    # handed out (a caller that saw its request finish reads counters that include it).
+    # handed out (a caller that saw its request finish reads counters that include it; one a
+    # stop string ended in the frontend is counted once the core has its FinishSamples).
     state: State | None = None
 
 
