@@ -525,7 +525,8 @@ class LLMEngine:
     def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[EngineCoreOutput]:
         now = time.monotonic()
         rows: list[SamplingRow] = []
-        owners: list[tuple[Sequence, int]] = []  # (sequence, index among the request's samples)
+        # (sequence, index among the request's samples, the sample's generator)
+        owners: list[tuple[Sequence, int, torch.Generator | None]] = []
         logit_rows: list[int] = []
         beam_rows: list[tuple[Sequence, int]] = []
         r = 0
@@ -540,9 +541,15 @@ class LLMEngine:
                 continue
             fan = req.params.n if (req.params.n > 1 and not req.forked) else 1
             for k in range(fan):
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, seq.generator,
+                # Sample k of a seeded request draws from its own generator seeded seed + k (vLLM's
+                # rule): its tokens never depend on when a sibling stops (a frontend's stop string
+                # reaches a core process a step or two late).
+                gen = seq.generator
+                if k > 0 and req.params.seed is not None:
+                    gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
+                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, gen,
                                         tuple(self.eos_token_ids)))  # fmt: skip
-                owners.append((seq, k))
+                owners.append((seq, k, gen))
                 logit_rows.append(r)
             r += 1
         touched: dict[str, Request] = {}
@@ -554,14 +561,14 @@ class LLMEngine:
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
             targets: list[Sequence] = []
-            for seq, k in owners:
+            for seq, k, gen in owners:
                 if k == 0:
                     targets.append(seq)
                     continue
                 child = Sequence(
                     seq.request, k, seq.token_ids[: seq.num_prompt_tokens], seq.num_prompt_tokens
                 )
-                child.generator = seq.generator
+                child.generator = gen
                 self.scheduler.add_forked(seq, child)
                 self._init_seq(child)
                 seq.request.sequences.append(child)

@@ -156,6 +156,35 @@ async def test_closing_a_stream_aborts_and_frees_its_blocks(client: AsyncCoreCli
     assert s.num_running == 0 and s.num_waiting == 0 and s.num_used_blocks == 0
 
 
+async def test_a_stop_string_found_in_the_frontend_finishes_the_sample_in_the_core(
+    client: AsyncCoreClient, llm: LLM
+) -> None:
+    """The frontend detokenizes; on a stop string it ends the output at once and tells the core
+    (FinishSamples), which stops computing the sample and frees its blocks long before the
+    max_tokens it would otherwise run to; with n = 2 the other sample runs on."""
+    stop = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    word = stop.outputs[0].text.split()[-1]  # a word the greedy output reaches within 6 tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True, stop=[word])
+    (final,) = [o for o in await _collect(client, PROMPTS[1], sp) if o.finished]
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == word
+    assert len(final.outputs[0].token_ids) <= 6
+    assert await asyncio.to_thread(
+        _wait, lambda: (s := client.stats()) is not None and s.num_running == 0 and s.num_used_blocks == 0
+    )
+    gen_before = client.stats().generation_tokens_total  # type: ignore[union-attr]
+    # n = 2, seeded: one sample may stop early, the other is cut by max_tokens; both as in-process.
+    sp2 = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, ignore_eos=True, stop=[" the"])
+    ref = llm.generate([PROMPTS[0]], sp2)[0]
+    (got,) = [o for o in await _collect(client, PROMPTS[0], sp2) if o.finished]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in got.outputs] == [
+        (o.text, o.token_ids, o.finish_reason) for o in ref.outputs
+    ]
+    assert await asyncio.to_thread(_wait, lambda: client.stats().num_used_blocks == 0)  # type: ignore[union-attr]
+    # The core generated at most a step or two past what the outputs show.
+    produced = sum(len(o.token_ids) for o in got.outputs)
+    assert client.stats().generation_tokens_total - gen_before <= produced + 4  # type: ignore[union-attr]
+
+
 async def test_adapters_load_serve_and_unload_through_the_core(
     client: AsyncCoreClient, llm: LLM, adapter: str
 ) -> None:

@@ -76,6 +76,11 @@ def test_n_samples_seed_logprobs_stop(llm: LLM) -> None:
     b = llm.generate([[5, 6, 7, 8], *others], [sp, GREEDY, SamplingParams(temperature=0.8, max_tokens=5)])[0]
     assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
 
+    # Sample k draws from its own generator (seed + k, wrapping at the largest seed allowed).
+    for seed in (2**64 - 1, -(2**63)):
+        edge = llm.generate([5, 6, 7, 8], SamplingParams(**{**vars(sp), "seed": seed}))[0]
+        assert [len(o.token_ids) for o in edge.outputs] == [10, 10, 10]
+
     # Stop strings: the text ends before the stop string, which may span tokens.
     full = llm.generate([5, 6, 7, 8], GREEDY)[0].outputs[0]
     stop = full.text[3:7]
