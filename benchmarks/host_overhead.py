@@ -137,13 +137,29 @@ def run_child(
     checkout: Path, model_dir: Path, num_seqs: int, steps: int, temperature: float
 ) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_WAIT_POLICY": "PASSIVE"}
+    # The checkout goes first on sys.path after importing this script (whose ``common`` puts this
+    # repository first), and the child checks where lorastar came from: before this check the
+    # "other" column silently measured this checkout too. benchmarks/ leaves sys.path again: its
+    # kernels.py would pass for the ``kernels`` package transformers probes for.
     code = (
         "import json, sys; sys.path.insert(0, sys.argv[1]); import host_overhead as h; "
+        "sys.path[:] = [p for p in sys.path if p != sys.argv[1]]; sys.path.insert(0, sys.argv[6]); import lorastar; "
+        "assert h.Path(lorastar.__file__).resolve().is_relative_to(h.Path(sys.argv[6]).resolve()), lorastar.__file__; "
         "print(json.dumps(h.measure(h.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))))"
     )
     here = Path(__file__).resolve().parent
     out = subprocess.run(
-        [sys.executable, "-c", code, str(here), str(model_dir), str(num_seqs), str(steps), str(temperature)],
+        [
+            sys.executable,
+            "-c",
+            code,
+            str(here),
+            str(model_dir),
+            str(num_seqs),
+            str(steps),
+            str(temperature),
+            str(checkout),
+        ],  # fmt: skip
         env=env,
         cwd=str(checkout),
         capture_output=True,
