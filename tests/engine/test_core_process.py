@@ -82,8 +82,9 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
         SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=30, stop=["e"], ignore_eos=True),
         SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, ignore_eos=True),
     ],
-    ids=["greedy", "logprobs", "n3-seeded", "stop-string", "beam"],
+    ids=["greedy", "logprobs", "n3-seeded", "stop-string", "beam", "prompt-logprobs"],
 )
 async def test_outputs_equal_the_in_process_engine(
     client: AsyncCoreClient, llm: LLM, sp: SamplingParams
@@ -97,6 +98,15 @@ async def test_outputs_equal_the_in_process_engine(
         assert [(o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in final.outputs] == [
             (o.text, o.token_ids, o.finish_reason, o.stop_reason) for o in r.outputs
         ]
+        if sp.prompt_logprobs is not None:
+            assert final.prompt_logprobs is not None and final.prompt_logprobs[0] is None
+            assert [
+                None if d is None else {t: (v.rank, v.decoded_token) for t, v in d.items()}
+                for d in final.prompt_logprobs
+            ] == [
+                None if d is None else {t: (v.rank, v.decoded_token) for t, v in d.items()}
+                for d in r.prompt_logprobs
+            ]
         if sp.logprobs is not None:  # same ranks and tokens; values as close as two batch shapes allow
             for mine, theirs in zip(final.outputs[0].logprobs, r.outputs[0].logprobs, strict=True):
                 assert {t: (v.rank, v.decoded_token) for t, v in mine.items()} == {
