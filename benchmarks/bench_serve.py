@@ -84,7 +84,7 @@ def server_cmd(
         return [sys.executable, "-m", "lorastar", "serve", model,
                 "--port", str(port), "--served-model-name", "m", "--dtype", "float32",
                 "--uvicorn-log-level", "warning", *(lora if mods else []),
-                *(["--engine-process"] if system == "lorastar_process" else [])]  # fmt: skip
+                "--engine-process" if system == "lorastar_process" else "--no-engine-process"]  # fmt: skip
     if system == "vllm_cpu":
         lora = ["--enable-lora", "--max-loras", str(len(mods)), "--max-cpu-loras", str(len(mods)),
                 "--max-lora-rank", str(max_rank), "--lora-modules", *mods]  # fmt: skip

@@ -203,7 +203,7 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
     rows, data = [], []
-    flags = {"thread": [], "process": ["--engine-process"]}
+    flags = {"thread": ["--no-engine-process"], "process": ["--engine-process"]}
     checkouts = {f"this ({m})": (common.REPO, flags[m]) for m in a.modes.split(",")}
     if a.other:  # the same modes (a checkout from before --engine-process existed: thread only)
         for m in a.modes.split(","):

@@ -259,9 +259,10 @@ main.add_command(make_lora_group())
 @engine_options
 @click.option(
     "--engine-process/--no-engine-process",
-    default=False,
+    default=True,
     show_default=True,
-    help="Run the engine core in a process of its own (the HTTP layer keeps this one).",
+    help="Run the engine core in a process of its own, the HTTP layer keeping this one (measured: 1.4x "
+    "tokens/s at 16 streams on SmolLM2, README); --no-engine-process runs it as a thread here.",
 )
 @click.option(
     "--engine-address",

@@ -53,7 +53,7 @@ def test_sigint_drains_then_ends_streams_and_exits_0(signals: int, engine_proces
     proc = subprocess.Popen(
         [sys.executable, "-m", "lorastar.plugin.cli", "serve", "--port", str(port), "--device", "cpu",
          "--dtype", "float32", "--max-model-len", "1024", "--num-gpu-blocks-override", "128",
-         "--shutdown-drain-timeout", drain, *(["--engine-process"] if engine_process else [])],
+         "--shutdown-drain-timeout", drain, "--engine-process" if engine_process else "--no-engine-process"],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=engine_process,
     )  # fmt: skip
