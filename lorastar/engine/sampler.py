@@ -323,9 +323,21 @@ def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> Non
 
 def _argmax(x: Tensor) -> Tensor:
     """Row-wise argmax [R] of x [R, V] that never picks a NaN over a real value (torch's argmax
-    propagates NaN); the NaN-free pass runs only for rows that need it. ``max`` picks the first
-    maximum as ``argmax`` does and hands back the values too (10-20% faster than argmax plus a
-    gather at [64-256, 49152] here)."""
+    propagates NaN); the NaN-free pass runs only for rows that need it. Ties: the first maximum,
+    as torch's (and so HF's greedy) argmax.
+
+    On CPU, numpy's argmax: 1.5 ms against torch's 10.6 ms (``max(dim=-1)``: 11.1 ms) for
+    [256, 49152] fp32 on one thread of the 2-core EPYC here, where torch's index reductions are
+    not vectorized; elsewhere ``max``, which hands back the values for the NaN check too."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        a = x.contiguous().numpy()  # [R, V]
+        tok_np = np.argmax(a, axis=-1)  # [R]; a row holding a NaN gives its first NaN
+        rows = np.arange(a.shape[0])
+        nan_rows = rows[np.isnan(a[rows, tok_np])]
+        if nan_rows.size:
+            clean = np.where(np.isnan(a[nan_rows]), -np.inf, a[nan_rows])
+            tok_np[nan_rows] = np.argmax(clean, axis=-1)
+        return torch.from_numpy(tok_np)
     vals, tok = x.max(dim=-1)
     nan = vals.isnan()  # [R]: NaN only where the row holds one (max propagates it)
     if bool(nan.any()):

@@ -50,6 +50,25 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
     assert out.logprobs == [None] * 7
 
 
+def test_greedy_picks_the_first_maximum_and_never_a_nan() -> None:
+    """Greedy as HF's argmax (the first of tied maxima), NaN never chosen over a real value, an
+    all-NaN row gives 0, infinities compare as themselves; rows at a real vocabulary width."""
+    torch.manual_seed(1)
+    x = torch.randn(6, 49152)  # [R, V]
+    x[0, 10] = x[0, 20] = 50.0  # tie: the first
+    x[1, 5] = math.nan  # a NaN before the maximum
+    x[1, 300] = 40.0
+    x[2] = math.nan  # all NaN
+    x[3, 7] = math.inf
+    x[3, 8] = math.nan
+    x[4] = -math.inf
+    x[4, 9000] = -1e30
+    rows = [_row(SamplingParams(temperature=0.0)) for _ in range(6)]
+    got = Sampler()(x, rows).token_ids
+    want = torch.nan_to_num(x, nan=-math.inf, posinf=math.inf, neginf=-math.inf).argmax(dim=-1).tolist()
+    assert got == want and got[:5] == [10, 300, 0, 7, 9000]
+
+
 def test_greedy_ignores_truncation_and_seed() -> None:
     x = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
     p = SamplingParams(temperature=0.0, top_k=2, top_p=0.1, min_p=0.5, seed=5)
