@@ -333,12 +333,7 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue one request; on any error nothing is queued or held. Its outputs
         come from ``step`` (text, stop strings: the output processor)."""
-        req = self.add_core_request(prompt, params, adapter=adapter, request_id=request_id)
-        with self.lock:
-            self.output_processor.add_request(
-                req.request_id, req.prompt, req.prompt_token_ids, req.params, req.adapter_name
-            )
-        return req
+        return self.add_core_request(prompt, params, adapter=adapter, request_id=request_id, _frontend=True)
 
     def add_core_request(
         self,
@@ -347,9 +342,12 @@ class LLMEngine:
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        _frontend: bool = False,
     ) -> Request:
         """``add_request`` for the core alone: its outputs come from ``step_core`` (a frontend in
-        another process detokenizes them)."""
+        another process detokenizes them). ``_frontend``: ``add_request``'s registration with the
+        in-process output processor, under the same lock as the queueing (else a step on the
+        engine thread could run the request before the processor knows it, and drop its outputs)."""
         if params is None:
             params = SamplingParams()
         elif isinstance(params, Mapping):
@@ -378,6 +376,8 @@ class LLMEngine:
                 req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos)
             seq = req.sequences[0]
             self._init_seq(seq)
+            if _frontend:
+                self.output_processor.add_request(rid, text, ids, params, adapter)
             self.requests[rid] = req
             self.scheduler.add(seq)
             return req

@@ -134,3 +134,38 @@ def test_beam_hypotheses_are_decoded_whole(tok) -> None:  # noqa: ANN001
     assert [(o.text, o.cumulative_logprob, o.finish_reason) for o in out.outputs] == [
         (" a tree", -1.0, "length"), (" the sea", -2.0, "stop"),
     ]  # fmt: skip
+
+
+def test_requests_added_while_another_thread_steps_lose_no_output(tiny_model_dir) -> None:  # noqa: ANN001
+    """AsyncLLM's shape: requests are added from one thread while another steps the engine. A
+    request must be known to the output processor before a step can run it: each of 300 one-token
+    requests gets exactly one finished output (before the fix, some finished in the core before
+    the processor registered them, and their streams waited forever)."""
+    import threading
+    import time
+
+    from lorastar import LLM
+
+    eng = LLM(tiny_model_dir("llama-gqa"), num_kv_blocks=256, max_num_seqs=64).engine
+    finished: dict[str, int] = {}
+    stop = threading.Event()
+
+    def stepper() -> None:
+        while not stop.is_set():
+            for out in eng.step():
+                if out.finished:
+                    finished[out.request_id] = finished.get(out.request_id, 0) + 1
+
+    t = threading.Thread(target=stepper)
+    t.start()
+    try:
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        rids = [eng.add_request([5 + i % 40, 6, 7], sp).request_id for i in range(300)]
+        deadline = time.monotonic() + 20  # a lost output never comes: the deadline ends the wait
+        while len(finished) < len(rids) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        t.join()
+    assert [rid for rid in rids if finished.get(rid) != 1] == []
+    assert not eng.output_processor.requests and not eng.requests
