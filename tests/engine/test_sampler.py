@@ -359,3 +359,35 @@ def test_logit_bias_is_added_before_sampling_and_clamped() -> None:
     assert torch.equal(logits, before)  # the caller's logits are untouched
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={"1": 2.0})  # type: ignore[dict-item]
+
+
+def test_top_p_windows_equal_the_full_sort() -> None:
+    """top-p finds its cut among the best 256 tokens, then 4096, then sorts the row: whichever
+    tier a row needs, its mask is the full sort's (rows with nuclei of ~3, ~1000 and ~20000
+    tokens at a 49,152 vocabulary, and top-k rows beside them)."""
+    from lorastar.engine.sampler import _top_k_top_p
+
+    gen = torch.Generator().manual_seed(5)
+    v = 49152
+    x = torch.randn(6, v, generator=gen) * 0.01  # near-flat rows: the nucleus is most of the vocabulary
+    x[0, :3] += 20.0  # a peaked row
+    x[1, :1000] += 8.0 + torch.rand(1000, generator=gen)  # mass spread over ~1000 tokens
+    x[3, :3] += 20.0
+    top_p = [0.95, 0.95, 0.9, 0.5, 0.99, 1.0]
+    top_k = [0, 0, 0, 2, 0, 40]
+    got = _top_k_top_p(x.clone(), top_k, top_p)
+    for r in range(6):
+        row = x[r]
+        if top_k[r]:
+            kth = row.topk(top_k[r]).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        sv, order = torch.sort(row, descending=True, stable=True)
+        sp = torch.softmax(sv, dim=-1)
+        drop = (sp.cumsum(-1) - sp) >= (top_p[r] if top_p[r] < 1.0 else 2.0)
+        drop[0] = False
+        want = row.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), float("-inf"))
+        kept = torch.isfinite(got[r])
+        assert torch.equal(kept, torch.isfinite(want)), r
+        assert torch.equal(got[r][kept], x[r][kept])
+    sizes = torch.isfinite(got).sum(-1).tolist()
+    assert sizes[0] <= 3 and 256 < sizes[1] < 4096 and sizes[2] > 4096 and sizes[3] == 1 and sizes[5] == 40
