@@ -15,7 +15,7 @@ Invariant, whatever the logits (NaN, +-inf, all masked) and parameters: every sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -149,40 +149,40 @@ class Sampler:
 
     def _apply_penalties(self, x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
         """vLLM semantics: repetition over prompt+output (divide positive logits, multiply
-        negative ones), then frequency (x count) and presence (x [count > 0]) over output only."""
-        num_rows = len(rows)
+        negative ones), then frequency (x count) and presence (x [count > 0]) over output only.
+
+        Sparse: only the (row, token) pairs that occur are read and written, each once (a few
+        hundred per row against a 49k vocabulary). The dense form (counts and masks over [R, V])
+        took 29 ms for 64 rows on one thread here; the values are the same, op for op."""
         rep = [r.params.repetition_penalty for r in rows]
         freq = [r.params.frequency_penalty for r in rows]
         pres = [r.params.presence_penalty for r in rows]
         need_rep = [v != 1.0 for v in rep]
-        need_out = [a or f != 0.0 or p != 0.0 for a, f, p in zip(need_rep, freq, pres)]
-        if not any(need_out):
-            return
+        need_fp = [f != 0.0 or p != 0.0 for f, p in zip(freq, pres)]
         dev = x.device
-
-        # Output-token counts [R, V] via one scatter-add over the flattened (row, token) pairs.
-        counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=dev)  # [R, V]
-        flat = _flat_indices(
-            [r.output_token_ids if need_out[i] else () for i, r in enumerate(rows)], vocab, dev
-        )
-        if flat.numel():
-            counts.view(-1).index_add_(0, flat, torch.ones(flat.numel(), device=dev))
-        seen_out = counts > 0  # [R, V]
-
         if any(need_rep):
-            seen = seen_out.clone()  # [R, V]: in prompt or output
-            flat = _flat_indices(
-                [r.prompt_token_ids if need_rep[i] else () for i, r in enumerate(rows)], vocab, dev
+            r_idx, t_idx, _ = _pairs(
+                [
+                    chain(r.prompt_token_ids, r.output_token_ids) if need_rep[i] else ()
+                    for i, r in enumerate(rows)
+                ],
+                vocab,
             )
-            if flat.numel():
-                seen.view(-1).index_fill_(0, flat, True)
-            rp = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
-            penalized = torch.where(x > 0, x / rp, x * rp)
-            x.copy_(torch.where(seen, penalized, x))
-
-        fp = torch.tensor(freq, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
-        pp = torch.tensor(pres, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
-        x.sub_(fp * counts).sub_(pp * seen_out.to(torch.float32))
+            if r_idx.size:
+                ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
+                rp = torch.tensor(rep, dtype=torch.float32, device=dev)[ri]  # [N]
+                vals = x[ri, ti]  # [N]
+                x.index_put_((ri, ti), torch.where(vals > 0, vals / rp, vals * rp))
+        if any(need_fp):
+            r_idx, t_idx, counts = _pairs(
+                [r.output_token_ids if need_fp[i] else () for i, r in enumerate(rows)], vocab, counts=True
+            )
+            if r_idx.size:
+                ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
+                fp = torch.tensor(freq, dtype=torch.float32, device=dev)[ri]  # [N]
+                pp = torch.tensor(pres, dtype=torch.float32, device=dev)[ri]  # [N]
+                cnt = torch.from_numpy(counts).to(dev, torch.float32)  # [N]
+                x.index_put_((ri, ti), x[ri, ti].sub(fp * cnt).sub(pp))
 
     # ------------------------------------------------------------------ random sampling
 
@@ -345,16 +345,23 @@ def _argmax(x: Tensor) -> Tensor:
     return tok
 
 
-def _flat_indices(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
-    """Flat ``row * vocab + token`` indices [N] for ragged per-row token lists (out-of-range ids
-    dropped). Built with numpy: torch.tensor() on a long Python list costs ~10x more."""
-    lens = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
-    total = int(lens.sum())
-    toks = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)  # [N]
-    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lens)  # [N]
+def _pairs(
+    token_lists: Sequence[Iterable[int]], vocab: int, counts: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The distinct (row, token) pairs of ragged per-row token lists (out-of-range ids dropped) as
+    ``rows [N]``, ``tokens [N]`` and, with ``counts``, how often each occurs. numpy: torch.tensor()
+    on a long Python list costs ~10x more."""
+    lists = [list(t) for t in token_lists]
+    lens = np.fromiter((len(t) for t in lists), dtype=np.int64, count=len(lists))
+    toks = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))  # [M]
+    row_of = np.repeat(np.arange(len(lists), dtype=np.int64), lens)  # [M]
     ok = (toks >= 0) & (toks < vocab)
-    flat = rows[ok] * vocab + toks[ok]
-    return torch.from_numpy(flat).to(device)
+    flat = row_of[ok] * vocab + toks[ok]
+    if counts:
+        uniq, cnt = np.unique(flat, return_counts=True)
+        return uniq // vocab, uniq % vocab, cnt
+    uniq = np.unique(flat)
+    return uniq // vocab, uniq % vocab, None
 
 
 # ---------------------------------------------------------------------- truncation

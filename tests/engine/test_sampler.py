@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -391,3 +392,39 @@ def test_top_p_windows_equal_the_full_sort() -> None:
         assert torch.equal(got[r][kept], x[r][kept])
     sizes = torch.isfinite(got).sum(-1).tolist()
     assert sizes[0] <= 3 and 256 < sizes[1] < 4096 and sizes[2] > 4096 and sizes[3] == 1 and sizes[5] == 40
+
+
+def test_sparse_penalties_equal_the_dense_form_bitwise() -> None:
+    """The penalties touch only the (row, token) pairs that occur; the result is the dense form's,
+    bit for bit: repetition over prompt + output, then x - frequency * count - presence."""
+    gen = torch.Generator().manual_seed(9)
+    v, r = 1000, 8
+    x = torch.randn(r, v, generator=gen) * 3
+    rng = random.Random(4)
+    rows = []
+    for i in range(r):
+        prompt = [rng.randrange(-2, v + 2) for _ in range(rng.randrange(0, 60))]  # a few out of range
+        output = [rng.randrange(0, 50) for _ in range(rng.randrange(0, 40))]  # repeats
+        p = SamplingParams(
+            repetition_penalty=[1.0, 1.3, 0.7][i % 3], frequency_penalty=[0.0, 0.4][i % 2],
+            presence_penalty=[0.0, -0.6, 1.1][i % 3],
+        )  # fmt: skip
+        rows.append(_row(p, prompt=prompt, output=output))
+    got = x.clone()
+    Sampler()._apply_penalties(got, rows, v)
+    want = x.clone()
+    counts = torch.zeros(r, v)
+    seen = torch.zeros(r, v, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        for t in row.output_token_ids:
+            counts[i, t] += 1
+        for t in [*row.prompt_token_ids, *row.output_token_ids]:
+            if 0 <= t < v:
+                seen[i, t] = True
+    rp = torch.tensor([row.params.repetition_penalty for row in rows]).unsqueeze(1)
+    want = torch.where(seen, torch.where(want > 0, want / rp, want * rp), want)
+    fp = torch.tensor([row.params.frequency_penalty for row in rows]).unsqueeze(1)
+    pp = torch.tensor([row.params.presence_penalty for row in rows]).unsqueeze(1)
+    want = want.sub(fp * counts).sub(pp * (counts > 0).float())
+    assert torch.equal(got, want)
+    assert not torch.equal(got, x)
