@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import statistics
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +84,41 @@ def start_server(
     return proc
 
 
+async def httpx_events(client: Any, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, str]]:
+    """A stream's ``data:`` payloads (``[DONE]`` left out) with their arrival times, over httpx."""
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield time.perf_counter(), line[6:]
+
+
+async def aiohttp_events(session: Any, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, bytes]]:
+    """The same over aiohttp, read as vLLM's ``bench serve`` reads it: its C parser and chunk
+    iteration cost the load generator several times less CPU than httpx's line iterator (on a
+    2-core machine the client competes with the server for the cores)."""
+    async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+        buf = b""
+        async for chunk in r.content.iter_any():
+            now = time.perf_counter()
+            buf += chunk
+            *events, buf = buf.split(b"\n\n")
+            for ev in events:
+                data = ev.removeprefix(b"data: ")
+                if data and data != b"[DONE]":
+                    yield now, data
+
+
 async def one_client(
-    client: Any, url: str, prompts: list[list[int]], new_tokens: int
+    events: Callable[[str, dict[str, Any]], AsyncIterator[tuple[float, str | bytes]]],
+    url: str,
+    prompts: list[list[int]],
+    new_tokens: int,
 ) -> list[dict[str, Any]]:
-    """Stream each prompt in turn; per request: TTFT, frame gaps, tokens."""
+    """Stream each prompt in turn through ``events``; per request: TTFT, frame gaps, tokens."""
     results = []
     for prompt in prompts:
         body = {"model": "m", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
@@ -92,54 +126,12 @@ async def one_client(
         t0 = time.perf_counter()
         stamps: list[float] = []
         tokens = 0
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    stamps.append(time.perf_counter())
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-        if not stamps:
-            raise RuntimeError("a stream produced no text")
-        results.append({"ttft": stamps[0] - t0, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
-                        "tokens": tokens or new_tokens})  # fmt: skip
-    return results
-
-
-async def one_client_aiohttp(
-    session: Any, url: str, prompts: list[list[int]], new_tokens: int
-) -> list[dict[str, Any]]:
-    """``one_client`` over aiohttp, reading the stream as vLLM's ``bench serve`` does (its C
-    parser and chunk iteration cost the load generator several times less CPU than httpx's line
-    iterator: on a 2-core machine the client competes with the server for the cores)."""
-    results = []
-    for prompt in prompts:
-        body = {"model": "m", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-        t0 = time.perf_counter()
-        stamps: list[float] = []
-        tokens = 0
-        async with session.post(url, json=body) as r:
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
-            buf = b""
-            async for chunk in r.content.iter_any():
-                now = time.perf_counter()
-                buf += chunk
-                *events, buf = buf.split(b"\n\n")
-                for ev in events:
-                    data = ev.removeprefix(b"data: ")
-                    if not data or data == b"[DONE]":
-                        continue
-                    msg = json.loads(data)
-                    if msg.get("choices") and msg["choices"][0].get("text"):
-                        stamps.append(now)
-                    if msg.get("usage"):
-                        tokens = msg["usage"]["completion_tokens"]
+        async for now, data in events(url, body):
+            msg = json.loads(data)
+            if msg.get("choices") and msg["choices"][0].get("text"):
+                stamps.append(now)
+            if msg.get("usage"):
+                tokens = msg["usage"]["completion_tokens"]
         if not stamps:
             raise RuntimeError("a stream produced no text")
         results.append({"ttft": stamps[0] - t0, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
@@ -151,26 +143,22 @@ async def serve_load(
     port: int, per_client: list[list[list[int]]], new_tokens: int, client_lib: str = "aiohttp"
 ) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}/v1/completions"
-    if client_lib == "aiohttp":
-        import aiohttp
+    async with contextlib.AsyncExitStack() as stack:
+        if client_lib == "aiohttp":
+            import aiohttp
 
-        conn = aiohttp.TCPConnector(limit=len(per_client) + 4)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
-            await one_client_aiohttp(session, url, per_client[0][:1], 4)  # warm-up
-            t0 = time.perf_counter()
-            runs = await asyncio.gather(
-                *(one_client_aiohttp(session, url, ps, new_tokens) for ps in per_client)
-            )
-            wall = time.perf_counter() - t0
-    else:
-        import httpx
+            conn = aiohttp.TCPConnector(limit=len(per_client) + 4)
+            session = aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600))
+            events = functools.partial(aiohttp_events, await stack.enter_async_context(session))
+        else:
+            import httpx
 
-        limits = httpx.Limits(max_connections=len(per_client) + 4)
-        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            await one_client(client, url, per_client[0][:1], 4)  # warm-up
-            t0 = time.perf_counter()
-            runs = await asyncio.gather(*(one_client(client, url, ps, new_tokens) for ps in per_client))
-            wall = time.perf_counter() - t0
+            client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(per_client) + 4))
+            events = functools.partial(httpx_events, await stack.enter_async_context(client))
+        await one_client(events, url, per_client[0][:1], 4)  # warm-up
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(one_client(events, url, ps, new_tokens) for ps in per_client))
+        wall = time.perf_counter() - t0
     reqs = [r for run in runs for r in run]
     ttft = sorted(r["ttft"] for r in reqs)
     gaps = sorted(g for r in reqs for g in r["gaps"]) or [0.0]

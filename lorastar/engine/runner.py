@@ -43,6 +43,19 @@ class ModelRunnerOutput:
     prompt_hidden: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
+def _adapter_order(
+    scheduled: list[ScheduledSeq], adapter_slot: dict[str, int] | None
+) -> tuple[list[int], list[int]]:
+    """Each scheduled sequence's adapter slot (-1: none) and the row order that sorts them by slot
+    (schedule order when the step has no adapters)."""
+    order = list(range(len(scheduled)))
+    if adapter_slot is None:
+        return [], order
+    seq_slots = [-1 if s.seq.adapter_key is None else adapter_slot[s.seq.adapter_key] for s in scheduled]
+    order.sort(key=seq_slots.__getitem__)
+    return seq_slots, order
+
+
 def _prompt_span(s: ScheduledSeq) -> tuple[int, int]:
     """Prompt positions ``[first, last)`` whose logprobs this chunk's rows produce (row ``r`` of
     the chunk predicts position ``start + r + 1``); empty unless prompt logprobs were asked for."""
@@ -112,16 +125,10 @@ class ModelRunner:
         q_lens: list[int] = []
         tables: list[list[int]] = []
         runs: list[tuple[int, int]] = []  # (slot, rows) per sequence, in row order
-        seq_slots: list[int] = []
         scheduled = out.scheduled
-        order = range(len(scheduled))
-        if adapter_slot is not None:
-            # Rows in adapter order: each adapter's tokens are one contiguous run (LoRAMetadata's
-            # one encoding); logits rows are mapped back to schedule order below.
-            seq_slots = [
-                -1 if s.seq.adapter_key is None else adapter_slot[s.seq.adapter_key] for s in scheduled
-            ]
-            order = sorted(order, key=seq_slots.__getitem__)
+        # Rows in adapter order: each adapter's tokens are one contiguous run (LoRAMetadata's one
+        # encoding); logits rows are mapped back to schedule order below.
+        seq_slots, order = _adapter_order(scheduled, adapter_slot)
         last_row: list[int] = [0] * len(scheduled)
         for idx in order:
             s = scheduled[idx]
@@ -224,13 +231,8 @@ class ModelRunner:
         eager steps; logits returned in schedule order)."""
         bs = self.block_size
         scheduled = out.scheduled
-        order: list[int] = list(range(len(scheduled)))
-        ranges = None
-        if adapter_slot is not None:
-            keys = [s.seq.adapter_key for s in scheduled]
-            seq_slots = [-1 if k is None else adapter_slot[k] for k in keys]
-            order.sort(key=seq_slots.__getitem__)
-            ranges = lora_ranges([(seq_slots[i], 1) for i in order])
+        seq_slots, order = _adapter_order(scheduled, adapter_slot)
+        ranges = lora_ranges([(seq_slots[i], 1) for i in order]) if adapter_slot is not None else None
         ids, pos, slots, seq_lens, tables = [], [], [], [], []
         for i in order:
             seq, p = scheduled[i].seq, scheduled[i].start

@@ -15,7 +15,7 @@ Invariant, whatever the logits (NaN, +-inf, all masked) and parameters: every sa
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -162,10 +162,7 @@ class Sampler:
         dev = x.device
         if any(need_rep):
             r_idx, t_idx, _ = _pairs(
-                [
-                    chain(r.prompt_token_ids, r.output_token_ids) if need_rep[i] else ()
-                    for i, r in enumerate(rows)
-                ],
+                [(r.prompt_token_ids, r.output_token_ids) if need_rep[i] else () for i, r in enumerate(rows)],
                 vocab,
             )
             if r_idx.size:
@@ -175,7 +172,7 @@ class Sampler:
                 x.index_put_((ri, ti), torch.where(vals > 0, vals / rp, vals * rp))
         if any(need_fp):
             r_idx, t_idx, counts = _pairs(
-                [r.output_token_ids if need_fp[i] else () for i, r in enumerate(rows)], vocab, counts=True
+                [(r.output_token_ids,) if need_fp[i] else () for i, r in enumerate(rows)], vocab, counts=True
             )
             if r_idx.size:
                 ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
@@ -346,15 +343,17 @@ def _argmax(x: Tensor) -> Tensor:
 
 
 def _pairs(
-    token_lists: Sequence[Iterable[int]], vocab: int, counts: bool = False
+    row_parts: Sequence[Sequence[Sequence[int]]], vocab: int, counts: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The distinct (row, token) pairs of ragged per-row token lists (out-of-range ids dropped) as
-    ``rows [N]``, ``tokens [N]`` and, with ``counts``, how often each occurs. numpy: torch.tensor()
-    on a long Python list costs ~10x more."""
-    lists = [list(t) for t in token_lists]
-    lens = np.fromiter((len(t) for t in lists), dtype=np.int64, count=len(lists))
-    toks = np.fromiter(chain.from_iterable(lists), dtype=np.int64, count=int(lens.sum()))  # [M]
-    row_of = np.repeat(np.arange(len(lists), dtype=np.int64), lens)  # [M]
+    """The distinct (row, token) pairs of ragged per-row token lists, each row given as its parts
+    (prompt, output: read in place, never joined), out-of-range ids dropped, as ``rows [N]``,
+    ``tokens [N]`` and, with ``counts``, how often each occurs. numpy: torch.tensor() on a long
+    Python list costs ~10x more."""
+    lens = np.fromiter((sum(map(len, parts)) for parts in row_parts), dtype=np.int64, count=len(row_parts))
+    toks = np.fromiter(
+        chain.from_iterable(chain.from_iterable(row_parts)), dtype=np.int64, count=int(lens.sum())
+    )  # [M]
+    row_of = np.repeat(np.arange(len(row_parts), dtype=np.int64), lens)  # [M]
     ok = (toks >= 0) & (toks < vocab)
     flat = row_of[ok] * vocab + toks[ok]
     if counts:
@@ -433,22 +432,19 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Ten
             r_idx = torch.tensor(redo, device=dev)
             xr = x[r_idx]  # [F, V]
             pr = torch.tensor([ps[i] for i in redo], dtype=torch.float32, device=dev).unsqueeze(1)
-            masked = xr
-            wide = min(vocab, _TOP_P_WIDE)
-            if wide < vocab:  # a wider window first; rows whose nucleus is wider still: sorted
+            masked = xr  # a copy (gathered rows): written in place below
+            full = torch.arange(len(redo), device=dev)
+            if _TOP_P_WIDE < vocab:  # a wider window first; rows whose nucleus is wider still: sorted
                 assert row_lse is not None  # top-p-only rows exist
                 lse_r = row_lse[torch.tensor(redo_pos, device=dev)]  # [F, 1]
-                masked, short_w = _nucleus_in_window(xr, pr, wide, lse_r)
+                masked, short_w = _nucleus_in_window(xr, pr, _TOP_P_WIDE, lse_r)
                 full = short_w.nonzero().squeeze(1)
-            else:
-                full = torch.arange(len(redo), device=dev)
             if full.numel():
                 xf, pf = xr[full], pr[full]
                 sv, order = torch.sort(xf, dim=-1, descending=True, stable=True)  # [F', V] each
                 sp = torch.softmax(sv, dim=-1)
                 drop = (sp.cumsum(dim=-1) - sp) >= pf  # [F', V]
                 drop[:, 0] = False
-                masked = masked.clone() if masked is xr else masked
                 masked[full] = xf.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
             out[r_idx] = masked
     return out
