@@ -81,8 +81,11 @@ class _Timer:
         return timed
 
 
-def measure(model_dir: Path, num_seqs: int, steps: int, temperature: float = 0.0) -> dict[str, float]:
-    """Mean milliseconds per step (whole and per part) with ``num_seqs`` sequences decoding."""
+def measure(
+    model_dir: Path, num_seqs: int, steps: int, temperature: float = 0.0, prompt_len: int = 32
+) -> dict[str, float]:
+    """Mean milliseconds per step (whole and per part) with ``num_seqs`` sequences decoding, each
+    from a ``prompt_len``-token prompt."""
     import torch
 
     from lorastar import SamplingParams
@@ -96,12 +99,12 @@ def measure(model_dir: Path, num_seqs: int, steps: int, temperature: float = 0.0
             device="cpu",
             dtype="float32",
             max_num_seqs=num_seqs,
-            num_kv_blocks=num_seqs * 24 + 16,
-            max_model_len=1024,
+            num_kv_blocks=num_seqs * (-(-(prompt_len + steps + 80) // 16) + 1) + 16,
+            max_model_len=prompt_len + steps + 128,
             enable_prefix_caching=False,
         )
     )
-    prompts = common.text_prompts(eng.tokenizer, num_seqs, 32)
+    prompts = common.text_prompts(eng.tokenizer, num_seqs, prompt_len)
     params = SamplingParams(temperature=temperature, max_tokens=steps + 64, ignore_eos=True)
     for p in prompts:
         eng.add_request(p, params)
@@ -130,11 +133,12 @@ def measure(model_dir: Path, num_seqs: int, steps: int, temperature: float = 0.0
     res["output"] -= res["sample"]  # sampling runs inside output processing
     res["step"] = 1000 * wall / steps
     res["other"] = res["step"] - sum(res[p] for p in PARTS)
+    res["host"] = res["step"] - res["forward"]  # everything but the model's own compute
     return res
 
 
 def run_child(
-    checkout: Path, model_dir: Path, num_seqs: int, steps: int, temperature: float
+    checkout: Path, model_dir: Path, num_seqs: int, steps: int, temperature: float, prompt_len: int
 ) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_WAIT_POLICY": "PASSIVE"}
     # The checkout goes first on sys.path after importing this script (whose ``common`` puts this
@@ -145,7 +149,8 @@ def run_child(
         "import json, sys; sys.path.insert(0, sys.argv[1]); import host_overhead as h; "
         "sys.path[:] = [p for p in sys.path if p != sys.argv[1]]; sys.path.insert(0, sys.argv[6]); import lorastar; "
         "assert h.Path(lorastar.__file__).resolve().is_relative_to(h.Path(sys.argv[6]).resolve()), lorastar.__file__; "
-        "print(json.dumps(h.measure(h.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))))"
+        "print(json.dumps(h.measure(h.Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), "
+        "int(sys.argv[7]))))"
     )
     here = Path(__file__).resolve().parent
     out = subprocess.run(
@@ -159,6 +164,7 @@ def run_child(
             str(steps),
             str(temperature),
             str(checkout),
+            str(prompt_len),
         ],  # fmt: skip
         env=env,
         cwd=str(checkout),
@@ -174,6 +180,7 @@ def main() -> None:
     ap.add_argument("--seqs", default="1,16,64,256", help="running sequences per step")
     ap.add_argument("--steps", type=int, default=40, help="measured decode steps per size")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: the random path")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (context length)")
     ap.add_argument("--other", type=Path, default=None, help="a second checkout to compare with")
     ap.add_argument("--out", type=Path, default=common.RESULTS)
     args = ap.parse_args()
@@ -186,19 +193,42 @@ def main() -> None:
     results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in systems}
     for n in sizes:
         for name, checkout in systems.items():  # alternate: drift hits both alike
-            results[name][n] = run_child(checkout, model_dir, n, args.steps, args.temperature)
+            results[name][n] = run_child(
+                checkout, model_dir, n, args.steps, args.temperature, args.prompt_len
+            )
             print(f"{name:5s} {n:4d} seqs: {results[name][n]['step']:.2f} ms/step", flush=True)
 
     rows = []
     for n in sizes:
         for name in systems:
             r = results[name][n]
-            rows.append([name, n, r["step"], 1000 * r["step"] / n, *(r[p] for p in PARTS), r["other"]])
-    headers = ["checkout", "seqs", "ms/step", "µs/seq-step", *(f"{p} ms" for p in PARTS), "other ms"]
+            host = r["step"] - r["forward"]
+            rows.append([name, n, r["step"], 1000 * r["step"] / n, host, *(r[p] for p in PARTS), r["other"]])
+    headers = [
+        "checkout",
+        "seqs",
+        "ms/step",
+        "µs/seq-step",
+        "host ms",
+        *(f"{p} ms" for p in PARTS),
+        "other ms",
+    ]
     sections = [common.markdown_table(headers, rows)]
     if args.other:
-        ratio_rows = [[n, results["other"][n]["step"] / results["this"][n]["step"]] for n in sizes]
-        sections.append(common.markdown_table(["seqs", "other / this (host time per step)"], ratio_rows))
+        o, t = results["other"], results["this"]
+        ratio_rows = [
+            [
+                n,
+                o[n]["step"] / t[n]["step"],
+                (o[n]["step"] - o[n]["forward"]) / (t[n]["step"] - t[n]["forward"]),
+            ]
+            for n in sizes
+        ]
+        sections.append(
+            common.markdown_table(
+                ["seqs", "other / this: whole step", "other / this: host (step - forward)"], ratio_rows
+            )
+        )
     text = common.write_results(
         "host_overhead",
         args.out,
@@ -206,7 +236,9 @@ def main() -> None:
         {"env": common.env_line("1 thread per engine"), "results": results},
         notes=[
             "Model: 1 layer, hidden 32, SmolLM2 vocabulary (49152): 'forward' is mostly the lm_head.",
-            f"Sampling at temperature {args.temperature} (0: greedy), ignore_eos, prefix caching off.",
+            f"Sampling at temperature {args.temperature} (0: greedy), ignore_eos, prefix caching off; "
+            f"{args.prompt_len}-token prompts.",
+            "'host ms': the step less 'forward' (everything but the model's own compute).",
         ],
     )
     print(text)

@@ -295,3 +295,25 @@ def make_peft_adapters(
             map_targets=map_targets, **kw,
         )  # fmt: skip
     return paths
+
+
+def prefill_logits(model, ids: list[int], *, dtype=None):  # noqa: ANN001, ANN201
+    """Teacher-forced logits ``[T, vocab]`` of every position of ``ids``: one prefill through the
+    engine's own runner and input preparation (a fresh cache of the model's dtype, or ``dtype``)."""
+    import torch
+
+    from lorastar.engine.request import Request
+    from lorastar.engine.runner import KVCacheSpec, ModelRunner
+    from lorastar.engine.sampling import SamplingParams
+    from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
+
+    bs = 16
+    nb = -(-len(ids) // bs)
+    norm = model.norm.weight  # a float parameter that every model keeps: its device and dtype
+    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, dtype or norm.dtype)
+    runner = ModelRunner(model, spec, norm.device)
+    seq = Request("prefill", None, list(ids), SamplingParams(max_tokens=1)).sequences[0]
+    seq.block_table = list(range(nb))
+    input_ids, positions, ctx, _ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, 0, len(ids))]))
+    with torch.inference_mode():
+        return model.compute_logits(model(input_ids, positions, ctx))

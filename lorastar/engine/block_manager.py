@@ -194,6 +194,7 @@ class BlockManager:
             dst = self._take_free()
             self.ref_counts[src] -= 1
             seq.block_table[i] = dst
+            seq.block_table_synced = min(seq.block_table_synced, i)
             copies.append((src, dst))
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free())
@@ -205,6 +206,7 @@ class BlockManager:
             if b != NULL_BLOCK:
                 self.ref_counts[b] += 1
         child.block_table = list(parent.block_table)
+        child.block_table_synced = 0
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_blocks = parent.num_cached_blocks
         if parent.seq_id in self._seq_hashes:
@@ -225,6 +227,7 @@ class BlockManager:
             if b != NULL_BLOCK:
                 self._unref(b)
         seq.block_table = []
+        seq.block_table_synced = 0
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0
 
@@ -251,6 +254,7 @@ class BlockManager:
             if b == NULL_BLOCK:
                 break
             seq.block_table[i] = NULL_BLOCK
+            seq.block_table_synced = min(seq.block_table_synced, i)
             self._unref(b)
             released += 1
         return released

@@ -22,17 +22,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from lorastar.forward_context import (
-    AttentionMetadata,
-    ForwardContext,
-    LoRAMetadata,
-    padded_block_tables,
-    slot_runs,
-)
+from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, slot_runs
 
 if TYPE_CHECKING:
+    from lorastar.engine.input_batch import StepInputs
     from lorastar.layers.lora import LoRADeviceState
     from lorastar.models.llama import LlamaForCausalLM
 
@@ -136,22 +132,14 @@ class DecodeGraphs:
         return graph, out
 
     # ---- a step -------------------------------------------------------------------------------
-    def run(
-        self,
-        ids: list[int],
-        positions: list[int],
-        slots: list[int],
-        seq_lens: list[int],
-        tables: list[list[int]],
-        lora_ranges: list[tuple[int, int, int]] | None,
-    ) -> torch.Tensor | None:
-        """Logits ``[b, vocab]`` of one decode step of ``b = len(ids)`` sequences, or ``None``
-        when graphs cannot serve it (too many sequences, or disabled after a failed capture).
-        ``lora_ranges``: each adapter's rows ``(slot, start, end)`` (rows sorted by slot), or
-        ``None`` for a step without adapters."""
-        b = len(ids)
+    def run(self, inputs: StepInputs, lora_ranges: list[tuple[int, int, int]] | None) -> torch.Tensor | None:
+        """Logits ``[b, vocab]`` (row order) of one decode step of ``b`` sequences prepared by
+        ``InputBatch.prepare``, or ``None`` when graphs cannot serve it (too many sequences, or
+        disabled after a failed capture). ``lora_ranges``: each adapter's rows ``(slot, start,
+        end)`` (rows sorted by slot), or ``None`` for a step without adapters."""
+        b = inputs.num_seqs
         n = self.padded_size(b)
-        if self.disabled or n is None:
+        if self.disabled or n is None or not inputs.is_decode:
             return None
         with_lora = lora_ranges is not None and self.lora_state is not None
         if with_lora and self.lora_state.layout_version != self.lora_version:  # type: ignore[union-attr]
@@ -164,13 +152,13 @@ class DecodeGraphs:
             self.seq_lens[b : self.prev_batch] = 1
             self.block_tables[b : self.prev_batch, 0] = self.scratch_block
         self.prev_batch = b
-        bt = padded_block_tables(tables, self.scratch_block)  # [b, width]
-        width = bt.shape[1]
-        self.i64[:, :b].copy_(torch.tensor([ids, positions, slots], dtype=torch.int64))
-        self.seq_lens[:b].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        width = inputs.block_tables.shape[1]  # padded with the scratch block (the runner's fill)
+        step = np.stack([inputs.input_ids, inputs.positions, inputs.slot_mapping])  # [3, b]
+        self.i64[:, :b].copy_(torch.from_numpy(step))
+        self.seq_lens[:b].copy_(torch.from_numpy(inputs.seq_lens))
         if with_lora:
             self.lora_runs.copy_(slot_runs(lora_ranges or [], self.lora_runs.shape[1]))
-        self.block_tables[:b, :width].copy_(bt)
+        self.block_tables[:b, :width].copy_(torch.from_numpy(inputs.block_tables))
         key = (n, with_lora)
         entry = self.graphs.get(key)
         if entry is None:

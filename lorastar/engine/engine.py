@@ -433,6 +433,7 @@ class LLMEngine:
         with self.lock:
             out = self.scheduler.schedule()
             if out.is_empty:
+                self.runner.batch.remove(out.finished_seq_ids)
                 return []
             now = time.monotonic()
             for sch in out.scheduled:  # before running: a failed step knows whom it involved
@@ -807,10 +808,13 @@ class LLMEngine:
             )
 
     def check_invariants(self) -> None:
-        """Raise if block refcounts or adapter refcounts are inconsistent (tests call this)."""
+        """Raise if block refcounts, adapter refcounts or the runner's persistent block-table rows
+        are inconsistent (tests call this)."""
         with self.lock:
             self.block_manager.check_invariants(self.scheduler.all_sequences())
             self.registry.check_invariants()
+            if "runner" in self.__dict__:
+                self.runner.batch.check(self.scheduler.all_sequences())
 
 
 def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:

@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lorastar.engine.input_batch import InputBatch, device_inputs
+from lorastar.engine.request import Request
+from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.scheduler import ScheduledSeq
 from lorastar.forward_context import ForwardContext
-from lorastar.layers.attention import build_attention_metadata
 
 if TYPE_CHECKING:
     from lorastar.models.llama import LlamaForCausalLM
@@ -55,11 +58,12 @@ def calibrate_kv_scales(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(model.num_layers)
     ]
-    tables = torch.arange(num_blocks, dtype=torch.int32)[None, :]  # [1, num_blocks]
-    md = build_attention_metadata(list(range(n)), [n], [n], tables, block_size=block_size, device=device)
-    ctx = ForwardContext(attn=md, kv_caches=caches)
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    model(ids, torch.arange(n, dtype=torch.int64, device=device), ctx)
+    # One sequence owning blocks 0..num_blocks-1, through the steps' own input preparation.
+    seq = Request("kv-calibration", None, list(token_ids), SamplingParams(max_tokens=1)).sequences[0]
+    seq.block_table = list(range(num_blocks))
+    inputs = InputBatch(block_size, n).prepare([ScheduledSeq(seq, 0, n)])
+    ids, positions, md = device_inputs(inputs, block_size=block_size, device=device)
+    model(ids, positions, ForwardContext(attn=md, kv_caches=caches))
     fp8_max = float(torch.finfo(cache_dtype).max)
     k_scales, v_scales = [], []
     for k, v in caches:

@@ -36,6 +36,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    # Leading block_table entries the runner's persistent row holds as they are (engine/input_batch.py):
+    # the block manager lowers it whenever it rewrites an entry in place; appends need nothing.
+    block_table_synced: int = 0
     num_cached_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from lorastar.engine.cuda_graphs import DecodeGraphs
+from lorastar.engine.input_batch import InputBatch, device_inputs
 from lorastar.engine.prompt_logprobs import PromptTokenLogprobs, score_prompt_rows
 from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
-from lorastar.forward_context import ForwardContext, LoRAMetadata, lora_ranges, padded_block_tables, slot_runs
-from lorastar.layers.attention import build_attention_metadata
+from lorastar.forward_context import ForwardContext, LoRAMetadata, lora_ranges, slot_runs
 from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.llama import LlamaForCausalLM
 
@@ -41,19 +41,6 @@ class ModelRunnerOutput:
     # {seq_id: {position: [hidden] row}} for prompt positions that end a KV block (kept with the
     # block's prompt logprobs so a later prefix-cache hit can score the position after it).
     prompt_hidden: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-
-
-def _adapter_order(
-    scheduled: list[ScheduledSeq], adapter_slot: dict[str, int] | None
-) -> tuple[list[int], list[int]]:
-    """Each scheduled sequence's adapter slot (-1: none) and the row order that sorts them by slot
-    (schedule order when the step has no adapters)."""
-    order = list(range(len(scheduled)))
-    if adapter_slot is None:
-        return [], order
-    seq_slots = [-1 if s.seq.adapter_key is None else adapter_slot[s.seq.adapter_key] for s in scheduled]
-    order.sort(key=seq_slots.__getitem__)
-    return seq_slots, order
 
 
 def _prompt_span(s: ScheduledSeq) -> tuple[int, int]:
@@ -101,6 +88,10 @@ class ModelRunner:
         self.v_scales = v_scales or [1.0] * spec.num_layers
         self.lora_state = lora_state
         self.graphs: DecodeGraphs | None = None
+        # Padding entries of the step's block tables: with graphs, the scratch block.
+        self.batch = InputBatch(
+            spec.block_size, max_model_len or 1, fill=spec.num_blocks if use_graphs else 0
+        )
         if use_graphs:
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, self.k_scales, self.v_scales,
@@ -108,53 +99,21 @@ class ModelRunner:
                 max_batch=cuda_graph_max_batch, lora_state=lora_state,
             )  # fmt: skip
 
-    # ---- step metadata --------------------------------------------------------------------
-    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
-
+    # ---- step inputs ------------------------------------------------------------------------
     def prepare(
         self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
-        """Inputs of one forward: ``input_ids [T]``, ``positions [T]``, the context, and the flat
-        row of each scheduled sequence's last token, in schedule order (its logits row)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        q_lens: list[int] = []
-        tables: list[list[int]] = []
-        runs: list[tuple[int, int]] = []  # (slot, rows) per sequence, in row order
-        scheduled = out.scheduled
-        # Rows in adapter order: each adapter's tokens are one contiguous run (LoRAMetadata's one
-        # encoding); logits rows are mapped back to schedule order below.
-        seq_slots, order = _adapter_order(scheduled, adapter_slot)
-        last_row: list[int] = [0] * len(scheduled)
-        for idx in order:
-            s = scheduled[idx]
-            seq, start, n = s.seq, s.start, s.num_new_tokens
-            ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            slots.extend(self._slots(seq.block_table, start, start + n))
-            seq_lens.append(start + n)
-            q_lens.append(n)
-            tables.append(seq.block_table)
-            last_row[idx] = len(ids) - 1
-            if adapter_slot is not None:
-                runs.append((seq_slots[idx], n))
-
-        dev = self.device
-        md = build_attention_metadata(
-            slots, q_lens, seq_lens, padded_block_tables(tables), block_size=self.block_size, device=dev,
-            native_cpu_decode=self.native_cpu_kernels,
-        )  # fmt: skip
-        lora = self._prepare_lora(runs) if adapter_slot is not None else None
+        """Inputs of one eager forward: ``input_ids [T]``, ``positions [T]``, the context, and the
+        flat row of each scheduled sequence's last token, in schedule order (its logits row)."""
+        inputs = self.batch.prepare(out.scheduled, adapter_slot)
+        input_ids, positions, md = device_inputs(
+            inputs, block_size=self.block_size, device=self.device, native_cpu_decode=self.native_cpu_kernels
+        )
+        lora = self._prepare_lora(inputs.lora_runs) if inputs.lora_runs is not None else None
         ctx = ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
         )  # fmt: skip
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, ctx, last_row
+        return input_ids, positions, ctx, inputs.last_row
 
     def _prepare_lora(self, runs: list[tuple[int, int]]) -> LoRAMetadata | None:
         """The step's LoRA rows from ``(slot, rows)`` per sequence in row order (sorted by slot)."""
@@ -187,6 +146,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None) -> ModelRunnerOutput:
         """Run one step: the sampling rows' logits and any prompt logprobs it produced."""
+        self.batch.remove(out.finished_seq_ids)
         self.copy_blocks(out.copies)
         spans = [_prompt_span(s) for s in out.scheduled]
         wants = [
@@ -227,23 +187,17 @@ class ModelRunner:
     def _execute_graph(
         self, graphs: DecodeGraphs, out: SchedulerOutput, adapter_slot: dict[str, int] | None
     ) -> torch.Tensor | None:
-        """A pure-decode step through a captured CUDA graph (rows sorted by adapter slot, as in
-        eager steps; logits returned in schedule order)."""
-        bs = self.block_size
+        """A pure-decode step through a captured CUDA graph (the eager steps' inputs, rows sorted
+        by adapter slot; logits returned in schedule order)."""
         scheduled = out.scheduled
-        seq_slots, order = _adapter_order(scheduled, adapter_slot)
-        ranges = lora_ranges([(seq_slots[i], 1) for i in order]) if adapter_slot is not None else None
-        ids, pos, slots, seq_lens, tables = [], [], [], [], []
-        for i in order:
-            seq, p = scheduled[i].seq, scheduled[i].start
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            seq_lens.append(p + 1)
-            tables.append(seq.block_table)
-        logits = graphs.run(ids, pos, slots, seq_lens, tables, ranges)
+        if graphs.padded_size(len(scheduled)) is None or graphs.disabled:
+            return None
+        inputs = self.batch.prepare(scheduled, adapter_slot)
+        ranges = lora_ranges(inputs.lora_runs) if inputs.lora_runs is not None else None
+        logits = graphs.run(inputs, ranges)
         if logits is None:
             return None
+        order = inputs.order
         if order != list(range(len(order))):  # back to schedule order
             inverse = [0] * len(order)
             for row, i in enumerate(order):

@@ -46,6 +46,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) blocks
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences finished since the previous schedule (the runner gives back their batch rows).
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,6 +100,7 @@ class Scheduler:
         self._blocked_steps: dict[int, int] = {}  # seq_id -> steps spent waiting for an adapter slot
         self.max_prefix_waits = max_prefix_waits
         self._prefix_waits: dict[int, int] = {}  # seq_id -> steps held back for an in-flight block
+        self._finished_ids: list[int] = []  # reported by the next schedule
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -118,6 +121,7 @@ class Scheduler:
         self._blocked_steps.pop(seq.seq_id, None)
         self._prefix_waits.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
+        self._finished_ids.append(seq.seq_id)
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.bm.free(seq)
@@ -172,7 +176,8 @@ class Scheduler:
         out.preempted.append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_seq_ids=self._finished_ids)
+        self._finished_ids = []
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         # Adapters of running sequences hold their slots; new ones may only take free/LRU slots.

@@ -116,7 +116,7 @@ def _build_plan(md: TorchAttentionMetadata, window: int) -> TorchPlan:
 
 
 def build_attention_metadata(
-    slot_mapping: list[int],
+    slot_mapping: list[int] | torch.Tensor,  # [num_tokens]
     query_lens: list[int],
     seq_lens: list[int],
     block_tables: torch.Tensor,  # [B, max_blocks] int32, host
@@ -132,7 +132,7 @@ def build_attention_metadata(
     for q in query_lens:
         qsl.append(qsl[-1] + q)
     common = {
-        "slot_mapping": torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        "slot_mapping": torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
         "query_start_loc": torch.tensor(qsl, dtype=torch.int32, device=device),
         "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
         "block_tables": block_tables.to(device),

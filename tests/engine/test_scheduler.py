@@ -40,6 +40,7 @@ class Harness:
             starvation_steps=starvation_steps,
         )
         self.requests: list[Request] = []
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None  # sees each step's schedule
         self.steps = 0
         self._ids = itertools.count()
 
@@ -65,6 +66,8 @@ class Harness:
         for s in out.scheduled:
             assert s.num_new_tokens > 0 and s.start == s.seq.num_computed_tokens
         assert len({s.seq.seq_id for s in out.scheduled}) == len(out.scheduled)
+        if self.on_schedule is not None:
+            self.on_schedule(out)
         self.sched.update(out)
         for s in out.scheduled:
             seq = s.seq

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import weakref
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from lorastar.quant.embedding_int8 import (
     embedding_method,
     quantize_rows_int8,
 )
+from tests.conftest import prefill_logits
 
 # fp32 logits through the int8 head vs x @ dequantized.T: only the summation order differs (the row
 # scale is applied after the int8 matmul), so the gap is float rounding, relative to max |logit|.
@@ -95,20 +95,7 @@ def test_half_logits_follow_the_fp32_reference(dtype: torch.dtype) -> None:
 
 def _teacher_forced_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     """One prefill of ``ids`` through the engine's runner metadata; fp32 logits of every row (CPU)."""
-    from lorastar.engine.runner import KVCacheSpec, ModelRunner
-
-    bs = 16
-    nb = -(-len(ids) // bs)
-    norm = model.norm.weight  # a float parameter that every model keeps: its device and dtype
-    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, norm.dtype)
-    runner = ModelRunner(model, spec, norm.device)
-    seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(nb)), adapter_key=None)
-    out = SimpleNamespace(
-        scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
-    )
-    input_ids, positions, ctx, _ = runner.prepare(out)
-    with torch.inference_mode():
-        return model.compute_logits(model(input_ids, positions, ctx)).float().cpu()
+    return prefill_logits(model, ids).float().cpu()
 
 
 def _dequantized_reference(path: str, int8: LLM, **kw: object) -> LLM:

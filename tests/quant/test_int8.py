@@ -12,6 +12,7 @@ from lorastar import LLM, SamplingParams
 from lorastar.kernels.int8 import int8_linear, quantize_per_token, quantize_weight_per_channel
 from lorastar.kernels.reference import ref_int8_linear
 from lorastar.quant import get_quant_config
+from tests.conftest import prefill_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -102,21 +103,7 @@ TEXT = (
 
 def _engine_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Teacher-forced logits of every position: one prefill through the engine's model and runner."""
-    from types import SimpleNamespace
-
-    from lorastar.engine.runner import KVCacheSpec, ModelRunner
-
-    model, bs = llm.engine.model, 16
-    nb = -(-len(ids) // bs)
-    spec = KVCacheSpec(nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, torch.float32)
-    runner = ModelRunner(model, spec, torch.device("cpu"))
-    seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(nb)), adapter_key=None)
-    out = SimpleNamespace(
-        scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
-    )
-    input_ids, positions, ctx, _ = runner.prepare(out)
-    with torch.inference_mode():
-        return model.compute_logits(model(input_ids, positions, ctx)).double()  # [T, vocab]
+    return prefill_logits(llm.engine.model, ids, dtype=torch.float32).double()  # [T, vocab]
 
 
 def _kl(p: torch.Tensor, q: torch.Tensor) -> float:

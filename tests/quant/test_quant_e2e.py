@@ -8,11 +8,11 @@ continuation.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from quant_fixtures import FP8_NAMES, INT4_NAMES, fixture_dir, present, read_config, reference
+
+from tests.conftest import prefill_logits
 
 # int4 formats: fp32 logits within 1e-3 (max abs error relative to the max |logit|).
 INT4_TOL = 1e-3
@@ -44,23 +44,7 @@ def _load(
 
 def _forward_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     """One prefill of ``ids`` through the engine's own runner metadata; logits of every row."""
-    from lorastar.engine.runner import KVCacheSpec, ModelRunner
-
-    bs = 16
-    nb = -(-len(ids) // bs)
-    dev = model.embed_tokens.weight.device
-    spec = KVCacheSpec(
-        nb, bs, model.num_layers, model.num_kv_heads, model.head_dim, model.embed_tokens.weight.dtype
-    )
-    runner = ModelRunner(model, spec, dev)
-    seq = SimpleNamespace(token_ids=list(ids), block_table=list(range(nb)), adapter_key=None)
-    out = SimpleNamespace(
-        scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
-    )
-    input_ids, positions, ctx, _ = runner.prepare(out)
-    with torch.inference_mode():
-        hidden = model(input_ids, positions, ctx)
-        return model.compute_logits(hidden).float().cpu()  # [T, vocab]
+    return prefill_logits(model, ids, dtype=model.embed_tokens.weight.dtype).float().cpu()  # [T, vocab]
 
 
 def _compare(
