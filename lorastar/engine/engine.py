@@ -23,7 +23,7 @@ from lorastar.engine.input_processor import InputProcessor, load_tokenizer
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
-from lorastar.engine.outputs import EngineCoreOutput, Logprob, RequestMetrics, RequestOutput, SampleDelta
+from lorastar.engine.outputs import EngineCoreOutput, RawLogprobs, RequestMetrics, RequestOutput, SampleDelta
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
 from lorastar.engine.request import Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
@@ -726,29 +726,24 @@ class LLMEngine:
             ),  # fmt: skip
         )
 
-    def _prompt_logprobs_output(self, req: Request) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's shape: None for position 0, then ``{token_id: Logprob}`` with the prompt token
-        and the top k. Built once, after the whole prompt has run (outputs start after that)."""
+    def _prompt_logprobs_output(self, req: Request) -> list[RawLogprobs | None] | None:
+        """Per prompt position: ``None`` for position 0, then ``(token_id, logprob, rank)`` of the
+        prompt token and the top k (the frontend names them). Built once, after the whole prompt
+        has run (outputs start after that)."""
         store = req.prompt_logprobs
         if store is None:
             return None
         if req.prompt_logprobs_output is None:
             if any(e is None for e in store[1:]):  # an abort before the prompt finished
                 return None
-            names: dict[int, str] = {}
-
-            def name(t: int) -> str:
-                if t not in names:
-                    names[t] = self.tokenizer.decode([t])
-                return names[t]
-
             k = req.params.prompt_logprobs or 0  # kept blocks may hold more than this request's k
-            result: list[dict[int, Logprob] | None] = [None]
+            result: list[RawLogprobs | None] = [None]
             for tok, e in zip(req.prompt_token_ids[1:], store[1:]):
-                d = {tok: Logprob(e.logprob, e.rank, name(tok))}
-                for rank, (t, v) in enumerate(zip(e.top_ids[:k], e.top_logprobs[:k]), start=1):
-                    d.setdefault(t, Logprob(v, rank, name(t)))
-                result.append(d)
+                entry = [(tok, e.logprob, e.rank)]
+                entry += [
+                    (t, v, rank) for rank, (t, v) in enumerate(zip(e.top_ids[:k], e.top_logprobs[:k]), 1)
+                ]
+                result.append(entry)
             req.prompt_logprobs_output = result
         return req.prompt_logprobs_output
 

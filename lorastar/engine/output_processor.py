@@ -21,6 +21,7 @@ from lorastar.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
     Logprob,
+    RawLogprobs,
     RequestOutput,
     SampleDelta,
     SampleLogprobs,
@@ -67,6 +68,21 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
+        self._names: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
+
+    def _name(self, token_id: int) -> str:
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._names[token_id] = self.tokenizer.decode([token_id])
+        return name
+
+    def _named(self, raw: RawLogprobs) -> dict[int, Logprob]:
+        """``{token_id: Logprob}`` from raw entries; the first entry of a token wins."""
+        out: dict[int, Logprob] = {}
+        for t, v, rank in raw:
+            if t not in out:
+                out[t] = Logprob(v, rank, self._name(t))
+        return out
 
     def add_request(
         self,
@@ -102,7 +118,7 @@ class OutputProcessor:
                     if hit is not None:
                         stops.append((st.request_id, delta.index, hit))
             if co.prompt_logprobs is not None and st.prompt_logprobs is None:
-                st.prompt_logprobs = co.prompt_logprobs
+                st.prompt_logprobs = [None if e is None else self._named(e) for e in co.prompt_logprobs]
             finished = co.finished or (not co.whole and st.all_finished)
             kind = st.params.output_kind
             if finished:
@@ -137,7 +153,7 @@ class OutputProcessor:
             s.token_ids.append(tok)
             if delta.logprobs is not None:
                 lp = delta.logprobs[i]
-                s.logprobs.append({t: Logprob(v, rank, self.tokenizer.decode([t])) for t, v, rank in lp})
+                s.logprobs.append(self._named(lp))
                 s.cumulative_logprob = (s.cumulative_logprob or 0.0) + next(
                     (v for t, v, _ in lp if t == tok), 0.0
                 )

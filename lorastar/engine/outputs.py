@@ -81,5 +81,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     finished: bool = False
     whole: bool = False
     num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once, with the first output
+    # Once, with the first output: per prompt position (None at 0) the prompt token's
+    # (token_id, logprob, rank) first, then the top k.
+    prompt_logprobs: list[RawLogprobs | None] | None = None
     metrics: RequestMetrics | None = None

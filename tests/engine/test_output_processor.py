@@ -120,6 +120,45 @@ def test_logprobs_are_named_and_summed(tok) -> None:  # noqa: ANN001
     assert o.logprobs[0][ids[0]].decoded_token == tok.decode([ids[0]])
 
 
+def test_prompt_logprobs_arrive_raw_and_are_named_here(tok) -> None:  # noqa: ANN001
+    """The core sends prompt logprobs as (token, logprob, rank) with the prompt token first; the
+    frontend names them, the prompt token's entry winning over its own top-k entry, and a DELTA
+    stream carries them on its first output only."""
+    prompt = _ids(tok, "Say:")
+    proc = _proc(tok, SamplingParams(max_tokens=50, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA))
+    raw = [None] + [[(t, -1.0 - i, 2), (t, -0.5, 1)] for i, t in enumerate(prompt[1:])]
+    outs, _ = proc.process([EngineCoreOutput("r", [SampleDelta(0, [5])], prompt_logprobs=raw)])
+    pl = outs[0].prompt_logprobs
+    assert pl is not None and pl[0] is None and len(pl) == len(prompt)
+    for i, (t, entry) in enumerate(zip(prompt[1:], pl[1:])):
+        assert entry is not None and list(entry) == [t]
+        assert (
+            entry[t].logprob == -1.0 - i and entry[t].rank == 2 and entry[t].decoded_token == tok.decode([t])
+        )
+    outs, _ = proc.process([EngineCoreOutput("r", [SampleDelta(0, [6])])])
+    assert outs[0].prompt_logprobs is None
+
+
+def test_core_steps_decode_no_text(tiny_model_dir) -> None:  # noqa: ANN001
+    """The core's step needs no tokenizer: with logprobs and prompt logprobs asked for, a step of
+    the core decodes nothing (names and text are the frontend's)."""
+    from lorastar import LLM
+
+    llm = LLM(tiny_model_dir("llama-gqa"), device="cpu", dtype="float32", num_kv_blocks=64)
+    eng = llm.engine
+    eng.add_request([5, 6, 7, 8], SamplingParams(max_tokens=3, logprobs=2, prompt_logprobs=2))
+
+    def refuse(*a: object, **k: object) -> str:
+        raise AssertionError("the core decoded text")
+
+    eng.tokenizer.decode = refuse
+    got = []
+    while eng.has_unfinished():
+        got += eng.step_core()
+    assert got[0].prompt_logprobs is not None and len(got[0].prompt_logprobs) == 4
+    assert got[-1].finished and sum(len(o.samples[0].token_ids) for o in got) == 3
+
+
 def test_beam_hypotheses_are_decoded_whole(tok) -> None:  # noqa: ANN001
     h0, h1 = _ids(tok, " a tree"), _ids(tok, " the sea")
     proc = _proc(tok, SamplingParams(n=2, use_beam_search=True, max_tokens=8))
