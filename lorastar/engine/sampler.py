@@ -96,10 +96,15 @@ class Sampler:
         )
         x = logits.to(torch.float32, copy=writes)  # [R, V]
 
-        want_lp = [r.params.logprobs is not None for r in rows]
+        lp_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = None
-        if any(want_lp):  # [R, V], finite whatever the logits (an all -inf row has NaN softmax)
-            raw_logprobs = torch.log_softmax(x, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+        if (
+            lp_idx
+        ):  # [Rl, V] (the rows that asked), finite whatever the logits (an all -inf row has NaN softmax)
+            lp_rows = x if len(lp_idx) == num_rows else x[torch.tensor(lp_idx, device=dev)]
+            raw_logprobs = (
+                torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
+            )
 
         self._apply_min_tokens(x, rows, vocab)
         _apply_logit_bias(x, rows, vocab)
@@ -123,7 +128,7 @@ class Sampler:
         token_list: list[int] = token_ids.tolist()
         lps: list[RowLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
-            lps = self._gather_logprobs(raw_logprobs, token_ids, rows, want_lp)
+            lps = self._gather_logprobs(raw_logprobs, token_ids, rows, lp_idx)
         return SamplerOutput(token_ids=token_list, logprobs=lps)
 
     # ------------------------------------------------------------------ masks and penalties
@@ -268,24 +273,39 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(
-        raw: Tensor, token_ids: Tensor, rows: Sequence[SamplingRow], want: Sequence[bool]
+        lp: Tensor,  # [Rl, V] logprobs of the rows that asked for them
+        token_ids: Tensor,  # [R]
+        rows: Sequence[SamplingRow],
+        idx: list[int],  # [Rl] those rows' indices
     ) -> list[RowLogprobs | None]:
-        dev = raw.device
-        idx = [i for i, w in enumerate(want) if w]
-        sel = torch.tensor(idx, device=dev)
-        lp = raw[sel]  # [Rl, V]
-        tok = token_ids[sel]  # [Rl]
-        tok_lp = lp.gather(1, tok.unsqueeze(1))  # [Rl, 1]
-        # Rank as vLLM counts it: how many tokens have logprob >= the sampled one's.
-        ranks = (lp >= tok_lp).sum(dim=-1)  # [Rl]
-        max_k = max(rows[i].params.logprobs or 0 for i in idx)
-        top_v, top_i = lp.topk(max_k, dim=-1) if max_k > 0 else (None, None)  # [Rl, K] each
+        """The sampled token's logprob and rank, and the top k, per row that asked.
 
+        On CPU through numpy where torch's reductions are not vectorized: 64 rows x 49,152 on one
+        thread, the rank count 1.5 ms against 6.7 (a bool sum) and the top 1 (``argmax``, the
+        first maximum) 0.4 ms against 4.0 (``topk(1)``); ``topk`` for k > 1 (argpartition is 6x slower)."""
+        tok = (
+            token_ids if len(idx) == len(token_ids) else token_ids[torch.tensor(idx, device=token_ids.device)]
+        )
+        max_k = max(rows[i].params.logprobs or 0 for i in idx)
+        top_v_l = top_i_l = None
+        if lp.device.type == "cpu":
+            a = lp.contiguous().numpy()  # [Rl, V]
+            tok_np = tok.numpy()[:, None]  # [Rl, 1]
+            tok_lp = np.take_along_axis(a, tok_np, 1)  # [Rl, 1]
+            # Rank as vLLM counts it: how many tokens have logprob >= the sampled one's.
+            ranks_l = np.count_nonzero(a >= tok_lp, axis=-1).tolist()  # [Rl]
+            tok_lp_l = tok_lp[:, 0].tolist()
+            if max_k == 1:
+                top_i = np.argmax(a, axis=-1)[:, None]  # [Rl, 1]
+                top_v_l, top_i_l = np.take_along_axis(a, top_i, 1).tolist(), top_i.tolist()
+        else:
+            tok_lp_t = lp.gather(1, tok.unsqueeze(1))  # [Rl, 1]
+            ranks_l = torch.ge(lp, tok_lp_t).sum(dim=-1, dtype=torch.int32).tolist()  # [Rl]
+            tok_lp_l = tok_lp_t.squeeze(1).tolist()
+        if max_k > 0 and top_v_l is None:
+            top_v, top_i_t = lp.topk(max_k, dim=-1)  # [Rl, K] each
+            top_v_l, top_i_l = top_v.tolist(), top_i_t.tolist()
         tok_l = tok.tolist()
-        tok_lp_l = tok_lp.squeeze(1).tolist()
-        ranks_l = ranks.tolist()
-        top_v_l = top_v.tolist() if top_v is not None else None
-        top_i_l = top_i.tolist() if top_i is not None else None
         out: list[RowLogprobs | None] = [None] * len(rows)
         for j, i in enumerate(idx):
             k = rows[i].params.logprobs or 0

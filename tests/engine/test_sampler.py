@@ -263,19 +263,11 @@ def test_unseeded_rows_follow_sampler_seed() -> None:
 # ---------------------------------------------------------------------- logprobs
 
 
-def test_logprobs_shape_rank_values() -> None:
-    torch.manual_seed(0)
-    x = torch.randn(4, 64)  # [R, V]
-    rows = [
-        _row(SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3), output=[1, 2]),
-        _row(SamplingParams(logprobs=0)),
-        _row(SamplingParams()),
-        _row(SamplingParams(logprobs=3, temperature=0.0)),
-    ]
-    out: SamplerOutput = Sampler(seed=0)(x.clone(), rows)
+def _check_logprobs(x: torch.Tensor, out: SamplerOutput, ks: dict[int, int]) -> None:
+    """Row ``i`` asked for the top ``ks[i]``: its entries are the sampled token and the top k of
+    the raw logits' log_softmax, with vLLM's ranks (tokens at least as likely)."""
     raw = torch.log_softmax(x, dim=-1)  # logprobs come from the raw logits
-    assert out.logprobs[2] is None
-    for i, k in [(0, 5), (1, 0), (3, 3)]:
+    for i, k in ks.items():
         lp = out.logprobs[i]
         assert lp is not None
         tok = out.token_ids[i]
@@ -286,7 +278,31 @@ def test_logprobs_shape_rank_values() -> None:
         for t, (v, rank) in lp.items():
             assert v == pytest.approx(raw[i, t].item(), abs=1e-6)
             assert rank == int((raw[i] >= raw[i, t]).sum())
+
+
+def test_logprobs_shape_rank_values() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)  # [R, V]
+    rows = [
+        _row(SamplingParams(logprobs=5, temperature=0.7, repetition_penalty=1.3), output=[1, 2]),
+        _row(SamplingParams(logprobs=0)),
+        _row(SamplingParams()),
+        _row(SamplingParams(logprobs=3, temperature=0.0)),
+    ]
+    out: SamplerOutput = Sampler(seed=0)(x.clone(), rows)
+    assert out.logprobs[2] is None
+    _check_logprobs(x, out, {0: 5, 1: 0, 3: 3})
     assert out.logprobs[3] is not None and out.logprobs[3][out.token_ids[3]][1] == 1  # greedy: rank 1
+
+
+def test_logprobs_top1_on_every_row() -> None:
+    """Every row asks (no row gather) and the largest k is 1 (the CPU path's argmax top 1)."""
+    torch.manual_seed(1)
+    x = torch.randn(5, 300) * 4
+    rows = [_row(SamplingParams(logprobs=1, temperature=t)) for t in (0.0, 0.9, 1.5, 0.0)]
+    rows.append(_row(SamplingParams(logprobs=0, temperature=1.0)))
+    out = Sampler(seed=0)(x.clone(), rows)
+    _check_logprobs(x, out, {0: 1, 1: 1, 2: 1, 3: 1, 4: 0})
 
 
 def test_empty_batch_and_row_mismatch() -> None:
