@@ -530,6 +530,7 @@ class LLMEngine:
         owners: list[tuple[Sequence, int, torch.Generator | None]] = []
         logit_rows: list[int] = []
         beam_rows: list[tuple[Sequence, int]] = []
+        eos = tuple(self.eos_token_ids)
         r = 0
         for s in out.scheduled:
             seq = s.seq
@@ -548,8 +549,11 @@ class LLMEngine:
                 gen = seq.generator
                 if k > 0 and req.params.seed is not None:
                     gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
-                rows.append(SamplingRow(req.params, req.prompt_token_ids, seq.output_token_ids, gen,
-                                        tuple(self.eos_token_ids)))  # fmt: skip
+                p = req.params
+                # The output ids only where the sampler reads them (min_tokens, penalties): a copy
+                # of every output token per row per step would grow with the request (O(n^2)).
+                reads = p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                rows.append(SamplingRow(p, req.prompt_token_ids, seq.output_token_ids if reads else (), gen, eos))
                 owners.append((seq, k, gen))
                 logit_rows.append(r)
             r += 1
@@ -590,7 +594,7 @@ class LLMEngine:
             elif req.beam is None or req.params.output_kind == RequestOutputKind.CUMULATIVE:
                 # Every step of a sample goes out (the frontend finds stop strings in its text);
                 # beam search streams its hypotheses only when asked for cumulative outputs.
-                outputs.append(self._core_output(req))
+                outputs.append(self._core_output(req, finished=False))
         return outputs
 
     def _sample(
@@ -687,7 +691,7 @@ class LLMEngine:
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length", None)
 
-    def _core_output(self, req: Request) -> EngineCoreOutput:
+    def _core_output(self, req: Request, finished: bool | None = None) -> EngineCoreOutput:
         """The request's step for the frontend: each sample's tokens since the last output (beam
         search: the hypotheses whole), the prompt logprobs with the first output."""
         want_lp = req.params.logprobs is not None
@@ -713,7 +717,7 @@ class LLMEngine:
         return EngineCoreOutput(
             request_id=req.request_id,
             samples=samples,
-            finished=req.is_finished,
+            finished=req.is_finished if finished is None else finished,
             whole=req.beam is not None,
             num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=self._prompt_logprobs_output(req) if req.num_outputs == 1 else None,
@@ -754,7 +758,7 @@ class LLMEngine:
             self.registry.release(req.adapter_entry)
             req.adapter_entry = None
         self.prompt_tokens_total += req.num_prompt_tokens
-        return self._core_output(req)
+        return self._core_output(req, finished=True)
 
     def close(self) -> None:
         """Drop the weights, adapter slots and KV cache (a rebuilt engine replaces this one).
