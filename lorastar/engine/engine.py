@@ -552,8 +552,12 @@ class LLMEngine:
                 p = req.params
                 # The output ids only where the sampler reads them (min_tokens, penalties): a copy
                 # of every output token per row per step would grow with the request (O(n^2)).
-                reads = p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-                rows.append(SamplingRow(p, req.prompt_token_ids, seq.output_token_ids if reads else (), gen, eos))
+                reads = (
+                    p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+                )
+                rows.append(
+                    SamplingRow(p, req.prompt_token_ids, seq.output_token_ids if reads else (), gen, eos)
+                )
                 owners.append((seq, k, gen))
                 logit_rows.append(r)
             r += 1
