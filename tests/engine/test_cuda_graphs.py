@@ -95,3 +95,91 @@ def test_graph_logits_match_eager(tiny_model_dir) -> None:
             assert pa.keys() == pb.keys()
             for k in pa:
                 assert abs(pa[k].logprob - pb[k].logprob) < 1e-4
+
+
+def test_graph_inputs_are_the_eager_inputs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replay path without a GPU: a recording model and a graph that re-runs the forward on
+    replay show what the captured graph reads. Each step's live rows hold the ``StepInputs`` the
+    eager path uses; rows past the batch (also after it shrinks) hold the padding (scratch slot,
+    one token of context, the scratch block); the LoRA runs buffer holds the step's runs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lorastar.engine.cuda_graphs import DecodeGraphs
+    from lorastar.engine.input_batch import InputBatch
+    from lorastar.engine.request import Request
+    from lorastar.engine.sampling import SamplingParams as SP
+    from lorastar.engine.scheduler import ScheduledSeq
+    from lorastar.forward_context import lora_ranges, slot_runs
+
+    seen: list[dict[str, torch.Tensor]] = []
+
+    class Recorder:
+        def __call__(self, ids: torch.Tensor, pos: torch.Tensor, ctx) -> torch.Tensor:  # noqa: ANN001
+            md = ctx.attn
+            seen.append(
+                {
+                    "ids": ids.clone(), "pos": pos.clone(), "slots": md.slot_mapping.clone(),
+                    "seq_lens": md.seq_lens.clone(), "tables": md.block_tables.clone(),
+                    "runs": ctx.lora.slot_runs.clone() if ctx.lora is not None else None,
+                }
+            )  # fmt: skip
+            return torch.stack([ids, pos], 1).float()  # [n, 2]
+
+        def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden
+
+    class ReplayGraph:
+        def __init__(self, graphs: DecodeGraphs, n: int, with_lora: bool) -> None:
+            self.args = graphs, n, with_lora
+            self.out = graphs._forward(n, with_lora)
+
+        def replay(self) -> None:
+            graphs, n, with_lora = self.args
+            self.out.copy_(graphs._forward(n, with_lora))
+
+    def capture(self: DecodeGraphs, n: int, with_lora: bool):  # noqa: ANN202
+        g = ReplayGraph(self, n, with_lora)
+        return g, g.out
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    bs, scratch, max_loras = 4, 50, 3
+    caches = [(torch.zeros(scratch + 1, bs, 1, 2), torch.zeros(scratch + 1, bs, 1, 2))]
+    lora_state = SimpleNamespace(max_loras=max_loras, max_rank=8, layout_version=0)
+    graphs = DecodeGraphs(
+        Recorder(), caches, [1.0], [1.0], block_size=bs, max_model_len=64, scratch_block=scratch,
+        max_batch=24, lora_state=lora_state,  # type: ignore[arg-type]
+    )  # fmt: skip
+    batch = InputBatch(bs, 64, fill=scratch)
+    adapter_slot = {"x": 2, "y": 0}
+    seqs = []
+    for i in range(17):
+        key = [None, "x", "y"][i % 3]
+        seq = Request(f"r{i}", None, list(range(3 + i)), SP(max_tokens=4), adapter_key=key).sequences[0]
+        seq.block_table = [(7 * i + j) % scratch for j in range(-(-(4 + i) // bs))]
+        seqs.append(seq)
+    for b, with_adapters in ((17, True), (5, False), (3, True)):
+        step = [ScheduledSeq(s, s.num_tokens - 1, 1) for s in seqs[:b]]
+        inputs = batch.prepare(step, adapter_slot if with_adapters else None)
+        ranges = lora_ranges(inputs.lora_runs) if inputs.lora_runs is not None else None
+        logits = graphs.run(inputs, ranges)
+        assert logits is not None and logits.shape == (b, 2)
+        assert logits[:, 0].long().tolist() == inputs.input_ids.tolist()  # row order
+        got = seen[-1]
+        n = graphs.padded_size(b)
+        assert n is not None and got["ids"].shape == (n,)
+        assert got["ids"][:b].tolist() == inputs.input_ids.tolist()
+        assert got["pos"][:b].tolist() == inputs.positions.tolist()
+        assert got["slots"][:b].tolist() == inputs.slot_mapping.tolist()
+        assert got["seq_lens"][:b].tolist() == inputs.seq_lens.tolist()
+        width = inputs.block_tables.shape[1]
+        assert got["tables"][:b, :width].tolist() == inputs.block_tables.tolist()
+        pad = slice(b, n)
+        assert (got["ids"][pad] == 0).all() and (got["pos"][pad] == 0).all()
+        assert (got["slots"][pad] == scratch * bs).all() and (got["seq_lens"][pad] == 1).all()
+        assert (got["tables"][pad, 0] == scratch).all()
+        if with_adapters:
+            assert got["runs"].tolist() == slot_runs(ranges or [], max_loras).tolist()
+        else:
+            assert got["runs"] is None
