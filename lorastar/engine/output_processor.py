@@ -58,8 +58,11 @@ class _RequestState:
 
     @property
     def all_finished(self) -> bool:
-        n = self.params.n
-        return len(self.samples) >= n and all(s.finish_reason is not None for s in self.samples.values())
+        if len(self.samples) < self.params.n:
+            return False
+        if len(self.samples) == 1:
+            return next(iter(self.samples.values())).finish_reason is not None
+        return all(s.finish_reason is not None for s in self.samples.values())
 
 
 class OutputProcessor:
@@ -191,7 +194,8 @@ class OutputProcessor:
         delta = p.output_kind == RequestOutputKind.DELTA and not co.whole
         want_lp = p.logprobs is not None
         outs = []
-        for s in sorted(st.samples.values(), key=lambda s: s.index):
+        samples = st.samples.values()
+        for s in samples if len(samples) == 1 else sorted(samples, key=lambda s: s.index):
             text = s.text
             if s.finish_reason is None and p.stop:
                 text = text[: len(text) - hold_back(text, p.stop)]  # never stream a partial stop

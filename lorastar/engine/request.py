@@ -124,6 +124,8 @@ class Request:
     def is_finished(self) -> bool:
         if self.beam is not None and not self.aborted:
             return self.beam.done and all(s.is_finished for s in self.sequences)
+        if len(self.sequences) == 1 and self.params.n == 1:  # the common case, once per step
+            return self.sequences[0].status is SeqStatus.FINISHED
         return (self.forked or self.params.n == 1 or self.aborted) and all(
             s.is_finished for s in self.sequences
         )

@@ -32,7 +32,7 @@ _NEG_INF = float("-inf")
 RowLogprobs = dict[int, tuple[float, int]]
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one sequence for this step."""
 
