@@ -25,7 +25,7 @@ from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import EngineCoreOutput, RawLogprobs, RequestMetrics, RequestOutput, SampleDelta
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
-from lorastar.engine.request import Request, Sequence
+from lorastar.engine.request import OutputIds, Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
 from lorastar.engine.sampler import RowLogprobs, Sampler, SamplingRow, make_generator
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
@@ -549,15 +549,8 @@ class LLMEngine:
                 gen = seq.generator
                 if k > 0 and req.params.seed is not None:
                     gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
-                p = req.params
-                # The output ids only where the sampler reads them (min_tokens, penalties): a copy
-                # of every output token per row per step would grow with the request (O(n^2)).
-                reads = (
-                    p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-                )
-                rows.append(
-                    SamplingRow(p, req.prompt_token_ids, seq.output_token_ids if reads else (), gen, eos)
-                )
+                rows.append(SamplingRow(req.params, req.prompt_token_ids,
+                                        OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, eos))  # fmt: skip
                 owners.append((seq, k, gen))
                 logit_rows.append(r)
             r += 1

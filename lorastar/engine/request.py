@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,31 @@ if TYPE_CHECKING:
     from lorastar.engine.sampling import SamplingParams
 
 _seq_ids = itertools.count()
+
+
+class OutputIds(Seq[int]):
+    """A sequence's output token ids read in place, ``token_ids[start:]`` without the copy (a
+    sampling row's view: copying every output token per row per step grows with the request)."""
+
+    __slots__ = ("_ids", "_start")
+
+    def __init__(self, token_ids: list[int], start: int) -> None:
+        self._ids = token_ids
+        self._start = start
+
+    def __len__(self) -> int:
+        return len(self._ids) - self._start
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204 - int or slice, as list's
+        if isinstance(i, slice):
+            return self._ids[self._start :][i]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("output index out of range")
+        return self._ids[self._start + (i if i >= 0 else i + n)]
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._ids, self._start, None)
 
 
 class SeqStatus(enum.Enum):

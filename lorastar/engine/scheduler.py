@@ -28,7 +28,7 @@ from lorastar.engine.request import Request, SeqStatus, Sequence
 EnsureAdapter = Callable[[Sequence, set[str]], bool]
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already in the KV cache before this step
@@ -226,7 +226,7 @@ class Scheduler:
         #    until the running ones drain and free a slot.
         #    Nothing new is admitted in a step that had to preempt (blocks are short).
         starving = any(n >= self.starvation_steps for n in self._blocked_steps.values())
-        seats = sum(_seats(s) for s in self.running)
+        seats = sum(_seats(s) for s in self.running) if self.waiting else 0
         inflight = self._inflight_blocks() if self.waiting else {}
         j = 0
         while j < len(self.waiting) and budget > 0 and not out.preempted:

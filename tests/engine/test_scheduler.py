@@ -589,3 +589,20 @@ def test_prefix_waits_are_bounded_and_off_by_default() -> None:
     pl = Request("pl", None, list(range(12)) + [7], SamplingParams(prompt_logprobs=1)).sequences[0]
     assert not h.sched._waits_for_sibling(pl, 0, {h.bm.hashes(pl, 1)[0]: False})  # no kept logprobs
     assert h.sched._waits_for_sibling(pl, 0, {h.bm.hashes(pl, 1)[0]: True})
+
+
+def test_output_ids_view_reads_in_place() -> None:
+    """A sampling row's output ids: the list slice's behaviour, and later appends show through."""
+    from lorastar.engine.request import OutputIds
+
+    ids = [9, 8, 7, 1, 2, 3]
+    view = OutputIds(ids, 3)
+    assert len(view) == 3 and list(view) == [1, 2, 3] and view[0] == 1 and view[-1] == 3
+    assert view[1:] == [2, 3] and view[::-1] == [3, 2, 1]
+    with pytest.raises(IndexError):
+        view[3]
+    with pytest.raises(IndexError):
+        view[-4]
+    ids.append(4)
+    assert len(view) == 4 and view[-1] == 4 and list(view) == ids[3:]
+    assert len(OutputIds(ids, len(ids))) == 0 and list(OutputIds(ids, len(ids))) == []
