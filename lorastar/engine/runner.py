@@ -148,7 +148,6 @@ class ModelRunner:
         """Run one step: the sampling rows' logits and any prompt logprobs it produced."""
         self.batch.remove(out.finished_seq_ids)
         self.copy_blocks(out.copies)
-        spans = [_prompt_span(s) for s in out.scheduled]
         wants = [
             s.seq.request.params.prompt_logprobs is not None
             and s.seq.index == 0
@@ -167,6 +166,7 @@ class ModelRunner:
         result = ModelRunnerOutput(self.model.compute_logits(hidden[rows]).float())  # [B, vocab]
         if wants_prompt:
             bs = self.block_size
+            spans = [_prompt_span(s) for s in out.scheduled]
             for s, end_row, (first, last), want in zip(out.scheduled, last_row, spans, wants):
                 if not want:
                     continue
