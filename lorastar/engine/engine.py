@@ -549,8 +549,13 @@ class LLMEngine:
                 gen = seq.generator
                 if k > 0 and req.params.seed is not None:
                     gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
-                rows.append(SamplingRow(req.params, req.prompt_token_ids,
-                                        OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, eos))  # fmt: skip
+                row = seq.sampling_row if k == 0 else None
+                if row is None:  # its fields never change: built once per sequence (and per fork)
+                    row = SamplingRow(req.params, req.prompt_token_ids,
+                                      OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, eos)  # fmt: skip
+                    if k == 0:
+                        seq.sampling_row = row
+                rows.append(row)
                 owners.append((seq, k, gen))
                 logit_rows.append(r)
             r += 1

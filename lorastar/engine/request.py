@@ -73,6 +73,7 @@ class Sequence:
     # Per generated token, when requested: (token_id, logprob, rank) of the top k and the sampled.
     logprobs: list[list[tuple[int, float, int]]] = field(default_factory=list)
     generator: Any = None  # torch.Generator for seeded sampling
+    sampling_row: Any = None  # the sampler's view of this sequence (engine/sampler.py), built once
     num_preemptions: int = 0
     sent_tokens: int = 0  # output tokens handed to the frontend already
 
