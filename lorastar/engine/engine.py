@@ -432,8 +432,8 @@ class LLMEngine:
         """One step of the core: schedule, run, sample; each touched request's new tokens."""
         with self.lock:
             out = self.scheduler.schedule()
+            self.runner.batch.remove(out.finished_seq_ids)  # their rows, before any new one
             if out.is_empty:
-                self.runner.batch.remove(out.finished_seq_ids)
                 return []
             now = time.monotonic()
             for sch in out.scheduled:  # before running: a failed step knows whom it involved
@@ -693,7 +693,7 @@ class LLMEngine:
         elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             self.scheduler.finish(seq, "length", None)
 
-    def _core_output(self, req: Request, finished: bool | None = None) -> EngineCoreOutput:
+    def _core_output(self, req: Request, finished: bool) -> EngineCoreOutput:
         """The request's step for the frontend: each sample's tokens since the last output (beam
         search: the hypotheses whole), the prompt logprobs with the first output."""
         want_lp = req.params.logprobs is not None
@@ -719,7 +719,7 @@ class LLMEngine:
         return EngineCoreOutput(
             request_id=req.request_id,
             samples=samples,
-            finished=req.is_finished if finished is None else finished,
+            finished=finished,
             whole=req.beam is not None,
             num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=self._prompt_logprobs_output(req) if req.num_outputs == 1 else None,
@@ -734,24 +734,17 @@ class LLMEngine:
 
     def _prompt_logprobs_output(self, req: Request) -> list[RawLogprobs | None] | None:
         """Per prompt position: ``None`` for position 0, then ``(token_id, logprob, rank)`` of the
-        prompt token and the top k (the frontend names them). Built once, after the whole prompt
-        has run (outputs start after that)."""
+        prompt token and the top k (the frontend names them). Built for the request's first core
+        output (outputs start after the whole prompt has run)."""
         store = req.prompt_logprobs
-        if store is None:
+        if store is None or any(e is None for e in store[1:]):  # none, or aborted mid-prompt
             return None
-        if req.prompt_logprobs_output is None:
-            if any(e is None for e in store[1:]):  # an abort before the prompt finished
-                return None
-            k = req.params.prompt_logprobs or 0  # kept blocks may hold more than this request's k
-            result: list[RawLogprobs | None] = [None]
-            for tok, e in zip(req.prompt_token_ids[1:], store[1:]):
-                entry = [(tok, e.logprob, e.rank)]
-                entry += [
-                    (t, v, rank) for rank, (t, v) in enumerate(zip(e.top_ids[:k], e.top_logprobs[:k]), 1)
-                ]
-                result.append(entry)
-            req.prompt_logprobs_output = result
-        return req.prompt_logprobs_output
+        k = req.params.prompt_logprobs or 0  # kept blocks may hold more than this request's k
+        result: list[RawLogprobs | None] = [None]
+        for tok, e in zip(req.prompt_token_ids[1:], store[1:]):
+            top = zip(e.top_ids[:k], e.top_logprobs[:k])
+            result.append([(tok, e.logprob, e.rank), *((t, v, rank) for rank, (t, v) in enumerate(top, 1))])
+        return result
 
     def _finish_request(self, req: Request) -> EngineCoreOutput:
         req.finished_time = time.monotonic()

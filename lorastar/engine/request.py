@@ -126,7 +126,6 @@ class Request:
     # params.prompt_logprobs set: one entry per prompt position, None until its chunk has run
     # (position 0 stays None: nothing predicts it). Entries are PromptTokenLogprobs.
     prompt_logprobs: list[Any] | None = None
-    prompt_logprobs_output: list[Any] | None = None  # the output form, built once
     num_outputs: int = 0  # outputs handed out (DELTA: only the first carries prompt_logprobs)
     # Prompt blocks handed to the prompt-logprobs cache so far, and the block-ending hidden rows
     # (position -> [hidden] tensor) waiting for their block's entries to complete.

@@ -146,7 +146,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None) -> ModelRunnerOutput:
         """Run one step: the sampling rows' logits and any prompt logprobs it produced."""
-        self.batch.remove(out.finished_seq_ids)
         self.copy_blocks(out.copies)
         wants = [
             s.seq.request.params.prompt_logprobs is not None

@@ -100,7 +100,7 @@ class Sampler:
         raw_logprobs = None
         if (
             lp_idx
-        ):  # [Rl, V] (the rows that asked), finite whatever the logits (an all -inf row has NaN softmax)
+        ):  # [Rl, V]: the rows that asked; finite whatever the logits (an all -inf row has NaN softmax)
             lp_rows = x if len(lp_idx) == num_rows else x[torch.tensor(lp_idx, device=dev)]
             raw_logprobs = (
                 torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
@@ -278,42 +278,19 @@ class Sampler:
         rows: Sequence[SamplingRow],
         idx: list[int],  # [Rl] those rows' indices
     ) -> list[RowLogprobs | None]:
-        """The sampled token's logprob and rank, and the top k, per row that asked.
-
-        On CPU through numpy where torch's reductions are not vectorized: 64 rows x 49,152 on one
-        thread, the rank count 1.5 ms against 6.7 (a bool sum) and the top 1 (``argmax``, the
-        first maximum) 0.4 ms against 4.0 (``topk(1)``); ``topk`` for k > 1 (argpartition is 6x slower)."""
+        """The sampled token's logprob and rank, and the top k, per row that asked."""
         tok = (
             token_ids if len(idx) == len(token_ids) else token_ids[torch.tensor(idx, device=token_ids.device)]
         )
         max_k = max(rows[i].params.logprobs or 0 for i in idx)
-        top_v_l = top_i_l = None
-        if lp.device.type == "cpu":
-            a = lp.contiguous().numpy()  # [Rl, V]
-            tok_np = tok.numpy()[:, None]  # [Rl, 1]
-            tok_lp = np.take_along_axis(a, tok_np, 1)  # [Rl, 1]
-            # Rank as vLLM counts it: how many tokens have logprob >= the sampled one's.
-            ranks_l = np.count_nonzero(a >= tok_lp, axis=-1).tolist()  # [Rl]
-            tok_lp_l = tok_lp[:, 0].tolist()
-            if max_k == 1:
-                top_i = np.argmax(a, axis=-1)[:, None]  # [Rl, 1]
-                top_v_l, top_i_l = np.take_along_axis(a, top_i, 1).tolist(), top_i.tolist()
-        else:
-            tok_lp_t = lp.gather(1, tok.unsqueeze(1))  # [Rl, 1]
-            ranks_l = torch.ge(lp, tok_lp_t).sum(dim=-1, dtype=torch.int32).tolist()  # [Rl]
-            tok_lp_l = tok_lp_t.squeeze(1).tolist()
-        if max_k > 0 and top_v_l is None:
-            top_v, top_i_t = lp.topk(max_k, dim=-1)  # [Rl, K] each
-            top_v_l, top_i_l = top_v.tolist(), top_i_t.tolist()
+        tok_lp_l, ranks_l, top_i_l, top_v_l = token_logprobs(lp, tok, max_k)
         tok_l = tok.tolist()
         out: list[RowLogprobs | None] = [None] * len(rows)
         for j, i in enumerate(idx):
             k = rows[i].params.logprobs or 0
             d: RowLogprobs = {tok_l[j]: (tok_lp_l[j], ranks_l[j])}
-            if k > 0:
-                assert top_v_l is not None and top_i_l is not None
-                for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
-                    d.setdefault(t, (v, rank))
+            for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
+                d.setdefault(t, (v, rank))
             out[i] = d
         return out
 
@@ -336,6 +313,37 @@ def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> Non
             torch.tensor(values, dtype=x.dtype, device=dev),
             accumulate=True,
         )
+
+
+def token_logprobs(
+    lp: Tensor,  # [R, V] logprobs
+    targets: Tensor,  # [R] int64 token ids
+    k: int,
+) -> tuple[list[float], list[int], list[list[int]], list[list[float]]]:
+    """Per row: the logprob of ``targets[r]``, its rank as vLLM counts it (how many tokens have a
+    logprob at least as high), and the top ``k`` ids and logprobs (empty lists for k = 0). The
+    sampler's logprobs and prompt logprobs both read them here.
+
+    On CPU through numpy, where torch's reductions are not vectorized: 64 rows x 49,152 on one
+    thread, the rank count 1.5 ms against 6.7 (a bool sum) and 2.7 (an int32 sum), the top 1
+    (``argmax``, the first maximum) 0.4 ms against 4.0 (``topk(1)``) and 2.7 (``max``); ``topk``
+    for k > 1 (``argpartition`` is 6x slower)."""
+    cpu = lp.device.type == "cpu"
+    if cpu:
+        a = lp.contiguous().numpy()  # [R, V]
+        tok = np.take_along_axis(a, targets.numpy()[:, None], 1)  # [R, 1]
+        tok_l, ranks_l = tok[:, 0].tolist(), np.count_nonzero(a >= tok, axis=-1).tolist()
+    else:
+        tok_t = lp.gather(1, targets[:, None])  # [R, 1]
+        tok_l = tok_t.squeeze(1).tolist()
+        ranks_l = torch.ge(lp, tok_t).sum(dim=-1, dtype=torch.int32).tolist()
+    if k <= 0:
+        return tok_l, ranks_l, [[] for _ in tok_l], [[] for _ in tok_l]
+    if k == 1 and cpu:
+        top_i = np.argmax(a, axis=-1)[:, None]  # [R, 1]
+        return tok_l, ranks_l, top_i.tolist(), np.take_along_axis(a, top_i, 1).tolist()
+    top_v, top_i_t = lp.max(dim=-1, keepdim=True) if k == 1 else lp.topk(k, dim=-1)  # [R, k] each
+    return tok_l, ranks_l, top_i_t.tolist(), top_v.tolist()
 
 
 def _argmax(x: Tensor) -> Tensor:
