@@ -43,6 +43,10 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # Extra EOS ids for min_tokens masking (merged with the sampler's own eos ids).
     eos_token_ids: tuple[int, ...] = ()
+    # The prompt's distinct in-vocabulary ids (int64), built by the sampler the first time a
+    # repetition penalty needs them: the prompt never changes, and re-reading a long one every
+    # step cost more than the rest of sampling (see ``_apply_penalties``).
+    prompt_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -94,7 +98,7 @@ class Sampler:
             or r.params.presence_penalty != 0.0
             for r in rows
         )
-        x = logits.to(torch.float32, copy=writes)  # [R, V]
+        x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=writes)  # [R, V]
 
         lp_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = None
@@ -156,25 +160,28 @@ class Sampler:
         """vLLM semantics: repetition over prompt+output (divide positive logits, multiply
         negative ones), then frequency (x count) and presence (x [count > 0]) over output only.
 
-        Sparse: only the (row, token) pairs that occur are read and written, each once (a few
-        hundred per row against a 49k vocabulary). The dense form (counts and masks over [R, V])
-        took 29 ms for 64 rows on one thread here; the values are the same, op for op."""
+        Sparse: only the (row, token) pairs that occur are read and written (a few hundred per
+        row against a 49k vocabulary). The dense form (counts and masks over [R, V]) took 29 ms
+        for 64 rows on one thread here; the values are the same, op for op. Repetition pairs may
+        repeat (a token in prompt and output, or twice in the output): every copy is read before
+        any is written and all copies write the same value, so no dedup is needed; with each
+        row's prompt ids kept on the row, a step reads only the outputs. 64 rows with a 2,000-token
+        prompt and 200 outputs, repetition 1.1, one thread: 39.9 -> 4.0 ms a step (a fresh read
+        and ``np.unique`` of prompt + output every step before)."""
         rep = [r.params.repetition_penalty for r in rows]
         freq = [r.params.frequency_penalty for r in rows]
         pres = [r.params.presence_penalty for r in rows]
-        need_rep = [v != 1.0 for v in rep]
-        need_fp = [f != 0.0 or p != 0.0 for f, p in zip(freq, pres)]
         dev = x.device
-        if any(need_rep):
-            r_idx, t_idx, _ = _pairs(
-                [(r.prompt_token_ids, r.output_token_ids) if need_rep[i] else () for i, r in enumerate(rows)],
-                vocab,
-            )
+        rep_rows = [i for i, v in enumerate(rep) if v != 1.0]
+        if rep_rows:
+            r_idx, t_idx = _occurrences(rows, rep_rows, vocab)
             if r_idx.size:
-                ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
-                rp = torch.tensor(rep, dtype=torch.float32, device=dev)[ri]  # [N]
-                vals = x[ri, ti]  # [N]
-                x.index_put_((ri, ti), torch.where(vals > 0, vals / rp, vals * rp))
+                flat = torch.from_numpy(r_idx * vocab + t_idx).to(dev)  # [N] into x.view(-1)
+                rp = torch.from_numpy(np.asarray(rep, dtype=np.float32)[r_idx]).to(dev)  # [N]
+                x_flat = x.view(-1)  # the caller's x is contiguous
+                vals = x_flat[flat]  # [N]
+                x_flat.index_copy_(0, flat, torch.where(vals > 0, vals / rp, vals * rp))
+        need_fp = [f != 0.0 or p != 0.0 for f, p in zip(freq, pres)]
         if any(need_fp):
             r_idx, t_idx, counts = _pairs(
                 [(r.output_token_ids,) if need_fp[i] else () for i, r in enumerate(rows)], vocab, counts=True
@@ -368,6 +375,26 @@ def _argmax(x: Tensor) -> Tensor:
     if bool(nan.any()):
         tok = torch.where(nan, torch.nan_to_num(x, nan=_NEG_INF).argmax(dim=-1), tok)
     return tok
+
+
+def _occurrences(rows: Sequence[SamplingRow], idx: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rows [N]``, ``tokens [N]``: each of rows ``idx``'s distinct in-vocabulary prompt ids (kept on
+    the row after the first call) and every in-vocabulary output id, repeats included."""
+    prompts = []
+    for i in idx:
+        row = rows[i]
+        if row.prompt_ids is None:
+            p = np.unique(np.asarray(row.prompt_token_ids, dtype=np.int64))
+            row.prompt_ids = p[(p >= 0) & (p < vocab)]
+        prompts.append(row.prompt_ids)
+    outs = [rows[i].output_token_ids for i in idx]
+    out_lens = np.fromiter(map(len, outs), dtype=np.int64, count=len(idx))
+    out_toks = np.fromiter(chain.from_iterable(outs), dtype=np.int64, count=int(out_lens.sum()))  # [M]
+    ok = (out_toks >= 0) & (out_toks < vocab)
+    at = np.asarray(idx, dtype=np.int64)
+    prompt_lens = np.fromiter(map(len, prompts), dtype=np.int64, count=len(idx))
+    r_idx = np.concatenate([np.repeat(at, prompt_lens), np.repeat(at, out_lens)[ok]])
+    return r_idx, np.concatenate([*prompts, out_toks[ok]])
 
 
 def _pairs(

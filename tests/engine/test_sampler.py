@@ -428,6 +428,15 @@ def test_sparse_penalties_equal_the_dense_form_bitwise() -> None:
         rows.append(_row(p, prompt=prompt, output=output))
     got = x.clone()
     Sampler()._apply_penalties(got, rows, v)
+    want = _dense_penalties(x, rows, v)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, x)
+
+
+def _dense_penalties(x: torch.Tensor, rows: list[SamplingRow], v: int) -> torch.Tensor:
+    """The penalties over the whole [R, V] (vLLM's form): repetition over prompt + output, then
+    x - frequency * count - presence * [count > 0] over the output."""
+    r = len(rows)
     want = x.clone()
     counts = torch.zeros(r, v)
     seen = torch.zeros(r, v, dtype=torch.bool)
@@ -441,6 +450,31 @@ def test_sparse_penalties_equal_the_dense_form_bitwise() -> None:
     want = torch.where(seen, torch.where(want > 0, want / rp, want * rp), want)
     fp = torch.tensor([row.params.frequency_penalty for row in rows]).unsqueeze(1)
     pp = torch.tensor([row.params.presence_penalty for row in rows]).unsqueeze(1)
-    want = want.sub(fp * counts).sub(pp * (counts > 0).float())
-    assert torch.equal(got, want)
-    assert not torch.equal(got, x)
+    return want.sub(fp * counts).sub(pp * (counts > 0).float())
+
+
+def test_penalties_follow_a_growing_output_with_the_prompt_kept_on_the_row() -> None:
+    """A row's prompt ids are read once and kept on the row; its output keeps growing (the engine's
+    rows view the sequence's tokens): every step still equals the dense form, the kept ids hold the
+    prompt only, and a token first generated later is penalized from that step on."""
+    gen = torch.Generator().manual_seed(3)
+    v = 300
+    rng = random.Random(8)
+    outputs: list[list[int]] = [[rng.randrange(0, v)] for _ in range(4)]
+    rows = [  # the rows hold the very lists that grow below
+        SamplingRow(SamplingParams(repetition_penalty=rp, frequency_penalty=0.2),
+                    [rng.randrange(-1, v + 1) for _ in range(50)], out)
+        for rp, out in zip([1.4, 0.6, 1.0, 2.0], outputs)
+    ]  # fmt: skip
+    sampler = Sampler()
+    for _ in range(6):
+        x = torch.randn(len(rows), v, generator=gen) * 3
+        got = x.clone()
+        sampler._apply_penalties(got, rows, v)
+        assert torch.equal(got, _dense_penalties(x, rows, v))
+        for out in outputs:
+            out.extend(rng.randrange(0, v) for _ in range(3))
+    for i, row in enumerate(rows[:2] + rows[3:]):
+        assert row.prompt_ids is not None
+        assert set(row.prompt_ids.tolist()) == {t for t in row.prompt_token_ids if 0 <= t < v}, i
+    assert rows[2].prompt_ids is None  # no repetition penalty: never read
