@@ -27,7 +27,7 @@ from lorastar.engine.outputs import EngineCoreOutput, RawLogprobs, RequestMetric
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
 from lorastar.engine.request import OutputIds, Request, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
-from lorastar.engine.sampler import RowLogprobs, Sampler, SamplingRow, make_generator
+from lorastar.engine.sampler import RowLogprobs, Sampler, SamplingMetadata, SamplingRow, make_generator
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import (
@@ -563,7 +563,9 @@ class LLMEngine:
         if rows:
             idx = torch.tensor(logit_rows, device=logits.device)
             new_tokens = self._sample(
-                logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits, rows
+                logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits,
+                rows,
+                self.runner.batch.sampling_metadata(seq for seq, _, _ in owners),  # a fork's: its parent's
             )
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
@@ -600,14 +602,14 @@ class LLMEngine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None
     ) -> list[tuple[list[int], list[RowLogprobs | None] | None]]:
         """Each row's new tokens in order, with their logprobs (None: not asked for). The sampler
         gives one token a row; a verifier of drafted tokens (speculative decoding) gives several,
         and everything after this takes any number: ``_append`` stops at the first token that
         finishes the sequence, the scheduler computes the KV of all appended tokens in the next
         step (as a chunk), and outputs carry every new token of the step."""
-        sampled = self.sampler(logits, rows)  # [rows] token ids
+        sampled = self.sampler(logits, rows, meta)  # [rows] token ids
         return [([t], None if lp is None else [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
 
     # ---- beam search ------------------------------------------------------------------------

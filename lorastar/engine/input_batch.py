@@ -1,6 +1,8 @@
 """The persistent input batch and the one input-preparation path (vLLM v1's ``InputBatch``).
 
-Each live sequence owns a row of a preallocated block-table array that outlives the step: a row is
+Each live sequence owns a row of preallocated arrays that outlive the step: its block table and its
+sampling parameters (``SamplingTable``, written once: a step's ``SamplingMetadata`` is a gather of
+rows). A block-table row is
 written when its sequence is first scheduled and then only where its block table changed (a
 block appended, a copy-on-write replacement, entries released by the sliding window, the table
 emptied by a preemption), so a step's tables are one gather of rows instead of a table rebuilt
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from lorastar.engine.request import Sequence
+from lorastar.engine.sampler import SamplingMetadata, SamplingTable
 from lorastar.engine.scheduler import ScheduledSeq
 from lorastar.forward_context import AttentionMetadata
 from lorastar.layers.attention import build_attention_metadata
@@ -80,6 +83,7 @@ class InputBatch:
         self.tables = np.full((rows, cols), fill, dtype=np.int32)  # [rows, max_blocks]
         self.lengths = np.zeros(rows, dtype=np.int64)  # entries of each row's table
         self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.sampling = SamplingTable(rows)  # each row's sampling parameters
         self._free = list(range(rows - 1, -1, -1))
 
     # ---- rows -------------------------------------------------------------------------------------
@@ -90,6 +94,7 @@ class InputBatch:
         self.tables = tables
         if rows > old_rows:
             self.lengths = np.concatenate([self.lengths, np.zeros(rows - old_rows, dtype=np.int64)])
+            self.sampling.grow(rows)
             self._free.extend(range(rows - 1, old_rows - 1, -1))
 
     def _row(self, seq: Sequence) -> int:
@@ -100,6 +105,7 @@ class InputBatch:
                 self._grow(2 * self.tables.shape[0], 0)
             row = self.row_of[seq.seq_id] = self._free.pop()
             seq.block_table_synced = 0
+            self.sampling.set(row, seq.request.params)
         table = seq.block_table
         n, synced = len(table), seq.block_table_synced
         if synced < n:
@@ -112,6 +118,11 @@ class InputBatch:
         self.lengths[row] = n
         seq.block_table_synced = n
         return row
+
+    def sampling_metadata(self, seqs: Iterable[Sequence]) -> SamplingMetadata:
+        """The sampling parameters of ``seqs`` (each holding a row), in that order."""
+        row_of = self.row_of
+        return self.sampling.take([row_of[s.seq_id] for s in seqs])
 
     def remove(self, seq_ids: Iterable[int]) -> None:
         """Give back the rows of finished sequences (ids without a row are ignored)."""
@@ -134,6 +145,10 @@ class InputBatch:
                 raise AssertionError(f"input batch row {row} disagrees with seq {seq.seq_id}'s block table")
             if (self.tables[row, self.lengths[row] :] != self.fill).any():
                 raise AssertionError(f"input batch row {row} holds entries past its table")
+            if self.sampling.take([row]) != SamplingMetadata.from_params([seq.request.params]):
+                raise AssertionError(
+                    f"input batch row {row} holds other sampling parameters than seq {seq.seq_id}"
+                )
 
     # ---- a step -----------------------------------------------------------------------------------
     def prepare(self, scheduled: Seq[ScheduledSeq], adapter_slot: dict[str, int] | None = None) -> StepInputs:

@@ -15,7 +15,7 @@ Invariant, whatever the logits (NaN, +-inf, all masked) and parameters: every sa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -55,6 +55,76 @@ class SamplerOutput:
     logprobs: list[RowLogprobs | None]  # one per row; None where params.logprobs is None
 
 
+# The sampling parameters the sampler reads as arrays: (name, how to read it off SamplingParams,
+# dtype). Floats stay float64 so every on/off test (``top_p < 1``, ``repetition != 1``) is the
+# Python float's; tensors made from them are float32 as before.
+_COLUMNS: tuple[tuple[str, Callable[[SamplingParams], object], type], ...] = (
+    ("greedy", lambda p: p.is_greedy, np.bool_),
+    ("temperature", lambda p: p.temperature, np.float64),
+    ("top_k", lambda p: p.top_k, np.int64),
+    ("top_p", lambda p: p.top_p, np.float64),
+    ("min_p", lambda p: p.min_p, np.float64),
+    ("repetition", lambda p: p.repetition_penalty, np.float64),
+    ("frequency", lambda p: p.frequency_penalty, np.float64),
+    ("presence", lambda p: p.presence_penalty, np.float64),
+    ("min_tokens", lambda p: p.min_tokens, np.int64),
+    ("logprobs", lambda p: -1 if p.logprobs is None else p.logprobs, np.int64),
+    ("logit_bias", lambda p: bool(p.logit_bias), np.bool_),
+)
+
+
+@dataclass(slots=True, eq=False)
+class SamplingMetadata:
+    """A step's sampling parameters as arrays, one entry per sampling row (vLLM v1's
+    ``SamplingMetadata``): the sampler's masks and per-row values come from these instead of a
+    pass over every row's ``SamplingParams``. The engine takes them from ``SamplingTable`` rows
+    that persist across steps; ``from_params`` builds them for a list of parameters."""
+
+    greedy: np.ndarray  # [R] bool: SamplingParams.is_greedy
+    temperature: np.ndarray  # [R] float64
+    top_k: np.ndarray  # [R] int64: 0 off
+    top_p: np.ndarray  # [R] float64: 1.0 off
+    min_p: np.ndarray  # [R] float64: 0.0 off
+    repetition: np.ndarray  # [R] float64: 1.0 off
+    frequency: np.ndarray  # [R] float64
+    presence: np.ndarray  # [R] float64
+    min_tokens: np.ndarray  # [R] int64
+    logprobs: np.ndarray  # [R] int64: -1 not asked
+    logit_bias: np.ndarray  # [R] bool: the row has a logit_bias (its dict is on its params)
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
+        return cls(*(np.array([read(p) for p in params], dtype=dt) for _, read, dt in _COLUMNS))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingMetadata) and all(
+            np.array_equal(getattr(self, name), getattr(other, name)) for name, _, _ in _COLUMNS
+        )
+
+    def take(self, idx: np.ndarray) -> SamplingMetadata:
+        """The rows ``idx`` (an int array), in that order."""
+        return SamplingMetadata(*(getattr(self, name)[idx] for name, _, _ in _COLUMNS))
+
+
+class SamplingTable:
+    """Sampling parameters of the input batch's rows, written once when a sequence gets its row
+    (a request's parameters never change): a step's ``SamplingMetadata`` is one gather of rows."""
+
+    def __init__(self, rows: int) -> None:
+        self.columns = [np.zeros(rows, dtype=dt) for _, _, dt in _COLUMNS]
+
+    def grow(self, rows: int) -> None:
+        self.columns = [np.concatenate([c, np.zeros(rows - len(c), dtype=c.dtype)]) for c in self.columns]
+
+    def set(self, row: int, params: SamplingParams) -> None:
+        for col, (_, read, _) in zip(self.columns, _COLUMNS):
+            col[row] = read(params)
+
+    def take(self, rows: Sequence[int]) -> SamplingMetadata:
+        idx = np.asarray(rows, dtype=np.int64)
+        return SamplingMetadata(*(c[idx] for c in self.columns))
+
+
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A request's private generator (the engine creates one per seeded sequence)."""
     g = torch.Generator(device=device)
@@ -81,26 +151,32 @@ class Sampler:
     # ------------------------------------------------------------------ main entry
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: Tensor, rows: Sequence[SamplingRow], meta: SamplingMetadata | None = None
+    ) -> SamplerOutput:
+        """One token per row of ``logits [R, V]``. ``meta``: the rows' parameters as arrays (the
+        engine's, from its persistent batch); built from ``rows`` when not given."""
         num_rows, vocab = logits.shape  # [R, V]
         if num_rows != len(rows):
             raise ValueError(f"logits has {num_rows} rows but {len(rows)} sampling rows were given")
         if num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
+        if meta is None:
+            meta = SamplingMetadata.from_params([r.params for r in rows])
         dev = logits.device
+        min_tok_rows = _below_min_tokens(rows, meta)
         # Work in fp32 (low-precision softmax loses the tail); copy only if masks/penalties
         # will write into it, so the caller's logits are never modified.
-        writes = any(
-            len(r.output_token_ids) < r.params.min_tokens
-            or r.params.logit_bias
-            or r.params.repetition_penalty != 1.0
-            or r.params.frequency_penalty != 0.0
-            or r.params.presence_penalty != 0.0
-            for r in rows
+        writes = bool(
+            min_tok_rows
+            or meta.logit_bias.any()
+            or (meta.repetition != 1.0).any()
+            or (meta.frequency != 0.0).any()
+            or (meta.presence != 0.0).any()
         )
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=writes)  # [R, V]
 
-        lp_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lp_idx: list[int] = np.flatnonzero(meta.logprobs >= 0).tolist()
         raw_logprobs = None
         if (
             lp_idx
@@ -110,41 +186,40 @@ class Sampler:
                 torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
             )
 
-        self._apply_min_tokens(x, rows, vocab)
-        _apply_logit_bias(x, rows, vocab)
-        self._apply_penalties(x, rows, vocab)
+        self._apply_min_tokens(x, rows, vocab, min_tok_rows)
+        _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
+        self._apply_penalties(x, rows, vocab, meta)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
-        greedy = [r.params.is_greedy for r in rows]
-        greedy_idx = [i for i, g in enumerate(greedy) if g]
-        random_idx = [i for i, g in enumerate(greedy) if not g]
-        if not random_idx:
+        if meta.greedy.all():
             token_ids = _argmax(x)
-        elif not greedy_idx:
-            token_ids = self._sample(x, rows)
+        elif not meta.greedy.any():
+            token_ids = self._sample(x, rows, meta)
         else:
-            gi = torch.tensor(greedy_idx, device=dev)
+            greedy_idx, random_idx = np.flatnonzero(meta.greedy), np.flatnonzero(~meta.greedy)
+            gi = torch.from_numpy(greedy_idx).to(dev)
             token_ids[gi] = _argmax(x[gi])
-            ri = torch.tensor(random_idx, device=dev)
-            token_ids[ri] = self._sample(x[ri], [rows[i] for i in random_idx])
+            ri = torch.from_numpy(random_idx).to(dev)
+            token_ids[ri] = self._sample(x[ri], [rows[i] for i in random_idx.tolist()], meta.take(random_idx))
         token_ids.clamp_(0, vocab - 1)  # argmax and the draw already are; a cheap guarantee
 
         token_list: list[int] = token_ids.tolist()
         lps: list[RowLogprobs | None] = [None] * num_rows
         if raw_logprobs is not None:
-            lps = self._gather_logprobs(raw_logprobs, token_ids, rows, lp_idx)
+            lps = self._gather_logprobs(raw_logprobs, token_ids, meta.logprobs, lp_idx)
         return SamplerOutput(token_ids=token_list, logprobs=lps)
 
     # ------------------------------------------------------------------ masks and penalties
 
-    def _apply_min_tokens(self, x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+    def _apply_min_tokens(
+        self, x: Tensor, rows: Sequence[SamplingRow], vocab: int, active: list[int]
+    ) -> None:
         # Until min_tokens are generated, EOS (unless ignored) and stop_token_ids cannot be sampled.
         r_idx: list[int] = []
         t_idx: list[int] = []
-        for i, r in enumerate(rows):
+        for i in active:
+            r = rows[i]
             p = r.params
-            if len(r.output_token_ids) >= p.min_tokens:
-                continue
             banned = set(p.stop_token_ids or ())
             if not p.ignore_eos:
                 banned.update(self.eos_token_ids)
@@ -156,7 +231,9 @@ class Sampler:
         if r_idx:
             x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = float("-inf")
 
-    def _apply_penalties(self, x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
+    def _apply_penalties(
+        self, x: Tensor, rows: Sequence[SamplingRow], vocab: int, meta: SamplingMetadata | None = None
+    ) -> None:
         """vLLM semantics: repetition over prompt+output (divide positive logits, multiply
         negative ones), then frequency (x count) and presence (x [count > 0]) over output only.
 
@@ -168,56 +245,54 @@ class Sampler:
         row's prompt ids kept on the row, a step reads only the outputs. 64 rows with a 2,000-token
         prompt and 200 outputs, repetition 1.1, one thread: the sampler 35.9 -> 7.3 ms a step (a fresh read
         and ``np.unique`` of prompt + output every step before)."""
-        rep = [r.params.repetition_penalty for r in rows]
-        freq = [r.params.frequency_penalty for r in rows]
-        pres = [r.params.presence_penalty for r in rows]
+        if meta is None:
+            meta = SamplingMetadata.from_params([r.params for r in rows])
         dev = x.device
-        rep_rows = [i for i, v in enumerate(rep) if v != 1.0]
+        rep_rows: list[int] = np.flatnonzero(meta.repetition != 1.0).tolist()
         if rep_rows:
             r_idx, t_idx = _occurrences(rows, rep_rows, vocab)
             if r_idx.size:
                 flat = torch.from_numpy(r_idx * vocab + t_idx).to(dev)  # [N] into x.view(-1)
-                rp = torch.from_numpy(np.asarray(rep, dtype=np.float32)[r_idx]).to(dev)  # [N]
+                rp = torch.from_numpy(meta.repetition.astype(np.float32)[r_idx]).to(dev)  # [N]
                 x_flat = x.view(-1)  # the caller's x is contiguous
                 vals = x_flat[flat]  # [N]
                 x_flat.index_copy_(0, flat, torch.where(vals > 0, vals / rp, vals * rp))
-        need_fp = [f != 0.0 or p != 0.0 for f, p in zip(freq, pres)]
+        need_fp = ((meta.frequency != 0.0) | (meta.presence != 0.0)).tolist()
         if any(need_fp):
             r_idx, t_idx, counts = _pairs(
                 [(r.output_token_ids,) if need_fp[i] else () for i, r in enumerate(rows)], vocab, counts=True
             )
             if r_idx.size:
                 ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
-                fp = torch.tensor(freq, dtype=torch.float32, device=dev)[ri]  # [N]
-                pp = torch.tensor(pres, dtype=torch.float32, device=dev)[ri]  # [N]
+                fp = torch.from_numpy(meta.frequency.astype(np.float32)[r_idx]).to(dev)  # [N]
+                pp = torch.from_numpy(meta.presence.astype(np.float32)[r_idx]).to(dev)  # [N]
                 cnt = torch.from_numpy(counts).to(dev, torch.float32)  # [N]
                 x.index_put_((ri, ti), x[ri, ti].sub(fp * cnt).sub(pp))
 
     # ------------------------------------------------------------------ random sampling
 
     @staticmethod
-    def _probs(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    def _probs(x: Tensor, meta: SamplingMetadata) -> Tensor:
         """Temperature, top-k, top-p, min-p; returns unnormalized probs [R, V] (masked = 0)."""
         dev = x.device
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temp = torch.from_numpy(meta.temperature.astype(np.float32)).to(dev)  # [R]
         x = x / temp.unsqueeze(1)  # [R, V], our own tensor from here on
-        x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
+        x = _top_k_top_p(x, meta.top_k, meta.top_p)
         # exp(x - max) in place: the draw scales by the row total and min-p compares with the
         # row's maximum, so the softmax's normalizing pass (and its output tensor) is not needed.
         probs = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # [R, V], max 1 per row
-        min_p = [p.min_p for p in params]
-        if any(m > 0.0 for m in min_p):
-            m_t = torch.tensor(min_p, dtype=torch.float32, device=dev).unsqueeze(1)  # [R, 1]
+        if (meta.min_p > 0.0).any():
+            m_t = torch.from_numpy(meta.min_p.astype(np.float32)).to(dev).unsqueeze(1)  # [R, 1]
             thresh = probs.amax(dim=-1, keepdim=True) * m_t  # [R, 1]
             # No renormalization: the draw below scales by the row total, and skipping it keeps
             # a row's values bitwise identical whether or not other rows use min-p.
             probs = probs.masked_fill(probs < thresh, 0.0)
         return probs
 
-    def _sample(self, x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    def _sample(self, x: Tensor, rows: Sequence[SamplingRow], meta: SamplingMetadata) -> Tensor:
         """Random rows: a draw from the truncated distribution; a row whose distribution is
         degenerate (no finite positive mass: NaN or all masked) falls back to its argmax."""
-        tok, ok = self._draw(self._probs(x, [r.params for r in rows]), rows)  # [R] each
+        tok, ok = self._draw(self._probs(x, meta), rows)  # [R] each
         if not bool(ok.all()):  # rare; the caller syncs on the ids right after anyway
             tok = torch.where(ok, tok, _argmax(x))
         return tok
@@ -282,19 +357,19 @@ class Sampler:
     def _gather_logprobs(
         lp: Tensor,  # [Rl, V] logprobs of the rows that asked for them
         token_ids: Tensor,  # [R]
-        rows: Sequence[SamplingRow],
-        idx: list[int],  # [Rl] those rows' indices
+        ks: np.ndarray,  # [R] int64: each row's logprobs count (-1: not asked)
+        idx: list[int],  # [Rl] the rows that asked
     ) -> list[RowLogprobs | None]:
         """The sampled token's logprob and rank, and the top k, per row that asked."""
         tok = (
             token_ids if len(idx) == len(token_ids) else token_ids[torch.tensor(idx, device=token_ids.device)]
         )
-        max_k = max(rows[i].params.logprobs or 0 for i in idx)
-        tok_lp_l, ranks_l, top_i_l, top_v_l = token_logprobs(lp, tok, max_k)
+        k_l: list[int] = ks[idx].tolist()
+        tok_lp_l, ranks_l, top_i_l, top_v_l = token_logprobs(lp, tok, max(k_l))
         tok_l = tok.tolist()
-        out: list[RowLogprobs | None] = [None] * len(rows)
+        out: list[RowLogprobs | None] = [None] * len(token_ids)
         for j, i in enumerate(idx):
-            k = rows[i].params.logprobs or 0
+            k = k_l[j]
             d: RowLogprobs = {tok_l[j]: (tok_lp_l[j], ranks_l[j])}
             for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
                 d.setdefault(t, (v, rank))
@@ -302,13 +377,13 @@ class Sampler:
         return out
 
 
-def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int) -> None:
-    """x[row, token] += bias for every row's logit_bias (one scatter for the batch)."""
+def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
+    """x[row, token] += bias for the logit_bias of rows ``idx`` (one scatter for the batch)."""
     r_idx: list[int] = []
     t_idx: list[int] = []
     values: list[float] = []
-    for i, r in enumerate(rows):
-        for tok, bias in (r.params.logit_bias or {}).items():
+    for i in idx:
+        for tok, bias in (rows[i].params.logit_bias or {}).items():
             if tok < vocab:
                 r_idx.append(i)
                 t_idx.append(tok)
@@ -377,6 +452,15 @@ def _argmax(x: Tensor) -> Tensor:
     return tok
 
 
+def _below_min_tokens(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:
+    """The rows that have generated fewer than their min_tokens (their outputs are counted only
+    when some row has a min_tokens)."""
+    if not meta.min_tokens.any():
+        return []
+    out_lens = np.fromiter((len(r.output_token_ids) for r in rows), dtype=np.int64, count=len(rows))
+    return np.flatnonzero(out_lens < meta.min_tokens).tolist()
+
+
 def _occurrences(rows: Sequence[SamplingRow], idx: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
     """``rows [N]``, ``tokens [N]``: each of rows ``idx``'s distinct in-vocabulary prompt ids (kept on
     the row after the first call) and every in-vocabulary output id, repeats included."""
@@ -431,7 +515,7 @@ _TOP_P_WINDOW = 256
 _TOP_P_WIDE = 4096
 
 
-def _top_k_top_p(x: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Tensor:
+def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[float] | np.ndarray) -> Tensor:
     """Mask x [R, V] to each row's top-k, then to the top-p nucleus of the renormalized top-k.
 
     top-p keeps a token while the mass strictly before it is < top_p, so the token that
@@ -439,8 +523,10 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> Ten
     """
     num_rows, vocab = x.shape
     dev = x.device
-    ks = [k if 0 < k < vocab else 0 for k in top_k]  # 0: no top-k
-    ps = [p if p < 1.0 else 0.0 for p in top_p]  # 0: no top-p (1.0 is off: cumsum can hit 1 early)
+    ks = [k if 0 < k < vocab else 0 for k in np.asarray(top_k, dtype=np.int64).tolist()]  # 0: no top-k
+    ps = [
+        p if p < 1.0 else 0.0 for p in np.asarray(top_p, dtype=np.float64).tolist()
+    ]  # 0: no top-p (1.0 is off: cumsum can hit 1 early)
     active = [i for i in range(num_rows) if ks[i] or ps[i]]
     if not active:
         return x

@@ -1,6 +1,7 @@
 """The persistent input batch (engine/input_batch.py) against inputs rebuilt from the sequences'
 own lists every step, through the scheduler's real block manager: prefix hits, n > 1 forks
-(copy-on-write), sliding-window releases, preemptions, aborts and adapters."""
+(copy-on-write), sliding-window releases, preemptions, aborts and adapters; and its sampling
+parameters against each sequence's own ``SamplingParams``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from lorastar.engine.input_batch import InputBatch
 from lorastar.engine.request import Request
+from lorastar.engine.sampler import SamplingMetadata
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
 from lorastar.forward_context import padded_block_tables
@@ -56,6 +58,22 @@ def rebuilt(scheduled: list[ScheduledSeq], adapter_slot: dict[str, int] | None) 
     }
 
 
+def random_params(rng: random.Random) -> dict[str, object]:
+    """Sampling parameters that differ between requests in every field the sampler reads."""
+    return {
+        "temperature": rng.choice([0.0, 0.7, 1.3]),
+        "top_k": rng.choice([0, 5, 40]),
+        "top_p": rng.choice([1.0, 0.9]),
+        "min_p": rng.choice([0.0, 0.05]),
+        "repetition_penalty": rng.choice([1.0, 1.2]),
+        "frequency_penalty": rng.choice([0.0, 0.5]),
+        "presence_penalty": rng.choice([0.0, -0.3]),
+        "min_tokens": rng.choice([0, 1]),
+        "logprobs": rng.choice([None, 0, 3]),
+        "logit_bias": rng.choice([None, {3: 1.5}]),
+    }
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**32 - 1), window=st.sampled_from([0, 6, 9]), blocks=st.sampled_from([12, 24, 64])
@@ -82,13 +100,17 @@ def test_batch_equals_inputs_rebuilt_every_step(seed: int, window: int, blocks: 
             have = have.tolist() if isinstance(have, np.ndarray) else have
             assert have == value, name
         batch.check(h.sched.all_sequences())
+        seqs = [s.seq for s in out.scheduled]
+        meta = batch.sampling_metadata(seqs)
+        want_meta = SamplingMetadata.from_params([seq.request.params for seq in seqs])
+        assert meta == want_meta
         checked += 1
 
     h.on_schedule = on_schedule
     for _ in range(rng.randint(3, 10)):
         prompt = shared[: rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 14))]
         adapter = rng.choice([None, "a", "b", "c"]) if with_adapters else None
-        h.add(prompt, rng.randint(1, 9), adapter=adapter, n=rng.choice([1, 1, 2, 3]))
+        h.add(prompt, rng.randint(1, 9), adapter=adapter, n=rng.choice([1, 1, 2, 3]), **random_params(rng))
     while h.sched.has_work():
         if rng.random() < 0.08:
             live = [r for r in h.requests if not r.is_finished]

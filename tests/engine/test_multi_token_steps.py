@@ -38,8 +38,8 @@ def oracle(setup, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN201
     log: list[list[int]] = []  # tokens per row, per step
 
     def install(k: int) -> list[list[int]]:
-        def multi(self, logits, rows):  # noqa: ANN001, ANN202
-            got = sample(self, logits, rows)
+        def multi(self, logits, rows, meta=None):  # noqa: ANN001, ANN202
+            got = sample(self, logits, rows, meta)
             out = []
             for row, (toks, lps) in zip(rows, got):
                 ref = refs[tuple(row.prompt_token_ids)]

@@ -45,12 +45,18 @@ class Harness:
         self._ids = itertools.count()
 
     def add(
-        self, prompt: list[int] | int, max_tokens: int = 4, *, adapter: str | None = None, n: int = 1
+        self,
+        prompt: list[int] | int,
+        max_tokens: int = 4,
+        *,
+        adapter: str | None = None,
+        n: int = 1,
+        **params: object,
     ) -> Request:
+        """A request of ``prompt`` (``params``: further SamplingParams fields)."""
         ids = list(range(prompt)) if isinstance(prompt, int) else list(prompt)
-        req = Request(
-            f"r{next(self._ids)}", None, ids, SamplingParams(n=n, max_tokens=max_tokens), adapter_key=adapter
-        )
+        sp = SamplingParams(n=n, max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+        req = Request(f"r{next(self._ids)}", None, ids, sp, adapter_key=adapter)
         self.requests.append(req)
         self.sched.add(req.sequences[0])
         return req
