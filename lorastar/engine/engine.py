@@ -533,10 +533,17 @@ class LLMEngine:
         eos = tuple(self.eos_token_ids)
         r = 0
         for s in out.scheduled:
-            seq = s.seq
-            req = seq.request
             if not s.samples:
                 continue
+            seq = s.seq
+            row = seq.sampling_row
+            if row is not None:  # sampled before: no beam, no fan-out (an n > 1 request forked then)
+                rows.append(row)
+                owners.append((seq, 0, row.generator))
+                logit_rows.append(r)
+                r += 1
+                continue
+            req = seq.request
             if req.beam is not None:
                 beam_rows.append((seq, r))
                 r += 1
@@ -549,21 +556,21 @@ class LLMEngine:
                 gen = seq.generator
                 if k > 0 and req.params.seed is not None:
                     gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
-                row = seq.sampling_row if k == 0 else None
-                if row is None:  # its fields never change: built once per sequence (and per fork)
-                    row = SamplingRow(req.params, req.prompt_token_ids,
-                                      OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, eos)  # fmt: skip
-                    if k == 0:
-                        seq.sampling_row = row
+                # Its fields never change: built once per sequence (a fork's at the fork).
+                row = SamplingRow(req.params, req.prompt_token_ids,
+                                  OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, eos)  # fmt: skip
+                if k == 0:
+                    seq.sampling_row = row
                 rows.append(row)
                 owners.append((seq, k, gen))
                 logit_rows.append(r)
             r += 1
         touched: dict[str, Request] = {}
         if rows:
-            idx = torch.tensor(logit_rows, device=logits.device)
+            if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
+                logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
             new_tokens = self._sample(
-                logits.index_select(0, idx) if len(rows) != logits.shape[0] else logits,
+                logits,
                 rows,
                 self.runner.batch.sampling_metadata(seq for seq, _, _ in owners),  # a fork's: its parent's
             )

@@ -200,7 +200,7 @@ def device_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """``input_ids [T]``, ``positions [T]`` and the attention metadata of ``inputs`` on ``device``."""
     md = build_attention_metadata(
-        torch.from_numpy(inputs.slot_mapping), inputs.query_lens.tolist(), inputs.seq_lens.tolist(),
+        torch.from_numpy(inputs.slot_mapping), inputs.query_lens, inputs.seq_lens,
         torch.from_numpy(inputs.block_tables), block_size=block_size, device=device,
         native_cpu_decode=native_cpu_decode,
     )  # fmt: skip

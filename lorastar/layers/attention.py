@@ -16,8 +16,10 @@ backend whose metadata it is given.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -63,8 +65,9 @@ class TorchPlan:
 class TorchAttentionMetadata(AttentionMetadata):
     """The CPU backend's metadata: the common fields plus host copies and per-window plans."""
 
-    host_query_lens: list[int] = field(default_factory=list)
-    host_seq_lens: list[int] = field(default_factory=list)
+    host_query_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B]
+    host_seq_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B]
+    host_query_start: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))  # [B + 1]
     host_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     # Decode rows of fp32 layers read the cache with the C++ op (kernels/cpu_native.py) instead
     # of gather + SDPA: 20 SmolLM2 rows over ~175 cold keys 461 vs 1265 us a layer; whole decode
@@ -85,40 +88,37 @@ def _build_plan(md: TorchAttentionMetadata, window: int) -> TorchPlan:
     tables = md.host_block_tables
     assert tables is not None
     plan = TorchPlan()
-    qsl = [0]
-    for q in md.host_query_lens:
-        qsl.append(qsl[-1] + q)
-    dec = [i for i, q in enumerate(md.host_query_lens) if q == 1]
-    if dec:
-        lens = torch.tensor([md.host_seq_lens[i] for i in dec])  # [Bd]
+    qlens, seq_lens, qsl = md.host_query_lens, md.host_seq_lens, md.host_query_start  # numpy, [B] / [B + 1]
+    dec = np.flatnonzero(qlens == 1)
+    if dec.size:
+        lens = torch.from_numpy(seq_lens[dec])  # [Bd] int64
         lo = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)  # first key seen
         first = lo // bs  # [Bd] first block read
         nblk = int(((lens + bs - 1) // bs - first).max())
         idx = (first[:, None] + torch.arange(nblk)[None, :]).clamp(max=tables.shape[1] - 1)
-        plan.decode_rows = torch.tensor([qsl[i] for i in dec], dtype=torch.int64)
+        plan.decode_rows = torch.from_numpy(qsl[dec])  # [Bd] int64
         # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index (holes/padding masked).
-        plan.decode_gather = tables[dec].long().gather(1, idx).clamp(min=0)  # [Bd, nblk]
+        plan.decode_gather = tables[torch.from_numpy(dec)].long().gather(1, idx).clamp(min=0)  # [Bd, nblk]
         p = first[:, None] * bs + torch.arange(nblk * bs)[None, :]  # absolute key positions
         plan.decode_mask = ((p < lens[:, None]) & (p >= lo[:, None]))[:, None, None, :]
-        plan.decode_lo, plan.decode_lens = lo.long(), lens.long()
-    for i, (q, L) in enumerate(zip(md.host_query_lens, md.host_seq_lens)):
-        if q == 1:
-            continue
+        plan.decode_lo, plan.decode_lens = lo, lens
+    for i in np.flatnonzero(qlens != 1).tolist():
+        row0, q, L = int(qsl[i]), int(qlens[i]), int(seq_lens[i])
         if L == q:  # the whole sequence is in this chunk: K/V are the fresh tensors
-            plan.prefill_seqs.append((qsl[i], q, L, 0, None))
+            plan.prefill_seqs.append((row0, q, L, 0, None))
             continue
         # Earlier chunks or a cached prefix: read the visible context blocks from the cache.
-        lo = max(0, L - q - window + 1) if window > 0 else 0
-        first = lo // bs
-        blocks = tables[i, first : -(-L // bs)].long().clamp(min=0)
-        plan.prefill_seqs.append((qsl[i], q, L, first * bs, blocks))
+        lo_i = max(0, L - q - window + 1) if window > 0 else 0
+        first_i = lo_i // bs
+        blocks = tables[i, first_i : -(-L // bs)].long().clamp(min=0)
+        plan.prefill_seqs.append((row0, q, L, first_i * bs, blocks))
     return plan
 
 
 def build_attention_metadata(
     slot_mapping: list[int] | torch.Tensor,  # [num_tokens]
-    query_lens: list[int],
-    seq_lens: list[int],
+    query_lens: Sequence[int] | np.ndarray,  # [B]
+    seq_lens: Sequence[int] | np.ndarray,  # [B]
     block_tables: torch.Tensor,  # [B, max_blocks] int32, host
     *,
     block_size: int,
@@ -128,24 +128,26 @@ def build_attention_metadata(
     """One step's metadata for the backend of ``device``: sequence ``b`` has ``query_lens[b]`` new
     tokens (flat rows in order) and ``seq_lens[b]`` tokens of context after this step.
     ``native_cpu_decode``: CPU decode rows use ``kernels/cpu_native.py`` (the caller loaded it)."""
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
+    q = np.asarray(query_lens, dtype=np.int64)  # [B]
+    lens = np.asarray(seq_lens, dtype=np.int64)  # [B]
+    qsl = np.zeros(len(q) + 1, dtype=np.int64)  # [B + 1]
+    np.cumsum(q, out=qsl[1:])
     common = {
         "slot_mapping": torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
-        "query_start_loc": torch.tensor(qsl, dtype=torch.int32, device=device),
-        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "query_start_loc": torch.from_numpy(qsl.astype(np.int32)).to(device),
+        "seq_lens": torch.from_numpy(lens.astype(np.int32)).to(device),
         "block_tables": block_tables.to(device),
-        "max_query_len": max(query_lens),
-        "max_seq_len": max(seq_lens),
+        "max_query_len": int(q.max()),
+        "max_seq_len": int(lens.max()),
         "block_size": block_size,
     }
     if device.type == "cuda":
         return AttentionMetadata(**common)
     return TorchAttentionMetadata(
         **common,
-        host_query_lens=list(query_lens),
-        host_seq_lens=list(seq_lens),
+        host_query_lens=q,
+        host_seq_lens=lens,
+        host_query_start=qsl,
         host_block_tables=block_tables,
         native_decode=native_cpu_decode,
     )
