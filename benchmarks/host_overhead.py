@@ -6,7 +6,11 @@ tensors), forward (model + logits), sample, output (the core's token appends and
 the output processor existed, also detokenization and stop strings), frontend (the output
 processor: detokenize, stop strings, RequestOutputs; in a frontend process when the core has its
 own) and update (scheduler bookkeeping). Per-part times come from wrapping the engine's own methods,
-so they cost the same in any checkout that has those methods.
+so they cost the same in any checkout that has those methods. 'ipc' is the msgpack encoding of the
+step's core outputs, which an engine process pays to send them (measured apart: the step in this
+process does not encode). 'core ms' is what an engine process's loop pays per step besides the
+model: host less the frontend (which runs in the server process then), plus ipc; for checkouts
+before the engine process (one loop for everything) it is the host time.
 
 ``--other PATH`` runs the same measurement on a second checkout (``git worktree add /tmp/base
 <rev>``) in alternation with this one, each size in a fresh process, and prints both side by
@@ -30,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PARTS = ("schedule", "prepare", "forward", "sample", "output", "frontend", "update")
+PARTS = ("schedule", "prepare", "forward", "sample", "output", "frontend", "update", "ipc")
 
 
 def tiny_model(out: Path) -> Path:
@@ -125,16 +129,37 @@ def measure(
     if hasattr(eng, "output_processor"):  # checkouts before it detokenized inside _process
         proc = eng.output_processor
         proc.process = timer.wrap(proc.process, "frontend")  # type: ignore[method-assign]
+    try:  # what an engine process sends each step (checkouts before it had none)
+        from lorastar.engine.messages import Outputs, encoder
+    except ImportError:
+        pass
+    else:
+        step_core, enc = eng.step_core, encoder()
+
+        def core_and_encode() -> Any:
+            outs = step_core()
+            t = time.perf_counter()
+            enc.encode(Outputs(outs))
+            timer.total["ipc"] += time.perf_counter() - t
+            return outs
+
+        eng.step_core = core_and_encode  # type: ignore[method-assign]
     t0 = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0 - timer.total["ipc"]  # the step in this process does not encode
     res = {p: 1000 * timer.total[p] / steps for p in PARTS}
     res["output"] -= res["sample"]  # sampling runs inside output processing
     res["step"] = 1000 * wall / steps
-    res["other"] = res["step"] - sum(res[p] for p in PARTS)
+    res["other"] = res["step"] - sum(res[p] for p in PARTS if p != "ipc")
     res["host"] = res["step"] - res["forward"]  # everything but the model's own compute
+    res["core"] = res["host"] - res["frontend"] + res["ipc"]  # an engine process's loop
     return res
+
+
+def _core(r: dict[str, float]) -> float:
+    """An engine process's host time per step (older result files have no 'core': the host)."""
+    return r.get("core", r["step"] - r["forward"])
 
 
 def run_child(
@@ -203,13 +228,24 @@ def main() -> None:
         for name in systems:
             r = results[name][n]
             host = r["step"] - r["forward"]
-            rows.append([name, n, r["step"], 1000 * r["step"] / n, host, *(r[p] for p in PARTS), r["other"]])
+            row = [
+                name,
+                n,
+                r["step"],
+                1000 * r["step"] / n,
+                host,
+                _core(r),
+                *(r[p] for p in PARTS),
+                r["other"],
+            ]
+            rows.append(row)
     headers = [
         "checkout",
         "seqs",
         "ms/step",
         "µs/seq-step",
         "host ms",
+        "core ms",
         *(f"{p} ms" for p in PARTS),
         "other ms",
     ]
@@ -221,12 +257,19 @@ def main() -> None:
                 n,
                 o[n]["step"] / t[n]["step"],
                 (o[n]["step"] - o[n]["forward"]) / (t[n]["step"] - t[n]["forward"]),
+                _core(o[n]) / _core(t[n]),
             ]
             for n in sizes
         ]
         sections.append(
             common.markdown_table(
-                ["seqs", "other / this: whole step", "other / this: host (step - forward)"], ratio_rows
+                [
+                    "seqs",
+                    "other / this: whole step",
+                    "other / this: host (step - forward)",
+                    "other / this: core (engine process)",
+                ],
+                ratio_rows,
             )
         )
     text = common.write_results(
@@ -239,6 +282,8 @@ def main() -> None:
             f"Sampling at temperature {args.temperature} (0: greedy), ignore_eos, prefix caching off; "
             f"{args.prompt_len}-token prompts.",
             "'host ms': the step less 'forward' (everything but the model's own compute).",
+            "'core ms': host less frontend plus ipc: an engine process's own loop per step (for a "
+            "checkout without an engine process, its host).",
         ],
     )
     print(text)
