@@ -31,13 +31,6 @@ class AttentionMetadata:
     rope_sin: torch.Tensor | None = None
 
 
-def padded_block_tables(tables: list[list[int]], fill: int = 0) -> torch.Tensor:
-    """``[B, max_len]`` int32 host tensor of the block tables, short rows padded with ``fill``
-    (one tensor built from lists: no per-row tensor on the step's hot path)."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [fill] * (width - len(t)) for t in tables], dtype=torch.int32)
-
-
 @dataclass
 class LoRAMetadata:
     """Which rows use which adapter slot. Built once per step by the runner.

@@ -16,8 +16,8 @@ from lorastar.engine.request import Request
 from lorastar.engine.sampler import SamplingMetadata
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
-from lorastar.forward_context import padded_block_tables
 from tests.engine.test_scheduler import BS, Harness
+from tests.layers.test_attention_backends import padded_block_tables
 
 SLOTS = {"a": 2, "b": 0, "c": 1}
 FILL = 99

@@ -8,10 +8,18 @@ import dataclasses
 import pytest
 import torch
 
-from lorastar.forward_context import AttentionMetadata, ForwardContext, padded_block_tables
+from lorastar.forward_context import AttentionMetadata, ForwardContext
 from lorastar.kernels import cpu_native
 from lorastar.kernels.reference import ref_paged_attention
 from lorastar.layers.attention import TorchAttentionMetadata, attention_forward, build_attention_metadata
+
+
+def padded_block_tables(tables: list[list[int]], fill: int = 0) -> torch.Tensor:
+    """``[B, max_len]`` int32 block tables, short rows padded with ``fill`` (the tests' reference
+    form of what the input batch keeps in its persistent rows)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [fill] * (width - len(t)) for t in tables], dtype=torch.int32)
+
 
 BS, HQ, HKV, D = 4, 4, 2, 16
 
