@@ -163,6 +163,8 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         if meta is None:
             meta = SamplingMetadata.from_params([r.params for r in rows])
+        elif len(meta.greedy) != num_rows:
+            raise ValueError(f"sampling metadata has {len(meta.greedy)} rows but logits has {num_rows}")
         dev = logits.device
         min_tok_rows = _below_min_tokens(rows, meta)
         # Work in fp32 (low-precision softmax loses the tail); copy only if masks/penalties

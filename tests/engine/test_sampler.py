@@ -478,3 +478,39 @@ def test_penalties_follow_a_growing_output_with_the_prompt_kept_on_the_row() -> 
         assert row.prompt_ids is not None
         assert set(row.prompt_ids.tolist()) == {t for t in row.prompt_token_ids if 0 <= t < v}, i
     assert rows[2].prompt_ids is None  # no repetition penalty: never read
+
+
+def test_metadata_from_the_batch_table_samples_as_the_rows_do() -> None:
+    """The engine hands the sampler its rows' parameters gathered from the input batch's table (rows
+    in any order): tokens and logprobs equal those of metadata built from the rows' own params, over
+    a mix of greedy, seeded random, top-k/p, min-p, penalties, min_tokens and logprobs rows."""
+    from lorastar.engine.sampler import SamplingMetadata, SamplingTable
+
+    v = 400
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.9, seed=3, top_k=20),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, min_tokens=4),
+        SamplingParams(temperature=1.2, seed=5, top_p=0.8, min_p=0.05, frequency_penalty=0.4),
+        SamplingParams(temperature=0.7, seed=9, logit_bias={7: 5.0}, logprobs=0),
+    ]
+    table = SamplingTable(2)
+    table.grow(8)
+    where = [6, 0, 3, 7, 1]  # each params' row in the table
+    for row, p in zip(where, params):
+        table.set(row, p)
+    meta = table.take(where)
+    assert meta == SamplingMetadata.from_params(params)
+    logits = torch.randn(len(params), v, generator=torch.Generator().manual_seed(2)) * 4
+
+    def run(with_meta: bool) -> SamplerOutput:
+        rows = [
+            _row(p, prompt=[1, 2, 3], output=[4, 5], generator=None if p.seed is None else make_generator(p.seed), eos=(7,))
+            for p in params
+        ]  # fmt: skip
+        return Sampler(seed=1, eos_token_id=7)(logits, rows, meta if with_meta else None)
+
+    got, want = run(True), run(False)
+    assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+    with pytest.raises(ValueError, match="sampling metadata has 4 rows"):
+        Sampler()(logits, [_row(p) for p in params], table.take(where[:4]))
