@@ -2,11 +2,11 @@
 
 Each live sequence owns a row of preallocated arrays that outlive the step: its block table and its
 sampling parameters (``SamplingTable``, written once: a step's ``SamplingMetadata`` is a gather of
-rows). A block-table row is
-written when its sequence is first scheduled and then only where its block table changed (a
-block appended, a copy-on-write replacement, entries released by the sliding window, the table
-emptied by a preemption), so a step's tables are one gather of rows instead of a table rebuilt
-from lists for every sequence. Rows go back when the scheduler reports their sequence finished.
+rows). A block-table row is written when its sequence is first scheduled and then only where its
+block table changed (a block appended, a copy-on-write replacement, entries released by the sliding
+window, the table emptied by a preemption), so a step's tables are one gather of rows instead of a
+table rebuilt from lists for every sequence. Rows go back when the scheduler reports their sequence
+finished.
 
 How the batch learns what changed: ``Sequence.block_table_synced`` is a watermark, the number of
 leading ``block_table`` entries the row holds as they are. The block manager lowers it whenever it
