@@ -530,7 +530,6 @@ class LLMEngine:
         owners: list[tuple[Sequence, int, torch.Generator | None]] = []
         logit_rows: list[int] = []
         beam_rows: list[tuple[Sequence, int]] = []
-        eos = tuple(self.eos_token_ids)
         r = 0
         for s in out.scheduled:
             if not s.samples:
@@ -558,7 +557,7 @@ class LLMEngine:
                     gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
                 # Its fields never change: built once per sequence (a fork's at the fork).
                 row = SamplingRow(req.params, req.prompt_token_ids,
-                                  OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, eos)  # fmt: skip
+                                  OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, self.eos_token_ids)  # fmt: skip
                 if k == 0:
                     seq.sampling_row = row
                 rows.append(row)

@@ -111,18 +111,20 @@ class SamplingTable:
     (a request's parameters never change): a step's ``SamplingMetadata`` is one gather of rows."""
 
     def __init__(self, rows: int) -> None:
-        self.columns = [np.zeros(rows, dtype=dt) for _, _, dt in _COLUMNS]
+        self.rows = SamplingMetadata(*(np.zeros(rows, dtype=dt) for _, _, dt in _COLUMNS))
 
     def grow(self, rows: int) -> None:
-        self.columns = [np.concatenate([c, np.zeros(rows - len(c), dtype=c.dtype)]) for c in self.columns]
+        def grown(c: np.ndarray) -> np.ndarray:
+            return np.concatenate([c, np.zeros(rows - len(c), dtype=c.dtype)])
+
+        self.rows = SamplingMetadata(*(grown(getattr(self.rows, name)) for name, _, _ in _COLUMNS))
 
     def set(self, row: int, params: SamplingParams) -> None:
-        for col, (_, read, _) in zip(self.columns, _COLUMNS):
-            col[row] = read(params)
+        for name, read, _ in _COLUMNS:
+            getattr(self.rows, name)[row] = read(params)
 
     def take(self, rows: Sequence[int]) -> SamplingMetadata:
-        idx = np.asarray(rows, dtype=np.int64)
-        return SamplingMetadata(*(c[idx] for c in self.columns))
+        return self.rows.take(np.asarray(rows, dtype=np.int64))
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -261,8 +263,8 @@ class Sampler:
                 x_flat.index_copy_(0, flat, torch.where(vals > 0, vals / rp, vals * rp))
         need_fp = ((meta.frequency != 0.0) | (meta.presence != 0.0)).tolist()
         if any(need_fp):
-            r_idx, t_idx, counts = _pairs(
-                [(r.output_token_ids,) if need_fp[i] else () for i, r in enumerate(rows)], vocab, counts=True
+            r_idx, t_idx, counts = _counts(
+                [r.output_token_ids if need_fp[i] else () for i, r in enumerate(rows)], vocab
             )
             if r_idx.size:
                 ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
@@ -483,25 +485,16 @@ def _occurrences(rows: Sequence[SamplingRow], idx: list[int], vocab: int) -> tup
     return r_idx, np.concatenate([*prompts, out_toks[ok]])
 
 
-def _pairs(
-    row_parts: Sequence[Sequence[Sequence[int]]], vocab: int, counts: bool = False
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The distinct (row, token) pairs of ragged per-row token lists, each row given as its parts
-    (prompt, output: read in place, never joined), out-of-range ids dropped, as ``rows [N]``,
-    ``tokens [N]`` and, with ``counts``, how often each occurs. numpy: torch.tensor() on a long
-    Python list costs ~10x more."""
-    lens = np.fromiter((sum(map(len, parts)) for parts in row_parts), dtype=np.int64, count=len(row_parts))
-    toks = np.fromiter(
-        chain.from_iterable(chain.from_iterable(row_parts)), dtype=np.int64, count=int(lens.sum())
-    )  # [M]
-    row_of = np.repeat(np.arange(len(row_parts), dtype=np.int64), lens)  # [M]
+def _counts(token_lists: Sequence[Sequence[int]], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (row, token) pairs of ragged per-row token lists (read in place; out-of-range
+    ids dropped) as ``rows [N]``, ``tokens [N]`` and how often each occurs ``[N]``. numpy:
+    torch.tensor() on a long Python list costs ~10x more."""
+    lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
+    toks = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=int(lens.sum()))  # [M]
+    row_of = np.repeat(np.arange(len(token_lists), dtype=np.int64), lens)  # [M]
     ok = (toks >= 0) & (toks < vocab)
-    flat = row_of[ok] * vocab + toks[ok]
-    if counts:
-        uniq, cnt = np.unique(flat, return_counts=True)
-        return uniq // vocab, uniq % vocab, cnt
-    uniq = np.unique(flat)
-    return uniq // vocab, uniq % vocab, None
+    uniq, cnt = np.unique(row_of[ok] * vocab + toks[ok], return_counts=True)
+    return uniq // vocab, uniq % vocab, cnt
 
 
 # ---------------------------------------------------------------------- truncation

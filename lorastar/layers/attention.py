@@ -63,12 +63,8 @@ class TorchPlan:
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    """The CPU backend's metadata: the common fields plus host copies and per-window plans."""
+    """The CPU backend's metadata: the common fields (host tensors here) plus per-window plans."""
 
-    host_query_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B]
-    host_seq_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B]
-    host_query_start: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))  # [B + 1]
-    host_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     # Decode rows of fp32 layers read the cache with the C++ op (kernels/cpu_native.py) instead
     # of gather + SDPA: 20 SmolLM2 rows over ~175 cold keys 461 vs 1265 us a layer; whole decode
     # steps at c=20 1.1x tok/s (attention 344 vs 453 us a layer, the rest unchanged).
@@ -85,10 +81,11 @@ class TorchAttentionMetadata(AttentionMetadata):
 
 def _build_plan(md: TorchAttentionMetadata, window: int) -> TorchPlan:
     bs = md.block_size
-    tables = md.host_block_tables
-    assert tables is not None
+    tables = md.block_tables  # [B, max_blocks] int32, host
     plan = TorchPlan()
-    qlens, seq_lens, qsl = md.host_query_lens, md.host_seq_lens, md.host_query_start  # numpy, [B] / [B + 1]
+    qsl = md.query_start_loc.numpy().astype(np.int64)  # [B + 1] (host tensors on this backend)
+    seq_lens = md.seq_lens.numpy().astype(np.int64)  # [B]
+    qlens = np.diff(qsl)  # [B]
     dec = np.flatnonzero(qlens == 1)
     if dec.size:
         lens = torch.from_numpy(seq_lens[dec])  # [Bd] int64
@@ -145,10 +142,6 @@ def build_attention_metadata(
         return AttentionMetadata(**common)
     return TorchAttentionMetadata(
         **common,
-        host_query_lens=q,
-        host_seq_lens=lens,
-        host_query_start=qsl,
-        host_block_tables=block_tables,
         native_decode=native_cpu_decode,
     )
 
