@@ -176,6 +176,7 @@ def lora_shrink(
     max_rows: int,
     active_slots: int | None = None,
     split_k: int | None = None,
+    block_k: int | None = None,
 ) -> None:
     """Segmented LoRA shrink of every slice of a fused linear in one launch.
 
@@ -184,13 +185,15 @@ def lora_shrink(
     Args:
         x: ``[T, H]`` activations, rows ordered by slot.
         lora_a: ``[S, P * R, H]`` A of ``P`` slices per slot.
-        out: ``[T, P * R]`` pre-zeroed by the caller; rows of no slot and columns past a slot's
-            rank in a slice are left untouched.
+        out: ``[T, P * R]``, need not be initialized: each slot's rows get their slices' first
+            ``rank`` columns; rows of no slot and columns past a slot's rank in a slice are left
+            as they are (the expand reads neither). Zeroed here when ``H`` is split (atomics).
         slot_runs: ``[2, S]`` int32, (start, count) of each slot's rows.
         ranks: ``[S, P]`` int32 true rank per slot and slice (0: skipped).
         max_rows: the longest run, or any bound of it (a CUDA graph: its padded batch).
         active_slots: slots with rows (host hint for the split of H); ``None``: all ``S``.
         split_k: slices of ``H`` per row tile (atomics: needs an fp32 ``out``); ``None`` picks.
+        block_k: ``H`` columns per loop step; ``None`` picks.
     """
     _require_triton()
     t, h = x.shape
@@ -198,7 +201,9 @@ def lora_shrink(
         return
     num_slots, p = ranks.shape
     rank = lora_a.shape[1] // p
-    block_m, block_k = 16, (64 if x.is_cuda else 32)
+    # 128-wide K steps: on the H200, 88 graph-captured linears of a 1.1B Llama (16 adapters,
+    # rank 16, 64 rows) took 1.30 ms per step vs 1.46 ms with 64 (.gpu sweep, session 31).
+    block_m, block_k = 16, block_k or (128 if x.is_cuda else 32)
     m_tiles = triton.cdiv(max_rows, block_m)
     if out.dtype != torch.float32:  # atomics in fp16 lose too much on large H
         split = 1
@@ -208,6 +213,8 @@ def lora_shrink(
         split = _split_k((active_slots or num_slots) * m_tiles * p, h, block_k, x.device)
     kps = triton.cdiv(triton.cdiv(h, split), block_k) * block_k  # whole BLOCK_K tiles per split
     split = triton.cdiv(h, kps)
+    if split > 1:
+        out.zero_()
     _lora_shrink_kernel[(num_slots, m_tiles, p * split)](
         x, lora_a, out, slot_runs, ranks,
         h, rank, p, split, kps,
@@ -232,6 +239,7 @@ def lora_expand(
     max_width: int,
     block_m: int | None = None,
     block_r: int | None = None,
+    block_n: int | None = None,
 ) -> None:
     """Segmented LoRA expand of every slice of a fused linear in one launch, added into ``y``.
 
@@ -256,7 +264,8 @@ def lora_expand(
     big = buf.is_cuda and max_rows >= 256
     block_m = block_m or (64 if big else 16)
     block_r = block_r or (32 if big else _BLOCK_R)
-    block_n = 64 if buf.is_cuda else 32
+    # Decode-sized runs: 128-column tiles halve the programs (same H200 sweep: 1.26 vs 1.30 ms).
+    block_n = block_n or ((64 if big else 128) if buf.is_cuda else 32)
     n_tiles = triton.cdiv(max_width, block_n)
     _lora_expand_kernel[(num_slots, triton.cdiv(max_rows, block_m), p * n_tiles)](
         buf, lora_b, y, slot_runs, ranks, bounds,

@@ -132,7 +132,7 @@ class GpuLoRASlots(LoRASlots):
         if meta.slot_runs is None:
             raise ValueError("GPU LoRA needs LoRAMetadata.slot_runs")
         # fp32 intermediate: split-K shrink accumulates with atomics, and rounding stays out of it.
-        buf = torch.zeros(x.shape[0], self.a.shape[1], dtype=torch.float32, device=x.device)  # [T, P * R]
+        buf = torch.empty(x.shape[0], self.a.shape[1], dtype=torch.float32, device=x.device)  # [T, P * R]
         lora_shrink(
             x, self.a, buf, meta.slot_runs, self.ranks, max_rows=meta.max_rows, active_slots=meta.active_slots
         )

@@ -363,7 +363,9 @@ def test_lora_gpu_realistic(dtype: torch.dtype, batch: int) -> None:
     x = torch.randn(batch, hidden, generator=gen, device="cuda").to(dtype)
     a = (torch.randn(slots, 3 * rank, hidden, generator=gen, device="cuda") * 0.02).to(dtype)
     b = (torch.randn(slots, bounds[-1], rank, generator=gen, device="cuda") * 0.02).to(dtype)
-    token_slots = torch.sort(torch.randint(-1, slots, (batch,), generator=gen)).values.to(torch.int32)
+    token_slots = torch.sort(torch.randint(-1, slots, (batch,), generator=gen, device="cuda")).values.to(
+        torch.int32
+    )
     ranges = _ranges(token_slots)
     runs = slot_runs(ranges, slots, "cuda")
     y0 = torch.randn(batch, bounds[-1], generator=gen, device="cuda").to(dtype)

@@ -1,0 +1,130 @@
+"""LoRA's share of a decode step inside a CUDA graph, per kernel configuration (needs a GPU).
+
+Captures every LoRA linear of a TinyLlama-shaped model (22 layers x qkv, o, gate_up, down: 88
+linears, 16 adapter slots at rank 16) in one CUDA graph, as the engine's decode graphs hold them,
+and times its replay: the LoRA time a decode step pays, launch gaps included, which a per-kernel
+``do_bench`` (benchmarks/kernels.py) leaves out. Variants: the fp32 intermediate zeroed by a
+separate memset (the engine before session 31) or by the shrink only when it splits ``H``; ``split``
+(``None``: picked from the grid; 1: no split, no atomics); the shrink's K step and the expand's
+column tile. Each variant's output is checked against the first one's.
+
+    python benchmarks/lora_graph_step.py [--out benchmarks/results]
+
+Writes ``lora_graph_step.md`` and ``lora_graph_step.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lorastar.forward_context import lora_ranges, slot_runs  # noqa: E402
+from lorastar.kernels.lora import lora_expand, lora_shrink  # noqa: E402
+
+SLOTS, RANK = 16, 16
+SHAPES = [(2048, [2048, 256, 256]), (2048, [2048]), (2048, [5632, 5632]), (5632, [2048])]  # (H, slice widths)
+# (memset, split, shrink block_k, expand block_n); the first is the engine before session 31.
+VARIANTS = [(True, None, 64, 64), (False, 1, 64, 64), (False, 1, 128, 64), (False, 1, 256, 64),
+            (False, None, 128, 64), (False, None, 256, 64), (False, 1, 128, 128), (False, None, 128, 128)]  # fmt: skip
+
+
+def make_layers(dev: str) -> list[tuple]:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(22):
+        for h, widths in SHAPES:
+            p = len(widths)
+            bounds = torch.tensor([0, *itertools.accumulate(widths)], dtype=torch.int32, device=dev)
+            a = torch.randn(SLOTS, p * RANK, h, device=dev, dtype=torch.bfloat16) * 0.02
+            b = torch.randn(SLOTS, sum(widths), RANK, device=dev, dtype=torch.bfloat16) * 0.02
+            ranks = torch.full((SLOTS, p), RANK, dtype=torch.int32, device=dev)
+            layers.append((h, widths, bounds, a, b, ranks))
+    return layers
+
+
+def step(layers: list[tuple], xs: dict, ys: dict, runs: torch.Tensor, n: int, variant: tuple) -> None:
+    zero, split, bk, bn = variant
+    for h, widths, bounds, a, b, ranks in layers:
+        x, y = xs[h][:n], ys[sum(widths)][:n]
+        buf = (torch.zeros if zero else torch.empty)(n, a.shape[1], dtype=torch.float32, device=x.device)
+        lora_shrink(x, a, buf, runs, ranks, max_rows=n, split_k=split, block_k=bk)
+        lora_expand(buf, b, y, runs, ranks, bounds, max_rows=n, max_width=max(widths), block_n=bn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    dev = "cuda"
+    layers = make_layers(dev)
+    rows = []
+    for n, slots in [(1, 1), (16, 16), (64, 16)]:
+        token_slots = (torch.arange(n) % slots).sort().values
+        runs = slot_runs(lora_ranges([(int(s), 1) for s in token_slots]), SLOTS, dev)
+        xs = {h: torch.randn(n, h, device=dev, dtype=torch.bfloat16) for h in (2048, 5632)}
+        ys = {w: torch.zeros(n, w, device=dev, dtype=torch.bfloat16) for w in (2048 + 512, 2048, 11264)}
+        ref = None
+        for variant in VARIANTS:
+            for y in ys.values():
+                y.zero_()
+            step(layers, xs, ys, runs, n, variant)
+            out = torch.cat([y.float().flatten() for y in ys.values()])
+            ref = out if ref is None else ref
+            err = ((out - ref).abs().max() / ref.abs().max()).item()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step(layers, xs, ys, runs, n, variant)
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(20):
+                graph.replay()
+            e1.record()
+            e1.synchronize()
+            us = e0.elapsed_time(e1) / 20 * 1e3
+            rows.append({"rows": n, "adapters": slots, "memset": variant[0], "split": variant[1],
+                         "block_k": variant[2], "block_n": variant[3], "us": us, "rel_err": err})  # fmt: skip
+            print(rows[-1], flush=True)
+    lines = [f"{torch.cuda.get_device_name()}: LoRA of 88 linears (TinyLlama shape, {SLOTS} slots, rank {RANK}) "
+             "in one CUDA graph, per replay", "",
+             "| rows | adapters | memset | split | shrink block_k | expand block_n | us per step | rel. error |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['rows']} | {r['adapters']} | {r['memset']} | {r['split']} | {r['block_k']} | {r['block_n']} | "
+              f"{r['us']:.0f} | {r['rel_err']:.1e} |" for r in rows]  # fmt: skip
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "lora_graph_step.md").write_text("\n".join(lines) + "\n")
+    plot(rows, args.out / "lora_graph_step.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["rows"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(VARIANTS)
+    for i, v in enumerate(VARIANTS):
+        us = [next(r["us"] for r in rows if r["rows"] == n and (r["memset"], r["split"], r["block_k"], r["block_n"]) == v)
+              for n in sizes]  # fmt: skip
+        label = f"{'memset, ' if v[0] else ''}split={v[1]}, k={v[2]}, n={v[3]}"
+        ax.bar([j + i * width for j in range(len(sizes))], us, width, label=label)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [f"{n} rows" for n in sizes])
+    ax.set_ylabel("us per decode step (88 LoRA linears)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
