@@ -345,3 +345,20 @@ def ref_int8_linear(
     if bias is not None:
         y = y + bias.double()
     return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Norm and activation
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: fp32 statistics, cast back, then the weight in ``x``'s dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lorastar.forward_context import ForwardContext
+from lorastar.layers.activation import silu_and_mul
 from lorastar.layers.attention import attention_forward
 from lorastar.layers.embedding import EmbeddingMethod, UnquantizedEmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, UnquantizedLinearMethod
@@ -141,6 +142,7 @@ class MLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[act]
+        self.silu = act == "silu"
         bias = bool(cfg.get("mlp_bias", False))
         self.inter = inter
         self.gate_up_proj = Linear(
@@ -155,6 +157,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, ctx)  # [T, 2 * inter]
+        if self.silu:
+            return self.down_proj(silu_and_mul(gate_up), ctx)
         gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(self.act(gate) * up, ctx)
 

@@ -32,6 +32,41 @@ def test_cuda_fp32_matches_hf(tiny_model_dir, name: str) -> None:
     assert llm.kv_cache_usage()["num_used_blocks"] == 0
 
 
+def test_cuda_bf16_matches_hf_until_a_near_tie(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on CUDA (the one-launch RMSNorm and SiLU-and-mul, Triton attention, CUDA graphs)
+    follows HF's bf16 greedy tokens; where they part, HF's own top two were within bf16's noise.
+    A prompt's logits are no further from HF's than those of the same model with torch's
+    norm and activation."""
+    from tests.models.test_llama_vs_hf import mixed_prompts
+
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    prompts = mixed_prompts(12, [1, 5, 16, 33, 64, 150])
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=256)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        want = ref.sequences[0, len(p) :].tolist()
+        got = o.outputs[0].token_ids
+        diverged = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        if diverged:
+            top = ref.logits[diverged[0]][0].float().log_softmax(-1).topk(2).values
+            assert (top[0] - top[1]).item() < 0.25, f"prompt of {len(p)} tokens parted at a clear choice"
+    llm.engine.check_invariants()
+    from lorastar.layers import activation, norm
+    from tests.conftest import prefill_logits
+
+    with torch.no_grad():
+        want = hf(torch.tensor([prompts[-1]], device="cuda")).logits[0].float()  # [T, vocab]
+    err = (prefill_logits(llm.engine.model, prompts[-1]).float() - want).abs().max().item()
+    monkeypatch.setattr(norm, "HAS_TRITON", False)
+    monkeypatch.setattr(activation, "HAS_TRITON", False)
+    torch_err = (prefill_logits(llm.engine.model, prompts[-1]).float() - want).abs().max().item()
+    assert err <= 2 * torch_err + 0.02, (err, torch_err)
+
+
 def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path) -> None:
     from tests.adapters.test_lora_vs_peft import make_adapters, peft_reference
 

@@ -1,0 +1,23 @@
+"""Gated-MLP activations: ``act(gate) * up`` over the fused gate/up projection's output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lorastar.kernels._triton import HAS_TRITON
+from lorastar.kernels.activation import silu_and_mul as silu_and_mul_kernel
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate_up [T, 2 * inter]``; one launch on CUDA in half precision
+    (torch: three), torch elsewhere (fp32 keeps torch's exact exp)."""
+    if (
+        gate_up.is_cuda
+        and HAS_TRITON
+        and gate_up.dtype in (torch.bfloat16, torch.float16)
+        and gate_up.stride(1) == 1
+    ):
+        return silu_and_mul_kernel(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
