@@ -111,17 +111,19 @@ if HAS_TRITON:
         th = (1.0 - t) / (1.0 + t)
         return cap * tl.where(y >= 0, th, -th) * 1.4426950408889634
 
-    @triton.jit
+    # The split count is a runtime argument, never specialized (Triton would make 1 a constant):
+    # one compiled decode kernel serves every batch size and context length, instead of one per
+    # split count met (a JIT compile, ~0.3 s, in the middle of serving the first step that needs it).
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
         tmp_acc_ptr, tmp_m_ptr, tmp_l_ptr,
-        qk_scale, v_scale, partition, window, softcap,
+        qk_scale, v_scale, partition, window, softcap, num_splits,
         stride_qt, stride_qh, stride_qd,
         stride_cb, stride_cs, stride_ch, stride_cd,
         stride_bt,
         stride_ot, stride_oh, stride_od,
         NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         IEEE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     ):  # fmt: skip
@@ -190,7 +192,7 @@ if HAS_TRITON:
             m_i = m_new
 
         acc = acc * v_scale
-        if NUM_SPLITS == 1:
+        if num_splits == 1:
             out = acc / l_i[:, None]
             tl.store(
                 out_ptr
@@ -202,7 +204,7 @@ if HAS_TRITON:
             )
         else:
             # Unnormalized partials; the reduce rescales them by exp2(m - max m).
-            row = (b * NUM_Q_HEADS + heads) * NUM_SPLITS + split  # [BG]
+            row = (b * NUM_Q_HEADS + heads) * num_splits + split  # [BG]
             tl.store(tmp_m_ptr + row, m_i, mask=mask_g)
             tl.store(tmp_l_ptr + row, l_i, mask=mask_g)
             tl.store(
@@ -211,12 +213,12 @@ if HAS_TRITON:
                 mask=mask_g[:, None],
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _decode_reduce_kernel(
         tmp_acc_ptr, tmp_m_ptr, tmp_l_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-        partition, window,
+        partition, window, num_splits,
         stride_ot, stride_oh, stride_od,
-        NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
@@ -230,8 +232,8 @@ if HAS_TRITON:
             span = tl.minimum(seq_len, window)
         num_valid = tl.cdiv(span, partition)  # splits that saw any context (others wrote nothing)
         offs_s = tl.arange(0, BLOCK_S)
-        mask_s = (offs_s < num_valid) & (offs_s < NUM_SPLITS)
-        row = (b * NUM_Q_HEADS + h) * NUM_SPLITS + offs_s
+        mask_s = (offs_s < num_valid) & (offs_s < num_splits)
+        row = (b * NUM_Q_HEADS + h) * num_splits + offs_s
         m = tl.load(tmp_m_ptr + row, mask=mask_s, other=float("-inf"))
         l = tl.load(tmp_l_ptr + row, mask=mask_s, other=0.0)  # noqa: E741
         offs_d = tl.arange(0, BLOCK_D)
@@ -345,6 +347,9 @@ if HAS_TRITON:
         )
 
 
+_MAX_SPLITS = 64  # also the reduce's one tile of splits: a single compiled reduce for any count
+
+
 def _decode_splits(
     batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, device: torch.device
 ) -> int:
@@ -356,7 +361,7 @@ def _decode_splits(
     if programs >= sms or max_seq_len <= 4 * block_n:
         return 1
     want = triton.cdiv(2 * sms, programs)
-    return max(1, min(want, triton.cdiv(max_seq_len, 2 * block_n), 64))
+    return max(1, min(want, triton.cdiv(max_seq_len, 2 * block_n), _MAX_SPLITS))
 
 
 def paged_attention(
@@ -446,19 +451,18 @@ def paged_attention(
         # Whole BLOCK_N tiles per split, so only the last split of a sequence has a ragged tile.
         partition = triton.cdiv(triton.cdiv(max(span, 1), splits), block_n) * block_n
         splits = triton.cdiv(max(span, 1), partition)
-        if splits > 1:
-            tmp_acc = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
-            tmp_m = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
-            tmp_l = torch.empty_like(tmp_m)
-        else:
-            tmp_acc = tmp_m = tmp_l = out  # unused
+        # fp32 partials even when unused (one split): the pointer types stay those of the split
+        # case, so both share one compiled kernel.
+        rows = splits if splits > 1 else 0
+        tmp_acc = torch.empty(batch, num_q_heads, rows, block_d, dtype=torch.float32, device=q.device)
+        tmp_m = torch.empty(batch, num_q_heads, rows, dtype=torch.float32, device=q.device)
+        tmp_l = torch.empty_like(tmp_m)
         _decode_kernel[(batch, num_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
             tmp_acc, tmp_m, tmp_l,
-            qk_scale, float(v_scale), partition, window, float(softcap),
+            qk_scale, float(v_scale), partition, window, float(softcap), splits,
             *common_strides,
             NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            NUM_SPLITS=splits,
             BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d,
             IEEE=ieee, USE_SOFTCAP=use_softcap,
             num_warps=4,
@@ -466,10 +470,10 @@ def paged_attention(
         if splits > 1:
             _decode_reduce_kernel[(batch, num_q_heads)](
                 tmp_acc, tmp_m, tmp_l, seq_lens, query_start_loc, out,
-                partition, window,
+                partition, window, splits,
                 out.stride(0), out.stride(1), out.stride(2),
-                NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+                NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim,
+                BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(splits)), BLOCK_D=block_d,
             )  # fmt: skip
         return out
 
