@@ -453,10 +453,12 @@ def paged_attention(
         splits = triton.cdiv(max(span, 1), partition)
         # fp32 partials even when unused (one split): the pointer types stay those of the split
         # case, so both share one compiled kernel.
-        rows = splits if splits > 1 else 0
-        tmp_acc = torch.empty(batch, num_q_heads, rows, block_d, dtype=torch.float32, device=q.device)
-        tmp_m = torch.empty(batch, num_q_heads, rows, dtype=torch.float32, device=q.device)
-        tmp_l = torch.empty_like(tmp_m)
+        if splits > 1:
+            tmp_acc = torch.empty(batch, num_q_heads, splits, block_d, dtype=torch.float32, device=q.device)
+            tmp_m = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+            tmp_l = torch.empty_like(tmp_m)
+        else:  # never read or written (one element: a real, aligned device pointer)
+            tmp_acc = tmp_m = tmp_l = torch.empty(1, dtype=torch.float32, device=q.device)
         _decode_kernel[(batch, num_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
             tmp_acc, tmp_m, tmp_l,
