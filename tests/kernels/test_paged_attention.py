@@ -276,3 +276,21 @@ def test_fp8_cache_gpu() -> None:
     )
     got, ref = _run(d, k_scale=0.5, v_scale=0.5)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_decode_compiles_once_for_any_split_count() -> None:
+    """Every split count (1 with short contexts or many sequences, several with long contexts and
+    few) runs on one compiled decode kernel and one reduce: no JIT compile in mid-serving when a
+    new batch size or context length comes along."""
+    from lorastar.kernels import paged_attention as pa
+
+    dev = torch.cuda.current_device()
+    cached = lambda fn: len(fn.device_caches[dev][0])  # noqa: E731 - compiled variants on this device
+    before = cached(pa._decode_kernel), cached(pa._decode_reduce_kernel)
+    for seqs, splits in [([(40, 1)], 1), ([(1500, 1)], None), ([(900, 1), (60, 1)], 3), ([(2000, 1)], 7)]:
+        d = _build(seqs, 32, 8, 128, 16, torch.bfloat16, num_blocks=300)
+        got, ref = _run(d, num_splits=splits)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert cached(pa._decode_kernel) - before[0] <= 1
+    assert cached(pa._decode_reduce_kernel) - before[1] <= 1
