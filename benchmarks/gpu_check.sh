@@ -1,0 +1,34 @@
+#!/bin/bash
+# Everything a GPU machine should run, time-boxed, in one call:
+#   benchmarks/gpu_check.sh TOKENIZER_DIR OUT_DIR [OTHER_LORASTAR_PARENT]
+# TOKENIZER_DIR: a folder with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json);
+# OUT_DIR: logs, tables and plots; OTHER_LORASTAR_PARENT: a folder holding another checkout's
+# lorastar/ package (e.g. `git archive <rev> lorastar | tar -x -C DIR`), run by the same throughput
+# script right after this tree's for a side-by-side before/after.
+set -u
+tok=$(realpath "$1"); out=$(realpath -m "$2"); other=${3:+$(realpath "$3")}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export LORASTAR_TEST_TOKENIZER=$tok PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+py=${PYTHON:-python3}
+base=${PYTHONPATH:+$PYTHONPATH:}
+per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # where the plugin is installed
+t0=$(date +%s)
+PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cacheprovider $per_test -rfE \
+  tests/kernels tests/engine/test_cuda_graphs.py tests/models/test_gpu_engine.py tests/quant > "$out/gpu_tests.log" 2>&1
+echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/gpu_tests.log"
+t0=$(date +%s)
+PYTHONPATH=$base$PWD timeout "${TPUT_S:-300}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \
+  > "$out/gpu_throughput.log" 2>&1
+echo "throughput rc=$? in $(( $(date +%s) - t0 )) s"; grep "^B=\|roof" "$out/gpu_throughput.log"
+if [ -n "$other" ]; then
+  mkdir -p "$out/other"; t0=$(date +%s)
+  PYTHONPATH=$base$other timeout "${TPUT_S:-300}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out/other" \
+    ${PEFT:---no-peft} > "$out/other/gpu_throughput.log" 2>&1
+  echo "other checkout rc=$? in $(( $(date +%s) - t0 )) s"; grep "^B=" "$out/other/gpu_throughput.log"
+fi
+t0=$(date +%s)
+PYTHONPATH=$base$PWD timeout "${KERN_S:-120}" $py benchmarks/kernels.py --quick --out "$out" > "$out/kernels.log" 2>&1
+echo "kernels rc=$? in $(( $(date +%s) - t0 )) s"
+PYTHONPATH=$base$PWD timeout "${KERN_S:-120}" $py benchmarks/lora_graph_step.py --out "$out" > "$out/lora_graph_step.log" 2>&1
+echo "lora_graph_step rc=$?"; tail -26 "$out/lora_graph_step.log" | grep "^|" | head -30
