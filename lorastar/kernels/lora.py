@@ -202,7 +202,7 @@ def lora_shrink(
     num_slots, p = ranks.shape
     rank = lora_a.shape[1] // p
     # 128-wide K steps: on the H200, 88 graph-captured linears of a 1.1B Llama (16 adapters,
-    # rank 16, 64 rows) took 1.30 ms per step vs 1.46 ms with 64 (.gpu sweep, session 31).
+    # rank 16, 64 rows) took 1.30 ms per step vs 1.46 ms with 64 (benchmarks/lora_graph_step.py).
     block_m, block_k = 16, block_k or (128 if x.is_cuda else 32)
     m_tiles = triton.cdiv(max_rows, block_m)
     if out.dtype != torch.float32:  # atomics in fp16 lose too much on large H
@@ -264,7 +264,7 @@ def lora_expand(
     big = buf.is_cuda and max_rows >= 256
     block_m = block_m or (64 if big else 16)
     block_r = block_r or (32 if big else _BLOCK_R)
-    # Decode-sized runs: 128-column tiles halve the programs (same H200 sweep: 1.26 vs 1.30 ms).
+    # Decode-sized runs: 128-column tiles halve the programs (lora_graph_step.py: 1.26 vs 1.30 ms).
     block_n = block_n or ((64 if big else 128) if buf.is_cuda else 32)
     n_tiles = triton.cdiv(max_width, block_n)
     _lora_expand_kernel[(num_slots, triton.cdiv(max_rows, block_m), p * n_tiles)](
