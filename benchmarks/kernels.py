@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton.testing  # noqa: E402
 
+# The one copy-bandwidth measurement (gpu_throughput.py has no sys.path side effects to import).
+from gpu_throughput import copy_bandwidth  # noqa: E402
+
 from lorastar.forward_context import lora_ranges, slot_runs  # noqa: E402
 from lorastar.kernels.lora import lora_expand, lora_shrink  # noqa: E402
 from lorastar.kernels.paged_attention import paged_attention  # noqa: E402
@@ -76,15 +79,6 @@ def bench(fn: Callable[[], object], n: int = 20) -> float:
             times.append(start.elapsed_time(end) / n)
         meds.append(sorted(times)[len(times) // 2])
     return max(meds[0] - meds[1], 1e-4)
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy GB/s, counting bytes read plus written."""
-    n = 1 << 30  # 1 GiB
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = bench_eager(lambda: dst.copy_(src))
-    return 2 * n / ms / 1e6
 
 
 def _paged_setup(
@@ -332,7 +326,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(0)
     name = torch.cuda.get_device_name()
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth() / 1e9  # GB/s
     decode = bench_decode_attention(copy_bw, args.quick)
     prefill = bench_prefill_attention(args.quick)
     lora = bench_lora(copy_bw, args.quick)

@@ -519,9 +519,8 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[f
     num_rows, vocab = x.shape
     dev = x.device
     ks = [k if 0 < k < vocab else 0 for k in np.asarray(top_k, dtype=np.int64).tolist()]  # 0: no top-k
-    ps = [
-        p if p < 1.0 else 0.0 for p in np.asarray(top_p, dtype=np.float64).tolist()
-    ]  # 0: no top-p (1.0 is off: cumsum can hit 1 early)
+    # 0: no top-p (1.0 is off: cumsum can hit 1 early)
+    ps = [p if p < 1.0 else 0.0 for p in np.asarray(top_p, dtype=np.float64).tolist()]
     active = [i for i in range(num_rows) if ks[i] or ps[i]]
     if not active:
         return x

@@ -1,6 +1,9 @@
-"""Gated-MLP activations: ``act(gate) * up`` over the fused gate/up projection's output."""
+"""Gated-MLP activations ``act(gate) * up`` over the fused gate/up projection's output
+``[T, 2 * inter]`` (gate first), by transformers' ``hidden_act`` name."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,8 +13,8 @@ from lorastar.kernels.activation import silu_and_mul as silu_and_mul_kernel
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate) * up`` for ``gate_up [T, 2 * inter]``; one launch on CUDA in half precision
-    (torch: three), torch elsewhere (fp32 keeps torch's exact exp)."""
+    """One launch on CUDA in half precision (torch: three), torch elsewhere (fp32 keeps torch's
+    exact exp)."""
     if (
         gate_up.is_cuda
         and HAS_TRITON
@@ -21,3 +24,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul_kernel(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's GeGLU."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+}

@@ -10,11 +10,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lorastar.forward_context import ForwardContext
-from lorastar.layers.activation import silu_and_mul
+from lorastar.layers.activation import GATED_ACTIVATIONS
 from lorastar.layers.attention import attention_forward
 from lorastar.layers.embedding import EmbeddingMethod, UnquantizedEmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, UnquantizedLinearMethod
@@ -48,13 +47,6 @@ def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SU
         if a in supported:
             return a
     raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(supported))}")
-
-
-# Gated-MLP activations by config name (transformers' ACT2FN spelling).
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's GeGLU
-}
 
 
 def _linear_method(quant: QuantConfig | None, prefix: str):  # noqa: ANN202
@@ -139,12 +131,10 @@ class MLP(nn.Module):
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
         prefix = f"model.layers.{layer_idx}.mlp"
         act = cfg.get("hidden_act", "silu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[act]
-        self.silu = act == "silu"
+        if act not in GATED_ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
+        self.act_and_mul = GATED_ACTIVATIONS[act]
         bias = bool(cfg.get("mlp_bias", False))
-        self.inter = inter
         self.gate_up_proj = Linear(
             hidden, [inter, inter], bias=bias, prefix=f"{prefix}.gate_up_proj",
             slice_names=LlamaForCausalLM.packed_modules_mapping["gate_up_proj"], params_dtype=dtype,
@@ -157,10 +147,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, ctx)  # [T, 2 * inter]
-        if self.silu:
-            return self.down_proj(silu_and_mul(gate_up), ctx)
-        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
-        return self.down_proj(self.act(gate) * up, ctx)
+        return self.down_proj(self.act_and_mul(gate_up), ctx)  # [T, hidden]
 
 
 class DecoderLayer(nn.Module):
