@@ -566,10 +566,11 @@ class LLMEngine:
             r += 1
         touched: dict[str, Request] = {}
         if rows:
+            sample_logits = logits  # beam rows below index the step's logits, not these
             if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
-                logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
+                sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
             new_tokens = self._sample(
-                logits,
+                sample_logits,
                 rows,
                 self.runner.batch.sampling_metadata(seq for seq, _, _ in owners),  # a fork's: its parent's
             )

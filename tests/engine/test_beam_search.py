@@ -50,3 +50,23 @@ def test_beams_share_prompt_blocks(tiny_model_dir) -> None:
         eng.step()
     eng.check_invariants()
     assert llm.kv_cache_usage()["num_used_blocks"] == 0
+
+
+def test_beam_search_beside_an_unforked_n_request_matches_hf(tiny_model_dir) -> None:
+    """A beam request whose prompt finishes in the same step as an ``n > 1`` request's: the
+    fan-out picks its sampling rows out of the step's logits, and the beam rows must still index
+    the step's own (they read a row past the end of the picked ones before the fix)."""
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, num_kv_blocks=256)
+    beam_prompt = [7] * 19
+    fan = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=5, ignore_eos=True)
+    beam = SamplingParams(n=2, use_beam_search=True, max_tokens=6, temperature=0)
+    outs = llm.generate([[11, 22, 33], [5, 6], beam_prompt], [fan, fan, beam])
+    ids = torch.tensor([beam_prompt])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=2, num_return_sequences=2,
+                      do_sample=False, max_new_tokens=6, early_stopping=False, pad_token_id=0)  # fmt: skip
+    assert [o.token_ids for o in outs[2].outputs] == [row[len(beam_prompt) :].tolist() for row in ref]
+    assert [len(o.outputs) for o in outs[:2]] == [3, 3]
+    llm.engine.check_invariants()
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
