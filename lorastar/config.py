@@ -99,6 +99,17 @@ class EngineConfig:
     sequences replay captured CUDA graphs (at small batches kernel launches, not the GPU, set the
     step time); captured lazily per padded batch size."""
 
+    async_scheduling: bool = False
+    """Schedule and launch step N+1 before reading step N's sampled tokens back (vLLM's
+    ``--async-scheduling``, mini-sglang's overlap loop): N+1's input ids are taken from N's
+    sampled ids on the device, and N's outputs are built while the device runs N+1, so on a GPU
+    the host's output processing and scheduling overlap the forward. Outputs are the same as
+    without it (greedy and seeded sampling token for token); a sequence that ends at step N has
+    one extra token computed and dropped. While any live request uses beam search, ``n > 1``,
+    prompt logprobs or a repetition/frequency/presence penalty, steps run one at a time (their
+    sampling reads the previous token on the host). On a CPU nothing overlaps (a step runs in the
+    calling thread): leave it off there."""
+
     seed: int = 0
     """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""
 
@@ -154,7 +165,7 @@ class EngineConfig:
             raise ValueError(
                 f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"
             )
-        for name in ("enable_prefix_caching", "enforce_eager", "tune_malloc"):
+        for name in ("enable_prefix_caching", "enforce_eager", "tune_malloc", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in (

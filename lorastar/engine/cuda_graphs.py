@@ -20,6 +20,7 @@ cannot be captured), decode falls back to eager for good, with a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -132,11 +133,18 @@ class DecodeGraphs:
         return graph, out
 
     # ---- a step -------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, lora_ranges: list[tuple[int, int, int]] | None) -> torch.Tensor | None:
+    def run(
+        self,
+        inputs: StepInputs,
+        lora_ranges: list[tuple[int, int, int]] | None,
+        patch_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
         """Logits ``[b, vocab]`` (row order) of one decode step of ``b`` sequences prepared by
         ``InputBatch.prepare``, or ``None`` when graphs cannot serve it (too many sequences, or
         disabled after a failed capture). ``lora_ranges``: each adapter's rows ``(slot, start,
-        end)`` (rows sorted by slot), or ``None`` for a step without adapters."""
+        end)`` (rows sorted by slot), or ``None`` for a step without adapters. ``patch_ids``:
+        writes the input ids that are still on the device (async scheduling) into the static
+        ``[b]`` ids after the host's are copied."""
         b = inputs.num_seqs
         n = self.padded_size(b)
         if self.disabled or n is None or not inputs.is_decode:
@@ -155,6 +163,8 @@ class DecodeGraphs:
         width = inputs.block_tables.shape[1]  # padded with the scratch block (the runner's fill)
         step = np.stack([inputs.input_ids, inputs.positions, inputs.slot_mapping])  # [3, b]
         self.i64[:, :b].copy_(torch.from_numpy(step))
+        if patch_ids is not None:
+            patch_ids(self.i64[0, :b])
         self.seq_lens[:b].copy_(torch.from_numpy(inputs.seq_lens))
         if with_lora:
             self.lora_runs.copy_(slot_runs(lora_ranges or [], self.lora_runs.shape[1]))

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,16 @@ from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import EngineCoreOutput, RawLogprobs, RequestMetrics, RequestOutput, SampleDelta
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
-from lorastar.engine.request import OutputIds, Request, Sequence
+from lorastar.engine.request import OutputIds, Request, SeqStatus, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
-from lorastar.engine.sampler import RowLogprobs, Sampler, SamplingMetadata, SamplingRow, make_generator
+from lorastar.engine.sampler import (
+    PendingSample,
+    RowLogprobs,
+    Sampler,
+    SamplingMetadata,
+    SamplingRow,
+    make_generator,
+)
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import (
@@ -46,6 +54,29 @@ from lorastar.quant.kv_cache import KV_CACHE_DTYPES as _KV_DTYPES
 logger = logging.getLogger("lorastar")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step whose sampled tokens have not been read back (async scheduling): each
+    sampling sequence with the position of its placeholder, in the sampled ids' row order."""
+
+    out: SchedulerOutput
+    targets: list[tuple[Sequence, int]]
+    sample: PendingSample
+
+
+def _needs_sync(params: SamplingParams) -> bool:
+    """Requests whose sampling reads the previous token on the host (or forks sequences there):
+    while one is live, async scheduling runs steps one at a time."""
+    return (
+        params.use_beam_search
+        or params.n > 1
+        or params.prompt_logprobs is not None
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -220,6 +251,8 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.adapter_tokens: dict[str, int] = {}
+        self._inflight: _InFlight | None = None  # async scheduling: the step launched last
+        self._num_sync_requests = 0  # live requests that make async scheduling wait (_needs_sync)
 
     # ---- setup helpers --------------------------------------------------------------------
     def _auto_num_blocks(self, spec: KVCacheSpec) -> int:
@@ -379,6 +412,7 @@ class LLMEngine:
             if _frontend:
                 self.output_processor.add_request(rid, text, ids, params, adapter)
             self.requests[rid] = req
+            self._num_sync_requests += _needs_sync(params)
             self.scheduler.add(seq)
             return req
 
@@ -417,7 +451,7 @@ class LLMEngine:
             return self._finish_request(req) if req.is_finished else None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -429,7 +463,14 @@ class LLMEngine:
             return outputs
 
     def step_core(self) -> list[EngineCoreOutput]:
-        """One step of the core: schedule, run, sample; each touched request's new tokens."""
+        """One step of the core: schedule, run, sample; each touched request's new tokens (with
+        ``async_scheduling``: the previous step's, this one's come with the next call)."""
+        with self.lock:
+            if self.config.async_scheduling:
+                return self._step_async()
+            return self._step_sync()
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         with self.lock:
             out = self.scheduler.schedule()
             self.runner.batch.remove(out.finished_seq_ids)  # their rows, before any new one
@@ -445,6 +486,96 @@ class LLMEngine:
             self.scheduler.update(out)
             self._store_prompt_logprobs(out, result)
             return self._process(out, result.logits)
+
+    # ---- async scheduling ---------------------------------------------------------------------
+    # Step N+1 is scheduled and launched before step N's sampled ids are read back: each sequence
+    # N sampled for holds a placeholder token (``Sequence.num_placeholders``) that the scheduler
+    # counts like any token, N+1's input ids for those positions are N's sampled ids on the device
+    # (``runner.patch_input_ids``), and N's outputs are built while the device runs N+1. Blocks get
+    # their prefix-cache hashes only once every token in them is known (``Scheduler.commit``). A
+    # sequence found finished at N (EOS, a stop token; aborted, a stop string) has its N+1 token
+    # dropped; freeing its blocks at once is safe because one device stream runs the steps in
+    # order. One step in flight at most; the steps of requests that need host-side sampling state
+    # (``_needs_sync``) run one at a time.
+    def _step_async(self) -> list[EngineCoreOutput]:
+        prev, self._inflight = self._inflight, None
+        if self._num_sync_requests:
+            outputs = self._complete(prev) if prev is not None else []
+            return outputs + self._step_sync()
+        out = self.scheduler.schedule()
+        self.runner.batch.remove(out.finished_seq_ids)
+        if out.is_empty:
+            return self._complete(prev) if prev is not None else []
+        launched = self._launch(out, prev)
+        outputs = self._complete(prev) if prev is not None else []
+        self._inflight = launched
+        return outputs
+
+    def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
+        """Run ``out`` and sample it on the device; give each sampling sequence its placeholder."""
+        now = time.monotonic()
+        patch_src: list[int] = []
+        patch_dst: list[int] = []
+        for i, sch in enumerate(out.scheduled):
+            seq = sch.seq
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+            if seq.num_placeholders and sch.samples:  # its input is the last, unknown token
+                patch_src.append(seq.placeholder_row)
+                patch_dst.append(i)
+        patch = (prev.sample.token_ids, patch_src, patch_dst) if prev is not None and patch_src else None
+        result = self.runner.execute(out, self._adapter_slots(out), patch)
+        self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
+        self.scheduler.update(out, commit=False)
+        rows: list[SamplingRow] = []
+        seqs: list[Sequence] = []
+        for sch in out.scheduled:
+            if not sch.samples:
+                continue
+            seq = sch.seq
+            row = seq.sampling_row
+            if row is None:  # no fan-out or beams here (_needs_sync)
+                req = seq.request
+                row = seq.sampling_row = SamplingRow(
+                    req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
+                    seq.generator, self.eos_token_ids,
+                )  # fmt: skip
+            rows.append(row)
+            seqs.append(seq)
+        sample = self.sampler.launch(
+            result.logits, rows, self.runner.batch.sampling_metadata(seqs), no_sync=True
+        )
+        targets: list[tuple[Sequence, int]] = []
+        for j, seq in enumerate(seqs):
+            seq.token_ids.append(0)  # any valid id: read only through placeholder-aware paths
+            seq.num_placeholders += 1
+            seq.placeholder_row = j
+            n = seq.num_tokens
+            if n - seq.num_prompt_tokens >= seq.request.params.max_tokens or n >= self.max_model_len:
+                seq.ends_pending = True
+            targets.append((seq, n - 1))
+        return _InFlight(out, targets, sample)
+
+    def _complete(self, step: _InFlight) -> list[EngineCoreOutput]:
+        """Read ``step``'s tokens back, put them in place of its placeholders, and build outputs."""
+        sampled = step.sample.result()
+        now = time.monotonic()
+        live: list[tuple[Sequence, int, int, RowLogprobs | None]] = []
+        for (seq, pos), tok, lp in zip(step.targets, sampled.token_ids, sampled.logprobs):
+            if seq.status is SeqStatus.FINISHED:  # ended while in flight: its token is dropped
+                continue
+            seq.token_ids[pos] = tok
+            seq.num_placeholders -= 1
+            live.append((seq, pos, tok, lp))
+        self.scheduler.commit(step.out)  # every token of the computed blocks is known now
+        touched: dict[str, Request] = {}
+        for seq, pos, tok, lp in live:
+            self._append(seq, tok, lp, now, pos)
+            if seq.is_finished and seq.num_placeholders:  # the next step's token goes too
+                del seq.token_ids[pos + 1 :]
+                seq.num_placeholders = 0
+            touched[seq.request.request_id] = seq.request
+        return self._outputs(touched)
 
     # ---- prompt logprobs and the prefix cache (see engine/prompt_logprobs.py) -----------------
     def _prompt_logprobs_hits(self, seq: Sequence, n: int) -> int:
@@ -598,6 +729,9 @@ class LLMEngine:
                 touched[seq.request.request_id] = seq.request
         if beam_rows:
             self._beam_proposals(beam_rows, logits, touched)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         for req in touched.values():
             if req.is_finished:
@@ -679,13 +813,21 @@ class LLMEngine:
             for s in list(req.sequences):
                 self.scheduler.finish(s, "length")
 
-    def _append(self, seq: Sequence, tok: int, lp: dict[int, tuple[float, int]] | None, now: float) -> None:
+    def _append(
+        self, seq: Sequence, tok: int, lp: dict[int, tuple[float, int]] | None, now: float, pos: int = -1
+    ) -> None:
+        """Account the new token ``tok`` (``pos``: already written there, in place of a placeholder)
+        and end the sequence if it ends it."""
         req = seq.request
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
-        seq.token_ids.append(tok)
+        if pos < 0:
+            seq.token_ids.append(tok)
+            end = len(seq.token_ids)
+        else:
+            end = pos + 1
         self.generation_tokens_total += 1
         if req.adapter_name:
             self.adapter_tokens[req.adapter_name] = self.adapter_tokens.get(req.adapter_name, 0) + 1
@@ -694,12 +836,12 @@ class LLMEngine:
             if tok in lp:
                 seq.cumulative_logprob += lp[tok][0]
         # Stop strings are the frontend's (engine/output_processor.py): they need the text.
-        n_out = seq.num_output_tokens
+        n_out = end - seq.num_prompt_tokens
         if not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
             self.scheduler.finish(seq, "stop", None)
         elif p.stop_token_ids and tok in p.stop_token_ids and n_out >= p.min_tokens:
             self.scheduler.finish(seq, "stop", tok)
-        elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif n_out >= p.max_tokens or end >= self.max_model_len:
             self.scheduler.finish(seq, "length", None)
 
     def _core_output(self, req: Request, finished: bool) -> EngineCoreOutput:
@@ -719,9 +861,10 @@ class LLMEngine:
                                            seq.finish_reason, seq.stop_reason))  # fmt: skip
         else:
             for seq in req.sequences:
-                sent, seq.sent_tokens = seq.sent_tokens, seq.num_output_tokens
+                end = len(seq.token_ids) - seq.num_placeholders  # placeholders: not tokens yet
+                sent, seq.sent_tokens = seq.sent_tokens, end - seq.num_prompt_tokens
                 samples.append(SampleDelta(
-                    seq.index, seq.token_ids[seq.num_prompt_tokens + sent :],
+                    seq.index, seq.token_ids[seq.num_prompt_tokens + sent : end],
                     seq.logprobs[sent:] if want_lp else None, None, seq.finish_reason, seq.stop_reason,
                 ))  # fmt: skip
         req.num_outputs += 1
@@ -757,7 +900,14 @@ class LLMEngine:
 
     def _finish_request(self, req: Request) -> EngineCoreOutput:
         req.finished_time = time.monotonic()
-        self.requests.pop(req.request_id, None)
+        if self.requests.pop(req.request_id, None) is not None:
+            self._num_sync_requests -= _needs_sync(req.params)
+            if not self.requests:  # the step in flight has only ended sequences left: nothing to read
+                self._inflight = None
+        for seq in req.sequences:  # ended with a step in flight (async scheduling): not tokens
+            if seq.num_placeholders:
+                del seq.token_ids[-seq.num_placeholders :]
+                seq.num_placeholders = 0
         if req.adapter_entry is not None:
             self.registry.release(req.adapter_entry)
             req.adapter_entry = None
@@ -768,6 +918,7 @@ class LLMEngine:
         """Drop the weights, adapter slots and KV cache (a rebuilt engine replaces this one).
         Request bookkeeping stays readable; stepping a closed engine raises."""
         with self.lock:
+            self._inflight = None
             for name in ("runner", "model", "lora_state"):
                 self.__dict__.pop(name, None)
         if self.device.type == "cuda":

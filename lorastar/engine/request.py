@@ -76,6 +76,13 @@ class Sequence:
     sampling_row: Any = None  # the sampler's view of this sequence (engine/sampler.py), built once
     num_preemptions: int = 0
     sent_tokens: int = 0  # output tokens handed to the frontend already
+    # Async scheduling (engine.py): trailing ``token_ids`` entries that hold no token yet (sampled
+    # on the device by a step still in flight), the row of the newest one in that step's sampled
+    # ids, and whether the sequence ends with it whatever it is (it reaches max_tokens or the
+    # context limit): the scheduler then schedules it no further.
+    num_placeholders: int = 0
+    placeholder_row: int = -1
+    ends_pending: bool = False
 
     @property
     def num_tokens(self) -> int:

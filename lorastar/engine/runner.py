@@ -43,6 +43,19 @@ class ModelRunnerOutput:
     prompt_hidden: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
+# Async scheduling: input ids still on the device, ``(sampled ids [R], their rows, the schedule
+# index of each sequence whose last input token is one of them)``.
+InputPatch = tuple[torch.Tensor, list[int], list[int]]
+
+
+def patch_input_ids(ids: torch.Tensor, last_row: list[int], patch: InputPatch) -> None:
+    """``ids[last_row[i]] = tokens[r]`` for each ``(r, i)`` of ``patch``: a placeholder input id
+    replaced by the previous step's sampled id without reading it back to the host."""
+    tokens, src, sched = patch
+    dst = torch.tensor([last_row[i] for i in sched], dtype=torch.int64, device=ids.device)
+    ids.index_copy_(0, dst, tokens[torch.tensor(src, dtype=torch.int64, device=tokens.device)].to(ids.device))
+
+
 def _prompt_span(s: ScheduledSeq) -> tuple[int, int]:
     """Prompt positions ``[first, last)`` whose logprobs this chunk's rows produce (row ``r`` of
     the chunk predicts position ``start + r + 1``); empty unless prompt logprobs were asked for."""
@@ -101,7 +114,10 @@ class ModelRunner:
 
     # ---- step inputs ------------------------------------------------------------------------
     def prepare(
-        self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None
+        self,
+        out: SchedulerOutput,
+        adapter_slot: dict[str, int] | None = None,
+        patch: InputPatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """Inputs of one eager forward: ``input_ids [T]``, ``positions [T]``, the context, and the
         flat row of each scheduled sequence's last token, in schedule order (its logits row)."""
@@ -109,6 +125,8 @@ class ModelRunner:
         input_ids, positions, md = device_inputs(
             inputs, block_size=self.block_size, device=self.device, native_cpu_decode=self.native_cpu_kernels
         )
+        if patch is not None:
+            patch_input_ids(input_ids, inputs.last_row, patch)
         lora = self._prepare_lora(inputs.lora_runs) if inputs.lora_runs is not None else None
         ctx = ForwardContext(
             attn=md, lora=lora, kv_caches=self.kv_caches, k_scales=self.k_scales, v_scales=self.v_scales,
@@ -144,8 +162,14 @@ class ModelRunner:
                 c[dst] = c[src]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, adapter_slot: dict[str, int] | None = None) -> ModelRunnerOutput:
-        """Run one step: the sampling rows' logits and any prompt logprobs it produced."""
+    def execute(
+        self,
+        out: SchedulerOutput,
+        adapter_slot: dict[str, int] | None = None,
+        patch: InputPatch | None = None,
+    ) -> ModelRunnerOutput:
+        """Run one step: the sampling rows' logits and any prompt logprobs it produced. ``patch``:
+        input ids that are the previous step's sampled ids, still on the device."""
         self.copy_blocks(out.copies)
         wants = [
             s.seq.request.params.prompt_logprobs is not None
@@ -155,10 +179,10 @@ class ModelRunner:
         ]
         wants_prompt = any(wants)
         if self.graphs is not None and not wants_prompt and all(s.num_new_tokens == 1 for s in out.scheduled):
-            logits = self._execute_graph(self.graphs, out, adapter_slot)
+            logits = self._execute_graph(self.graphs, out, adapter_slot, patch)
             if logits is not None:
                 return ModelRunnerOutput(logits)
-        input_ids, positions, ctx, last_row = self.prepare(out, adapter_slot)
+        input_ids, positions, ctx, last_row = self.prepare(out, adapter_slot, patch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         sampling = [last_row[i] for i, s in enumerate(out.scheduled) if s.samples]
         rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
@@ -184,7 +208,11 @@ class ModelRunner:
         return result
 
     def _execute_graph(
-        self, graphs: DecodeGraphs, out: SchedulerOutput, adapter_slot: dict[str, int] | None
+        self,
+        graphs: DecodeGraphs,
+        out: SchedulerOutput,
+        adapter_slot: dict[str, int] | None,
+        patch: InputPatch | None = None,
     ) -> torch.Tensor | None:
         """A pure-decode step through a captured CUDA graph (the eager steps' inputs, rows sorted
         by adapter slot; logits returned in schedule order)."""
@@ -193,7 +221,8 @@ class ModelRunner:
             return None
         inputs = self.batch.prepare(scheduled, adapter_slot)
         ranges = lora_ranges(inputs.lora_runs) if inputs.lora_runs is not None else None
-        logits = graphs.run(inputs, ranges)
+        fix = None if patch is None else (lambda ids: patch_input_ids(ids, inputs.last_row, patch))
+        logits = graphs.run(inputs, ranges, fix)
         if logits is None:
             return None
         order = inputs.order

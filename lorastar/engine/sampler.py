@@ -55,6 +55,48 @@ class SamplerOutput:
     logprobs: list[RowLogprobs | None]  # one per row; None where params.logprobs is None
 
 
+class PendingSample:
+    """A launched sample: the ``[R]`` token ids on the device, read back by ``result()`` (with the
+    logprobs of the rows that asked). ``copy_out``: the ids start on their way to pinned host
+    memory at launch, behind an event, so ``result()`` waits for this step's sampling only and not
+    for work queued after it (the next step's forward, under async scheduling)."""
+
+    __slots__ = ("_event", "_host", "_ks", "_lp_idx", "_raw_logprobs", "token_ids")
+
+    def __init__(
+        self,
+        token_ids: Tensor,
+        raw_logprobs: Tensor | None,
+        ks: np.ndarray,
+        lp_idx: list[int],
+        *,
+        copy_out: bool = False,
+    ) -> None:
+        self.token_ids = token_ids  # [R] int64, on the logits' device
+        self._raw_logprobs = raw_logprobs
+        self._ks = ks
+        self._lp_idx = lp_idx
+        self._host: Tensor | None = None
+        self._event: torch.cuda.Event | None = None
+        if copy_out and token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    @torch.inference_mode()
+    def result(self) -> SamplerOutput:
+        if self._event is not None and self._host is not None:
+            self._event.synchronize()
+            token_list: list[int] = self._host.tolist()
+        else:
+            token_list = self.token_ids.tolist()
+        lps: list[RowLogprobs | None] = [None] * len(token_list)
+        if self._raw_logprobs is not None:  # waits for the device (rare rows: logprobs asked)
+            lps = Sampler._gather_logprobs(self._raw_logprobs, self.token_ids, self._ks, self._lp_idx)
+        return SamplerOutput(token_ids=token_list, logprobs=lps)
+
+
 # The sampling parameters the sampler reads as arrays: (name, how to read it off SamplingParams,
 # dtype). Floats stay float64 so every on/off test (``top_p < 1``, ``repetition != 1``) is the
 # Python float's; tensors made from them are float32 as before.
@@ -152,17 +194,32 @@ class Sampler:
 
     # ------------------------------------------------------------------ main entry
 
-    @torch.inference_mode()
     def __call__(
         self, logits: Tensor, rows: Sequence[SamplingRow], meta: SamplingMetadata | None = None
     ) -> SamplerOutput:
         """One token per row of ``logits [R, V]``. ``meta``: the rows' parameters as arrays (the
         engine's, from its persistent batch); built from ``rows`` when not given."""
+        return self.launch(logits, rows, meta).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        logits: Tensor,
+        rows: Sequence[SamplingRow],
+        meta: SamplingMetadata | None = None,
+        *,
+        no_sync: bool = False,
+    ) -> PendingSample:
+        """``__call__`` without reading the tokens back: their ``[R]`` tensor stays on the device
+        (the next step's input ids can be taken from it) until ``result()``. ``no_sync``: on a GPU,
+        queue no operation that waits for the device (async scheduling): the NaN fallbacks run
+        unconditionally instead of behind a check, and the ids are copied to pinned host memory
+        behind an event."""
         num_rows, vocab = logits.shape  # [R, V]
         if num_rows != len(rows):
             raise ValueError(f"logits has {num_rows} rows but {len(rows)} sampling rows were given")
         if num_rows == 0:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return PendingSample(torch.empty(0, dtype=torch.long), None, np.zeros(0, np.int64), [])
         if meta is None:
             meta = SamplingMetadata.from_params([r.params for r in rows])
         elif len(meta.greedy) != num_rows:
@@ -194,24 +251,22 @@ class Sampler:
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta)
 
+        may_sync = not (no_sync and dev.type == "cuda")
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
         if meta.greedy.all():
-            token_ids = _argmax(x)
+            token_ids = _argmax(x, may_sync)
         elif not meta.greedy.any():
-            token_ids = self._sample(x, rows, meta)
+            token_ids = self._sample(x, rows, meta, may_sync)
         else:
             greedy_idx, random_idx = np.flatnonzero(meta.greedy), np.flatnonzero(~meta.greedy)
             gi = torch.from_numpy(greedy_idx).to(dev)
-            token_ids[gi] = _argmax(x[gi])
+            token_ids[gi] = _argmax(x[gi], may_sync)
             ri = torch.from_numpy(random_idx).to(dev)
-            token_ids[ri] = self._sample(x[ri], [rows[i] for i in random_idx.tolist()], meta.take(random_idx))
+            token_ids[ri] = self._sample(
+                x[ri], [rows[i] for i in random_idx.tolist()], meta.take(random_idx), may_sync
+            )
         token_ids.clamp_(0, vocab - 1)  # argmax and the draw already are; a cheap guarantee
-
-        token_list: list[int] = token_ids.tolist()
-        lps: list[RowLogprobs | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            lps = self._gather_logprobs(raw_logprobs, token_ids, meta.logprobs, lp_idx)
-        return SamplerOutput(token_ids=token_list, logprobs=lps)
+        return PendingSample(token_ids, raw_logprobs, meta.logprobs, lp_idx, copy_out=not may_sync)
 
     # ------------------------------------------------------------------ masks and penalties
 
@@ -293,12 +348,14 @@ class Sampler:
             probs = probs.masked_fill(probs < thresh, 0.0)
         return probs
 
-    def _sample(self, x: Tensor, rows: Sequence[SamplingRow], meta: SamplingMetadata) -> Tensor:
+    def _sample(
+        self, x: Tensor, rows: Sequence[SamplingRow], meta: SamplingMetadata, may_sync: bool = True
+    ) -> Tensor:
         """Random rows: a draw from the truncated distribution; a row whose distribution is
         degenerate (no finite positive mass: NaN or all masked) falls back to its argmax."""
         tok, ok = self._draw(self._probs(x, meta), rows)  # [R] each
-        if not bool(ok.all()):  # rare; the caller syncs on the ids right after anyway
-            tok = torch.where(ok, tok, _argmax(x))
+        if not may_sync or not bool(ok.all()):  # rare; the caller syncs on the ids right after anyway
+            tok = torch.where(ok, tok, _argmax(x, may_sync))
         return tok
 
     def _draw(self, probs: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
@@ -432,7 +489,7 @@ def token_logprobs(
     return tok_l, ranks_l, top_i_t.tolist(), top_v.tolist()
 
 
-def _argmax(x: Tensor) -> Tensor:
+def _argmax(x: Tensor, may_sync: bool = True) -> Tensor:
     """Row-wise argmax [R] of x [R, V] that never picks a NaN over a real value (torch's argmax
     propagates NaN); the NaN-free pass runs only for rows that need it. Ties: the first maximum,
     as torch's (and so HF's greedy) argmax.
@@ -451,7 +508,7 @@ def _argmax(x: Tensor) -> Tensor:
         return torch.from_numpy(tok_np)
     vals, tok = x.max(dim=-1)
     nan = vals.isnan()  # [R]: NaN only where the row holds one (max propagates it)
-    if bool(nan.any()):
+    if not may_sync or bool(nan.any()):  # no_sync: a second pass instead of reading the check back
         tok = torch.where(nan, torch.nan_to_num(x, nan=_NEG_INF).argmax(dim=-1), tok)
     return tok
 

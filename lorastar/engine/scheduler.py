@@ -189,6 +189,8 @@ class Scheduler:
         prefills: list[Sequence] = []
         for s in self.running:
             left = s.num_tokens - s.num_computed_tokens
+            if s.ends_pending:  # its last token is in flight and ends it (async scheduling)
+                continue
             if left == 1:
                 decodes.append(s)
             elif left > 1:
@@ -281,14 +283,24 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Account the KV written by this step (before tokens are appended)."""
+    def update(self, out: SchedulerOutput, *, commit: bool = True) -> None:
+        """Account the KV written by this step (before tokens are appended). ``commit=False``
+        (async scheduling: the step's inputs may still be placeholders): count the tokens only;
+        ``commit`` registers the blocks once every token is known."""
         for s in out.scheduled:
             if s.seq.status is not SeqStatus.RUNNING:
                 continue
             s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.bm.commit(s.seq)  # before the window releases any of its blocks
-            self.bm.release_outside_window(s.seq)
+            if commit:
+                self.bm.commit(s.seq)  # before the window releases any of its blocks
+                self.bm.release_outside_window(s.seq)
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """The prefix-cache registration and window release ``update(out, commit=False)`` left."""
+        for s in out.scheduled:
+            if s.seq.status is SeqStatus.RUNNING:
+                self.bm.commit(s.seq)
+                self.bm.release_outside_window(s.seq)
 
     def add_forked(self, parent: Sequence, child: Sequence) -> None:
         """A sample of ``parent``'s request that shares its blocks (n > 1, beam search)."""

@@ -192,6 +192,11 @@ _ENGINE_OPTIONS = [
     ),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
     click.option(
+        "--async-scheduling",
+        is_flag=True,
+        help="Launch step N+1 before reading step N's tokens back (GPU: the host overlaps the forward).",
+    ),
+    click.option(
         "--tune-malloc/--no-tune-malloc",
         default=True,
         show_default=True,

@@ -1,0 +1,249 @@
+"""Async scheduling (``EngineConfig.async_scheduling``): step N+1 is launched before step N's
+tokens are read back. References are HF transformers and PEFT (greedy, token for token); seeded
+sampling and everything HF cannot produce (stop strings, preemption, aborts) must equal the same
+engine without async scheduling. Nothing may leak: no KV block, adapter slot or placeholder."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lorastar import LLM, SamplingParams
+from lorastar.engine.sampling import RequestOutputKind
+from tests.adapters.test_lora_vs_peft import make_adapters, peft_greedy, peft_reference
+from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model_dir):  # noqa: ANN001, ANN201
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = mixed_prompts(11, [1, 5, 16, 17, 40, 3, 33])
+    refs = [hf_greedy(hf, p, NEW) for p in prompts]
+    return path, prompts, refs
+
+
+def _llm(path: str, async_scheduling: bool, **kw) -> LLM:  # noqa: ANN003
+    kw = {"num_kv_blocks": 128, "max_model_len": 256, "max_num_batched_tokens": 64, **kw}
+    return LLM(path, async_scheduling=async_scheduling, **kw)
+
+
+def _clean(llm: LLM) -> None:
+    eng = llm.engine
+    eng.check_invariants()
+    assert not eng.requests and not eng.has_unfinished()
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
+    assert eng._num_sync_requests == 0
+
+
+def _outputs(outs) -> list[tuple[list[int], str | None, object]]:  # noqa: ANN001
+    return [(c.token_ids, c.finish_reason, c.stop_reason) for o in outs for c in o.outputs]
+
+
+def test_greedy_matches_hf_with_staggered_ends(base) -> None:  # noqa: ANN001
+    """Requests end at different steps (max_tokens, a stop token id taken from HF's own output),
+    so later steps run with placeholders of sequences that ended the step before."""
+    path, prompts, refs = base
+    llm = _llm(path, True)
+    params = []
+    for i, ref in enumerate(refs):
+        p = SamplingParams(temperature=0, max_tokens=NEW - i, ignore_eos=True)
+        if i % 3 == 1:  # a stop token that HF produces mid-way: ends there (the token is kept)
+            p = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[ref[4]])
+        params.append(p)
+    outs = llm.generate(prompts, params)
+    for i, (ref, o) in enumerate(zip(refs, outs)):
+        c = o.outputs[0]
+        if i % 3 == 1:
+            stop = ref.index(ref[4]) + 1
+            assert c.token_ids == ref[:stop] and c.finish_reason == "stop" and c.stop_reason == ref[4]
+        else:
+            assert c.token_ids == ref[: NEW - i] and c.finish_reason == "length"
+    _clean(llm)
+
+
+def test_steps_overlap_and_inputs_come_from_the_device(base, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """The first call launches the prefill and hands back nothing; every later decode step takes
+    its input ids from the previous step's sampled ids (the patch), not from the host."""
+    path, prompts, refs = base
+    llm = _llm(path, True)
+    eng = llm.engine
+    patches: list[object] = []
+    execute = eng.runner.execute
+
+    def spy(out, slots=None, patch=None):  # noqa: ANN001, ANN202
+        patches.append(patch)
+        return execute(out, slots, patch)
+
+    monkeypatch.setattr(eng.runner, "execute", spy)
+    eng.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert eng.step() == [] and eng._inflight is not None  # prefill launched, its token in flight
+    seq = next(iter(eng.requests.values())).sequences[0]
+    assert seq.num_placeholders == 1 and seq.num_tokens == len(prompts[2]) + 1
+    got: list[int] = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            got = o.outputs[0].token_ids
+    assert got == refs[2][:4]
+    assert patches[0] is None and len(patches) == 4  # max_tokens=4: the 4th token ends it, unscheduled
+    for p in patches[1:]:
+        assert p is not None and p[1] == [0] and p[2] == [0]
+    _clean(llm)
+
+
+def test_seeded_sampling_and_stop_strings_equal_sync(base) -> None:  # noqa: ANN001
+    path, prompts, _ = base
+    llms = {mode: _llm(path, mode) for mode in (False, True)}
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=100 + i, max_tokens=NEW, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    got = {mode: _outputs(llm.generate(prompts, params)) for mode, llm in llms.items()}
+    assert got[True] == got[False]
+    # Stop strings: found by the frontend after the core already launched the next step.
+    text = llms[False].generate([prompts[4]], params[4])[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    sp = [SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=104, max_tokens=NEW, ignore_eos=True,
+                         stop=[stop])]  # fmt: skip
+    outs = {mode: llm.generate([prompts[4]], sp)[0].outputs[0] for mode, llm in llms.items()}
+    assert outs[True].text == outs[False].text and stop not in outs[True].text
+    assert outs[True].finish_reason == "stop" and outs[True].token_ids == outs[False].token_ids
+    for llm in llms.values():
+        _clean(llm)
+
+
+def test_streams_equal_final_outputs(base) -> None:  # noqa: ANN001
+    path, prompts, refs = base
+    llm = _llm(path, True)
+    eng = llm.engine
+    ids = [
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True,
+                                          output_kind=RequestOutputKind.DELTA, logprobs=2)).request_id
+        for p in prompts
+    ]  # fmt: skip
+    toks: dict[str, list[int]] = {i: [] for i in ids}
+    lps: dict[str, int] = {i: 0 for i in ids}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks[o.request_id] += o.outputs[0].token_ids
+            lps[o.request_id] += len(o.outputs[0].logprobs or [])
+    for i, ref in zip(ids, refs):
+        assert toks[i] == ref and lps[i] == NEW
+    _clean(llm)
+
+
+def test_preemption_and_prefix_cache(base) -> None:  # noqa: ANN001
+    """A cache too small for the batch preempts sequences that hold placeholders; a second round
+    of the same prompts takes the committed blocks from the prefix cache."""
+    path, prompts, refs = base
+    llm = _llm(path, True, num_kv_blocks=14, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    short = [p for p in prompts if len(p) <= 17]
+    want = [r for p, r in zip(prompts, refs) if len(p) <= 17]
+    outs = llm.generate(short, params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.scheduler.stats.num_preemptions > 0
+    again = llm.generate(short, params)
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert sum(o.num_cached_tokens for o in again) > 0
+    _clean(llm)
+
+
+def test_requests_that_need_sync_steps_mix_in(base) -> None:  # noqa: ANN001
+    """Penalties, n > 1 and beam search make steps run one at a time while they are live; the
+    others around them keep HF's tokens, and the counter of such requests returns to zero."""
+    path, prompts, refs = base
+    sync, asy = _llm(path, False), _llm(path, True)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    special = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=5, ignore_eos=True),
+        SamplingParams(n=2, use_beam_search=True, max_tokens=4, ignore_eos=True),
+    ]
+    plist = [greedy, special[0], greedy, special[1], greedy, special[2], greedy]
+    got = {m: _outputs(llm.generate(prompts, plist)) for m, llm in ((False, sync), (True, asy))}
+    assert got[True] == got[False]
+    outs = asy.generate(prompts, plist)
+    for i in (0, 2, 4, 6):
+        assert outs[i].outputs[0].token_ids == refs[i]
+    _clean(sync)
+    _clean(asy)
+
+
+def test_abort_while_in_flight(base) -> None:  # noqa: ANN001
+    path, prompts, refs = base
+    llm = _llm(path, True)
+    eng = llm.engine
+    reqs = [
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)) for p in prompts
+    ]
+    for _ in range(3):
+        eng.step()
+    assert eng._inflight is not None
+    gone = reqs[1].request_id
+    final = eng.abort_request(gone)
+    assert final is not None and final.finished and final.outputs[0].finish_reason == "abort"
+    assert all(s.num_placeholders == 0 for s in reqs[1].sequences)
+    done = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            assert o.request_id != gone
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    for r, ref in zip(reqs, refs):
+        if r.request_id != gone:
+            assert done[r.request_id] == ref
+    _clean(llm)
+
+
+def test_adapters_match_peft(tiny_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
+    base_dir = tiny_model_dir("llama-gqa")
+    paths = make_adapters(base_dir, tmp_path)
+    ref = peft_reference(base_dir, paths)
+    llm = LLM(base_dir, num_kv_blocks=256, max_loras=2, max_lora_rank=16, async_scheduling=True)
+    for n, p in paths.items():
+        llm.load_adapter(n, p)
+    rng = random.Random(5)
+    order = [None, "a", "b", "c", "d", "a", None, "c"]  # 4 adapters, 2 slots: some wait their turn
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 30))] for _ in order]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), adapter=order)
+    for p, a, o in zip(prompts, order, outs):
+        assert o.outputs[0].token_ids == peft_greedy(ref, p, a, 8), f"adapter {a}"
+    _clean(llm)
+    assert all(a.in_flight == 0 for a in llm.list_adapters())
+
+
+async def test_core_process_with_async_scheduling_equals_the_in_process_engine() -> None:
+    """The core in its own process (where async scheduling runs behind the server): SmolLM2's
+    greedy tokens and a stop string found by the frontend, equal to the synchronous engine."""
+    import asyncio
+
+    from lorastar.config import EngineConfig
+    from lorastar.engine.core_client import AsyncCoreClient
+
+    opts = dict(device="cpu", dtype="float32", max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
+    ref = LLM(**opts)
+    client = AsyncCoreClient(EngineConfig(async_scheduling=True, **opts))
+    try:
+        prompts = ["The capital of France is", "One, two, three,", "def fib(n):"]
+        for sp in (
+            SamplingParams(temperature=0.0, max_tokens=16),
+            SamplingParams(temperature=0.0, max_tokens=30, stop=["e"], ignore_eos=True),
+        ):
+            want = [o.outputs[0] for o in ref.generate(prompts, sp)]
+
+            async def final(prompt: str, sp: SamplingParams = sp):  # noqa: ANN202
+                return [o async for o in client.generate(prompt, sp)][-1].outputs[0]
+
+            got = await asyncio.gather(*(final(p) for p in prompts))
+            assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [
+                (o.text, o.token_ids, o.finish_reason) for o in want
+            ]
+    finally:
+        await client.shutdown(drain_timeout=0)
