@@ -15,11 +15,12 @@ base=${PYTHONPATH:+$PYTHONPATH:}
 per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # where the plugin is installed
 t0=$(date +%s)
 PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cacheprovider $per_test -rfE \
-  tests/kernels tests/engine/test_cuda_graphs.py tests/models/test_gpu_engine.py tests/quant > "$out/gpu_tests.log" 2>&1
+  tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py tests/models/test_gpu_engine.py \
+  tests/quant > "$out/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/gpu_tests.log"
 t0=$(date +%s)
-PYTHONPATH=$base$PWD timeout "${TPUT_S:-300}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \
-  > "$out/gpu_throughput.log" 2>&1
+PYTHONPATH=$base$PWD timeout "${TPUT_S:-360}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \
+  --async-scheduling > "$out/gpu_throughput.log" 2>&1
 echo "throughput rc=$? in $(( $(date +%s) - t0 )) s"; grep "^B=\|roof" "$out/gpu_throughput.log"
 if [ -n "$other" ]; then
   mkdir -p "$out/other"; t0=$(date +%s)

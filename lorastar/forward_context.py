@@ -70,6 +70,20 @@ def lora_ranges(runs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return ranges
 
 
+def to_device(x: Any, device: torch.device | str | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (a list, a numpy array, a CPU tensor) as a tensor on ``device`` without waiting
+    for the device: on CUDA a pinned staging copy and a non-blocking transfer (``.to("cuda")`` or
+    ``torch.tensor(..., device="cuda")`` from pageable memory synchronizes the stream, which makes
+    the host wait for every kernel queued before: under async scheduling, the step in flight).
+    The caching host allocator keeps the staging block until its copy is done. Elsewhere the data
+    as a tensor (numpy arrays and CPU tensors are not copied)."""
+    t = torch.as_tensor(x, dtype=dtype)
+    dev = torch.device(device) if device is not None else t.device
+    if dev.type != "cuda":
+        return t if t.device == dev else t.to(dev)
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def slot_runs(
     ranges: list[tuple[int, int, int]], max_loras: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
@@ -77,7 +91,7 @@ def slot_runs(
     runs = [[0] * max_loras, [0] * max_loras]
     for slot, start, end in ranges:
         runs[0][slot], runs[1][slot] = start, end - start
-    return torch.tensor(runs, dtype=torch.int32, device=device)
+    return to_device(runs, device, torch.int32)
 
 
 @dataclass

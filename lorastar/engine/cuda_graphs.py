@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, slot_runs
+from lorastar.forward_context import AttentionMetadata, ForwardContext, LoRAMetadata, slot_runs, to_device
 
 if TYPE_CHECKING:
     from lorastar.engine.input_batch import StepInputs
@@ -162,13 +162,13 @@ class DecodeGraphs:
         self.prev_batch = b
         width = inputs.block_tables.shape[1]  # padded with the scratch block (the runner's fill)
         step = np.stack([inputs.input_ids, inputs.positions, inputs.slot_mapping])  # [3, b]
-        self.i64[:, :b].copy_(torch.from_numpy(step))
+        self.i64[:, :b].copy_(to_device(step, self.i64.device))
         if patch_ids is not None:
             patch_ids(self.i64[0, :b])
-        self.seq_lens[:b].copy_(torch.from_numpy(inputs.seq_lens))
+        self.seq_lens[:b].copy_(to_device(inputs.seq_lens, self.seq_lens.device))
         if with_lora:
-            self.lora_runs.copy_(slot_runs(lora_ranges or [], self.lora_runs.shape[1]))
-        self.block_tables[:b, :width].copy_(torch.from_numpy(inputs.block_tables))
+            self.lora_runs.copy_(slot_runs(lora_ranges or [], self.lora_runs.shape[1], self.lora_runs.device))
+        self.block_tables[:b, :width].copy_(to_device(inputs.block_tables, self.block_tables.device))
         key = (n, with_lora)
         entry = self.graphs.get(key)
         if entry is None:

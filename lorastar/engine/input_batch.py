@@ -30,7 +30,7 @@ import torch
 from lorastar.engine.request import Sequence
 from lorastar.engine.sampler import SamplingMetadata, SamplingTable
 from lorastar.engine.scheduler import ScheduledSeq
-from lorastar.forward_context import AttentionMetadata
+from lorastar.forward_context import AttentionMetadata, to_device
 from lorastar.layers.attention import build_attention_metadata
 
 
@@ -204,6 +204,6 @@ def device_inputs(
         torch.from_numpy(inputs.block_tables), block_size=block_size, device=device,
         native_cpu_decode=native_cpu_decode,
     )  # fmt: skip
-    ids = torch.from_numpy(inputs.input_ids).to(device)
-    positions = torch.from_numpy(inputs.positions).to(device)
+    ids = to_device(inputs.input_ids, device)
+    positions = to_device(inputs.positions, device)
     return ids, positions, md

@@ -10,7 +10,7 @@ from lorastar.engine.cuda_graphs import DecodeGraphs
 from lorastar.engine.input_batch import InputBatch, device_inputs
 from lorastar.engine.prompt_logprobs import PromptTokenLogprobs, score_prompt_rows
 from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
-from lorastar.forward_context import ForwardContext, LoRAMetadata, lora_ranges, slot_runs
+from lorastar.forward_context import ForwardContext, LoRAMetadata, lora_ranges, slot_runs, to_device
 from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.llama import LlamaForCausalLM
 
@@ -52,8 +52,8 @@ def patch_input_ids(ids: torch.Tensor, last_row: list[int], patch: InputPatch) -
     """``ids[last_row[i]] = tokens[r]`` for each ``(r, i)`` of ``patch``: a placeholder input id
     replaced by the previous step's sampled id without reading it back to the host."""
     tokens, src, sched = patch
-    dst = torch.tensor([last_row[i] for i in sched], dtype=torch.int64, device=ids.device)
-    ids.index_copy_(0, dst, tokens[torch.tensor(src, dtype=torch.int64, device=tokens.device)].to(ids.device))
+    dst = to_device([last_row[i] for i in sched], ids.device, torch.int64)
+    ids.index_copy_(0, dst, tokens[to_device(src, tokens.device, torch.int64)].to(ids.device))
 
 
 def _prompt_span(s: ScheduledSeq) -> tuple[int, int]:
@@ -154,8 +154,8 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = to_device([c[0] for c in copies], self.device, torch.int64)
+        dst = to_device([c[1] for c in copies], self.device, torch.int64)
         for k, v in self.kv_caches:
             for c in (k, v):
                 c = c.view(torch.uint8) if c.element_size() == 1 else c  # no fp8 indexing on CPU
@@ -185,7 +185,7 @@ class ModelRunner:
         input_ids, positions, ctx, last_row = self.prepare(out, adapter_slot, patch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         sampling = [last_row[i] for i, s in enumerate(out.scheduled) if s.samples]
-        rows = torch.tensor(sampling, dtype=torch.int64, device=self.device)
+        rows = to_device(sampling, self.device, torch.int64)
         result = ModelRunnerOutput(self.model.compute_logits(hidden[rows]).float())  # [B, vocab]
         if wants_prompt:
             bs = self.block_size
@@ -230,7 +230,8 @@ class ModelRunner:
             inverse = [0] * len(order)
             for row, i in enumerate(order):
                 inverse[i] = row
-            logits = logits[inverse]
+            logits = logits.index_select(0, to_device(inverse, logits.device, torch.int64))
         if not all(s.samples for s in scheduled):  # a one-token prefill chunk that is not the last
-            logits = logits[[i for i, s in enumerate(scheduled) if s.samples]]
+            keep = [i for i, s in enumerate(scheduled) if s.samples]
+            logits = logits.index_select(0, to_device(keep, logits.device, torch.int64))
         return logits

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lorastar.engine.sampling import SamplingParams
+from lorastar.forward_context import to_device
 
 # A row's logprobs: {token_id: (logprob, rank)}, rank 1-based (vLLM's Logprob.rank).
 # Logprobs are clamped to this (vLLM's API clamps -inf the same way), so they are always finite.
@@ -242,7 +243,7 @@ class Sampler:
         if (
             lp_idx
         ):  # [Rl, V]: the rows that asked; finite whatever the logits (an all -inf row has NaN softmax)
-            lp_rows = x if len(lp_idx) == num_rows else x[torch.tensor(lp_idx, device=dev)]
+            lp_rows = x if len(lp_idx) == num_rows else x[to_device(lp_idx, dev)]
             raw_logprobs = (
                 torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
             )
@@ -259,9 +260,9 @@ class Sampler:
             token_ids = self._sample(x, rows, meta, may_sync)
         else:
             greedy_idx, random_idx = np.flatnonzero(meta.greedy), np.flatnonzero(~meta.greedy)
-            gi = torch.from_numpy(greedy_idx).to(dev)
+            gi = to_device(greedy_idx, dev)
             token_ids[gi] = _argmax(x[gi], may_sync)
-            ri = torch.from_numpy(random_idx).to(dev)
+            ri = to_device(random_idx, dev)
             token_ids[ri] = self._sample(
                 x[ri], [rows[i] for i in random_idx.tolist()], meta.take(random_idx), may_sync
             )
@@ -288,7 +289,7 @@ class Sampler:
                     r_idx.append(i)
                     t_idx.append(t)
         if r_idx:
-            x[torch.tensor(r_idx, device=x.device), torch.tensor(t_idx, device=x.device)] = float("-inf")
+            x[to_device(r_idx, x.device), to_device(t_idx, x.device)] = float("-inf")
 
     def _apply_penalties(
         self, x: Tensor, rows: Sequence[SamplingRow], vocab: int, meta: SamplingMetadata | None = None
@@ -311,8 +312,8 @@ class Sampler:
         if rep_rows:
             r_idx, t_idx = _occurrences(rows, rep_rows, vocab)
             if r_idx.size:
-                flat = torch.from_numpy(r_idx * vocab + t_idx).to(dev)  # [N] into x.view(-1)
-                rp = torch.from_numpy(meta.repetition.astype(np.float32)[r_idx]).to(dev)  # [N]
+                flat = to_device(r_idx * vocab + t_idx, dev)  # [N] into x.view(-1)
+                rp = to_device(meta.repetition.astype(np.float32)[r_idx], dev)  # [N]
                 x_flat = x.view(-1)  # the caller's x is contiguous
                 vals = x_flat[flat]  # [N]
                 x_flat.index_copy_(0, flat, torch.where(vals > 0, vals / rp, vals * rp))
@@ -322,9 +323,9 @@ class Sampler:
                 [r.output_token_ids if need_fp[i] else () for i, r in enumerate(rows)], vocab
             )
             if r_idx.size:
-                ri, ti = torch.from_numpy(r_idx).to(dev), torch.from_numpy(t_idx).to(dev)
-                fp = torch.from_numpy(meta.frequency.astype(np.float32)[r_idx]).to(dev)  # [N]
-                pp = torch.from_numpy(meta.presence.astype(np.float32)[r_idx]).to(dev)  # [N]
+                ri, ti = to_device(r_idx, dev), to_device(t_idx, dev)
+                fp = to_device(meta.frequency.astype(np.float32)[r_idx], dev)  # [N]
+                pp = to_device(meta.presence.astype(np.float32)[r_idx], dev)  # [N]
                 cnt = torch.from_numpy(counts).to(dev, torch.float32)  # [N]
                 x.index_put_((ri, ti), x[ri, ti].sub(fp * cnt).sub(pp))
 
@@ -334,14 +335,14 @@ class Sampler:
     def _probs(x: Tensor, meta: SamplingMetadata) -> Tensor:
         """Temperature, top-k, top-p, min-p; returns unnormalized probs [R, V] (masked = 0)."""
         dev = x.device
-        temp = torch.from_numpy(meta.temperature.astype(np.float32)).to(dev)  # [R]
+        temp = to_device(meta.temperature.astype(np.float32), dev)  # [R]
         x = x / temp.unsqueeze(1)  # [R, V], our own tensor from here on
         x = _top_k_top_p(x, meta.top_k, meta.top_p)
         # exp(x - max) in place: the draw scales by the row total and min-p compares with the
         # row's maximum, so the softmax's normalizing pass (and its output tensor) is not needed.
         probs = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()  # [R, V], max 1 per row
         if (meta.min_p > 0.0).any():
-            m_t = torch.from_numpy(meta.min_p.astype(np.float32)).to(dev).unsqueeze(1)  # [R, 1]
+            m_t = to_device(meta.min_p.astype(np.float32), dev).unsqueeze(1)  # [R, 1]
             thresh = probs.amax(dim=-1, keepdim=True) * m_t  # [R, 1]
             # No renormalization: the draw below scales by the row total, and skipping it keeps
             # a row's values bitwise identical whether or not other rows use min-p.
@@ -377,14 +378,14 @@ class Sampler:
                 generator=self.generator,
                 device=self.generator.device,
             )
-            u[torch.tensor(default_idx, device=dev)] = draw.to(dev)
+            u[to_device(default_idx, dev)] = draw.to(dev)
         seeded = [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None]
         if seeded:
             # Exactly one draw from each row's own generator per step, whatever the batch is.
             draws = [
                 torch.rand(1, dtype=torch.float64, generator=g, device=g.device).to(dev) for _, g in seeded
             ]
-            u[torch.tensor([i for i, _ in seeded], device=dev)] = torch.cat(draws).unsqueeze(1)
+            u[to_device([i for i, _ in seeded], dev)] = torch.cat(draws).unsqueeze(1)
         # Two levels: block sums pick the block holding the target, a cumsum inside that block
         # picks the token. The same inverse CDF as one fp64 cumsum over [R, V], without the fp64
         # copy and the sequential scan of the whole row (5x less time at 256 x 49k on CPU).
@@ -452,8 +453,8 @@ def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: l
     if r_idx:
         dev = x.device
         x.index_put_(
-            (torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-            torch.tensor(values, dtype=x.dtype, device=dev),
+            (to_device(r_idx, dev), to_device(t_idx, dev)),
+            to_device(values, dev, x.dtype),
             accumulate=True,
         )
 
@@ -586,10 +587,10 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[f
 
     # Every row active (the usual batch): no gather of the rows and no copy of x for the result.
     all_active = len(active) == num_rows
-    a_idx = torch.tensor(active, device=dev)
+    a_idx = to_device(active, dev)
     xa = x if all_active else x[a_idx]  # [A, V]
     vals, idx = torch.topk(xa, window, dim=-1, sorted=True)  # [A, W] each, descending
-    k_t = torch.tensor([ks[i] or window for i in active], device=dev).unsqueeze(1)  # [A, 1]
+    k_t = to_device([ks[i] or window for i in active], dev).unsqueeze(1)  # [A, 1]
     pos = torch.arange(window, device=dev).unsqueeze(0)  # [1, W]
     drop = pos >= k_t  # [A, W]
     vals = vals.masked_fill(drop, float("-inf"))
@@ -601,11 +602,11 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[f
     elif not any(has_k_rows):
         lse = row_lse
     else:
-        has_k = torch.tensor(has_k_rows, device=dev).unsqueeze(1)  # [A, 1]
+        has_k = to_device(has_k_rows, dev).unsqueeze(1)  # [A, 1]
         lse = torch.where(has_k, vals.logsumexp(dim=-1, keepdim=True), row_lse)
     sp = torch.exp(vals - lse)  # [A, W]
     cum = sp.cumsum(dim=-1)  # [A, W]
-    p_t = torch.tensor([ps[i] or 2.0 for i in active], dtype=torch.float32, device=dev).unsqueeze(1)
+    p_t = to_device([ps[i] or 2.0 for i in active], dev, torch.float32).unsqueeze(1)
     drop = drop | ((cum - sp) >= p_t)
     drop[:, 0] = False
     keep = torch.full_like(xa, float("-inf")).scatter_(1, idx, vals.masked_fill(drop, float("-inf")))
@@ -621,14 +622,14 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[f
         redo_pos = [j for j, i in enumerate(active) if short[j] and not ks[i]]
         redo = [active[j] for j in redo_pos]
         if redo:
-            r_idx = torch.tensor(redo, device=dev)
+            r_idx = to_device(redo, dev)
             xr = x[r_idx]  # [F, V]
-            pr = torch.tensor([ps[i] for i in redo], dtype=torch.float32, device=dev).unsqueeze(1)
+            pr = to_device([ps[i] for i in redo], dev, torch.float32).unsqueeze(1)
             masked = xr  # a copy (gathered rows): written in place below
             full = torch.arange(len(redo), device=dev)
             if _TOP_P_WIDE < vocab:  # a wider window first; rows whose nucleus is wider still: sorted
                 assert row_lse is not None  # top-p-only rows exist
-                lse_r = row_lse[torch.tensor(redo_pos, device=dev)]  # [F, 1]
+                lse_r = row_lse[to_device(redo_pos, dev)]  # [F, 1]
                 masked, short_w = _nucleus_in_window(xr, pr, _TOP_P_WIDE, lse_r)
                 full = short_w.nonzero().squeeze(1)
             if full.numel():

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from lorastar.forward_context import AttentionMetadata, ForwardContext
+from lorastar.forward_context import AttentionMetadata, ForwardContext, to_device
 from lorastar.kernels.cpu_native import paged_decode as cpu_paged_decode
 from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
 
@@ -130,10 +130,10 @@ def build_attention_metadata(
     qsl = np.zeros(len(q) + 1, dtype=np.int64)  # [B + 1]
     np.cumsum(q, out=qsl[1:])
     common = {
-        "slot_mapping": torch.as_tensor(slot_mapping, dtype=torch.int64, device=device),
-        "query_start_loc": torch.from_numpy(qsl.astype(np.int32)).to(device),
-        "seq_lens": torch.from_numpy(lens.astype(np.int32)).to(device),
-        "block_tables": block_tables.to(device),
+        "slot_mapping": to_device(slot_mapping, device, torch.int64),
+        "query_start_loc": to_device(qsl.astype(np.int32), device),
+        "seq_lens": to_device(lens.astype(np.int32), device),
+        "block_tables": to_device(block_tables, device),
         "max_query_len": int(q.max()),
         "max_seq_len": int(lens.max()),
         "block_size": block_size,

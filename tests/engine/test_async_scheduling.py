@@ -247,3 +247,53 @@ async def test_core_process_with_async_scheduling_equals_the_in_process_engine()
             ]
     finally:
         await client.shutdown(drain_timeout=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_launch_never_waits_for_the_device(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch, eager: bool
+) -> None:  # noqa: ANN001
+    """On a GPU: greedy tokens equal HF's (fp32), and launching a decode step while the previous
+    one is in flight queues no operation that synchronizes with the device (torch's sync debug
+    mode raises on a blocking copy, ``.item()``, ``.tolist()``, a stream synchronize), so the
+    host's scheduling and output work overlaps the forward. Graphs are captured in a first round
+    (capturing synchronizes); the checked round replays them."""
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    prompts = mixed_prompts(11, [1, 3, 16, 17, 31, 64])
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=96,
+              async_scheduling=True, enforce_eager=eager)  # fmt: skip
+    eng = llm.engine
+    launch = eng._launch
+    checked: list[int] = []
+
+    def strict(out, prev):  # noqa: ANN001, ANN202
+        graphs = eng.runner.graphs
+        if (
+            not checked_round
+            or prev is None
+            or any(s.num_new_tokens != 1 for s in out.scheduled)
+            or (graphs is not None and (graphs.padded_size(len(out.scheduled)), False) not in graphs.graphs)
+        ):  # a prefill, or a batch size without a graph yet: its capture synchronizes
+            return launch(out, prev)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(out, prev)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(out.scheduled))
+
+    monkeypatch.setattr(eng, "_launch", strict)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    checked_round = False
+    llm.generate(prompts, sp)
+    checked_round = True
+    outs = llm.generate(prompts, sp)
+    assert len(checked) >= 10
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
+        assert o.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
+    _clean(llm)
