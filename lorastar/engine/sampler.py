@@ -58,8 +58,9 @@ class SamplerOutput:
 
 class PendingSample:
     """A launched sample: the ``[R]`` token ids on the device, read back by ``result()`` (with the
-    logprobs of the rows that asked). ``copy_out``: the ids start on their way to pinned host
-    memory at launch, behind an event, so ``result()`` waits for this step's sampling only and not
+    logprobs of the rows that asked). ``copy_out``: the ids, and the logprobs' reductions (the
+    sampled token's logprob and rank, the top k), are queued at launch and start on their way to
+    pinned host memory behind an event, so ``result()`` waits for this step's sampling only and not
     for work queued after it (the next step's forward, under async scheduling)."""
 
     __slots__ = ("_event", "_host", "_ks", "_lp_idx", "_raw_logprobs", "token_ids")
@@ -77,23 +78,45 @@ class PendingSample:
         self._raw_logprobs = raw_logprobs
         self._ks = ks
         self._lp_idx = lp_idx
-        self._host: Tensor | None = None
+        self._host: list[
+            Tensor
+        ] = []  # pinned copies: the ids, then (logprobs) token, rank, top ids, top values
         self._event: torch.cuda.Event | None = None
-        if copy_out and token_ids.is_cuda:
-            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host.copy_(token_ids, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+        if copy_out:  # CUDA: pinned, behind an event (elsewhere plain copies: the same path, testable)
+            parts = [token_ids]
+            if raw_logprobs is not None:  # the logprobs' reductions queued now too, read back with the ids
+                lp = raw_logprobs  # [Rl, V]
+                tok = token_ids if len(lp_idx) == len(token_ids) else token_ids[to_device(lp_idx, lp.device)]
+                tok_t = lp.gather(1, tok[:, None])  # [Rl, 1]
+                parts += [tok, tok_t.squeeze(1), torch.ge(lp, tok_t).sum(dim=-1, dtype=torch.int32)]
+                k = int(ks[lp_idx].max())
+                if k > 0:
+                    top_v, top_i = lp.max(dim=-1, keepdim=True) if k == 1 else lp.topk(k, dim=-1)  # [Rl, k]
+                    parts += [top_i, top_v]
+            for t in parts:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                host.copy_(t, non_blocking=t.is_cuda)
+                self._host.append(host)
+            if token_ids.is_cuda:
+                self._event = torch.cuda.Event()
+                self._event.record()
 
     @torch.inference_mode()
     def result(self) -> SamplerOutput:
-        if self._event is not None and self._host is not None:
-            self._event.synchronize()
-            token_list: list[int] = self._host.tolist()
-        else:
-            token_list = self.token_ids.tolist()
-        lps: list[RowLogprobs | None] = [None] * len(token_list)
-        if self._raw_logprobs is not None:  # waits for the device (rare rows: logprobs asked)
+        if self._host:
+            if self._event is not None:
+                self._event.synchronize()
+            token_list: list[int] = self._host[0].tolist()
+            lps: list[RowLogprobs | None] = [None] * len(token_list)
+            if len(self._host) > 1:
+                tok_l, tok_lp_l, ranks_l = (h.tolist() for h in self._host[1:4])
+                tops = [h.tolist() for h in self._host[4:6]] or [[[] for _ in tok_l]] * 2
+                k_l: list[int] = self._ks[self._lp_idx].tolist()
+                lps = _logprob_dicts(len(token_list), self._lp_idx, k_l, tok_l, tok_lp_l, ranks_l, *tops)
+            return SamplerOutput(token_ids=token_list, logprobs=lps)
+        token_list = self.token_ids.tolist()
+        lps = [None] * len(token_list)
+        if self._raw_logprobs is not None:
             lps = Sampler._gather_logprobs(self._raw_logprobs, self.token_ids, self._ks, self._lp_idx)
         return SamplerOutput(token_ids=token_list, logprobs=lps)
 
@@ -428,15 +451,28 @@ class Sampler:
         )
         k_l: list[int] = ks[idx].tolist()
         tok_lp_l, ranks_l, top_i_l, top_v_l = token_logprobs(lp, tok, max(k_l))
-        tok_l = tok.tolist()
-        out: list[RowLogprobs | None] = [None] * len(token_ids)
-        for j, i in enumerate(idx):
-            k = k_l[j]
-            d: RowLogprobs = {tok_l[j]: (tok_lp_l[j], ranks_l[j])}
-            for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
-                d.setdefault(t, (v, rank))
-            out[i] = d
-        return out
+        return _logprob_dicts(len(token_ids), idx, k_l, tok.tolist(), tok_lp_l, ranks_l, top_i_l, top_v_l)
+
+
+def _logprob_dicts(
+    num_rows: int,
+    idx: list[int],
+    k_l: list[int],
+    tok_l: list[int],
+    tok_lp_l: list[float],
+    ranks_l: list[int],
+    top_i_l: list[list[int]],
+    top_v_l: list[list[float]],
+) -> list[RowLogprobs | None]:
+    """Row ``idx[j]``'s ``{token: (logprob, rank)}``: its sampled token and its top ``k_l[j]``."""
+    out: list[RowLogprobs | None] = [None] * num_rows
+    for j, i in enumerate(idx):
+        k = k_l[j]
+        d: RowLogprobs = {tok_l[j]: (tok_lp_l[j], ranks_l[j])}
+        for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
+            d.setdefault(t, (v, rank))
+        out[i] = d
+    return out
 
 
 def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:

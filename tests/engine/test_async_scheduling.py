@@ -285,7 +285,8 @@ def test_cuda_launch_never_waits_for_the_device(
             checked.append(len(out.scheduled))
 
     monkeypatch.setattr(eng, "_launch", strict)
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    sp = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2 if i % 2 else None)
+          for i in range(len(prompts))]  # fmt: skip
     checked_round = False
     llm.generate(prompts, sp)
     checked_round = True
@@ -296,4 +297,6 @@ def test_cuda_launch_never_waits_for_the_device(
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                           do_sample=False, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
         assert o.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
+        if o.outputs[0].logprobs is not None:  # read back with the ids: the sampled token's, rank 1
+            assert all(d[t].rank == 1 and len(d) == 2 for d, t in zip(o.outputs[0].logprobs, ref))
     _clean(llm)

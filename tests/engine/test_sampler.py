@@ -514,3 +514,19 @@ def test_metadata_from_the_batch_table_samples_as_the_rows_do() -> None:
     assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
     with pytest.raises(ValueError, match="sampling metadata has 4 rows"):
         Sampler()(logits, [_row(p) for p in params], table.take(where[:4]))
+
+
+@pytest.mark.parametrize("ks", [(5, 0, None, 3), (1, 1, 1, 0), (0, 0, 0, 0), (None, 2, None, None)])
+def test_copied_out_results_equal_the_direct_ones(ks: tuple[int | None, ...]) -> None:
+    """The copy-out path (on CUDA: the ids and the logprobs' reductions queued at launch and read
+    from pinned copies, async scheduling) gives what reading the device tensors at the end gives."""
+    from lorastar.engine.sampler import PendingSample
+
+    torch.manual_seed(2)
+    x = torch.randn(4, 300) * 3
+    rows = [_row(SamplingParams(logprobs=k, temperature=0.0 if i % 2 else 0.8)) for i, k in enumerate(ks)]
+    direct = Sampler(seed=0).launch(x.clone(), rows)
+    p = direct  # the same launch, read both ways
+    copied = PendingSample(p.token_ids, p._raw_logprobs, p._ks, p._lp_idx, copy_out=True)
+    assert copied.result() == direct.result()
+    _check_logprobs(x, copied.result(), {i: k for i, k in enumerate(ks) if k is not None})
