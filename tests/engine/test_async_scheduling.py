@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
@@ -299,4 +301,67 @@ def test_cuda_launch_never_waits_for_the_device(
         assert o.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
         if o.outputs[0].logprobs is not None:  # read back with the ids: the sampled token's, rank 1
             assert all(d[t].rank == 1 and len(d) == 2 for d, t in zip(o.outputs[0].logprobs, ref))
+    _clean(llm)
+
+
+@pytest.fixture(scope="module")
+def fuzz_setup(base):  # noqa: ANN001, ANN201
+    path = base[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # 10 blocks of 4 tokens: two or three running requests fill it, so sequences are preempted
+    # with their next token in flight.
+    llm = _llm(path, True, num_kv_blocks=10, block_size=4, max_num_batched_tokens=32)
+    return llm, hf, {}
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.lists(st.integers(3, 49151), min_size=1, max_size=24),  # prompt
+            st.integers(1, 10),  # max_tokens
+            st.integers(0, 5),  # step it arrives at
+            st.one_of(st.none(), st.integers(0, 12)),  # step it is aborted at
+            st.one_of(st.none(), st.integers(0, 9)),  # a stop token: HF's token at this index
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_random_workloads_match_hf_and_leak_nothing(fuzz_setup, reqs) -> None:  # noqa: ANN001
+    """Arrivals, aborts, stop tokens and preemption at random steps: every request that is not
+    aborted ends exactly as HF's greedy continuation (cut at its stop token), an aborted one holds
+    a prefix of it, and the engine is left with no request, block or placeholder."""
+    llm, hf, refs = fuzz_setup
+    eng = llm.engine
+    for p, *_ in reqs:
+        if tuple(p) not in refs:
+            refs[tuple(p)] = hf_greedy(hf, p, 10)
+    ids: dict[int, str] = {}
+    got: dict[str, tuple[list[int], str | None]] = {}
+    step = 0
+    while len(ids) < len(reqs) or eng.has_unfinished():
+        for i, (p, n, arrive, _, stop) in enumerate(reqs):
+            if arrive == step:
+                stops = [refs[tuple(p)][stop]] if stop is not None and stop < n else None
+                sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop_token_ids=stops)
+                ids[i] = eng.add_request(p, sp).request_id
+        for i, (*_, abort, _) in enumerate(reqs):
+            if abort == step and i in ids and (out := eng.abort_request(ids[i])) is not None:
+                got[out.request_id] = (out.outputs[0].token_ids, "abort")
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+        eng.check_invariants()
+        step += 1
+        assert step < 500
+    for i, (p, n, _, _, stop) in enumerate(reqs):
+        ref = refs[tuple(p)][:n]
+        if stop is not None and stop < n:
+            ref = ref[: ref.index(ref[stop]) + 1]
+        toks, reason = got[ids[i]]
+        if reason == "abort":
+            assert toks == ref[: len(toks)]
+        else:
+            assert toks == ref and reason == ("stop" if stop is not None and stop < n else "length")
     _clean(llm)
