@@ -115,6 +115,10 @@ class LLMEngine:
             self.model_name = Path(config.model).name
         self.hf_config = read_hf_config(self.model_dir)
         self.device = resolve_device(config.device)
+        if config.async_scheduling and self.device.type != "cuda":
+            logger.info(
+                "async_scheduling on %s: a step runs in the calling thread, nothing overlaps", self.device
+            )
         if self.device.type == "cpu" and config.tune_malloc:
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
