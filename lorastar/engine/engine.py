@@ -1,4 +1,5 @@
-"""LLMEngine: one step = schedule, run, update. Synchronous; ``LLM`` and ``AsyncLLM`` wrap it."""
+"""LLMEngine: one step = schedule, run, update; ``LLM`` and ``AsyncLLM`` wrap it. With
+``async_scheduling``, step N+1 is launched before step N's tokens are read back."""
 
 from __future__ import annotations
 
