@@ -365,3 +365,24 @@ def test_random_workloads_match_hf_and_leak_nothing(fuzz_setup, reqs) -> None:  
         else:
             assert toks == ref and reason == ("stop" if stop is not None and stop < n else "length")
     _clean(llm)
+
+
+def test_context_limit_ends_without_an_extra_step(base) -> None:  # noqa: ANN001
+    """A sequence whose pending token reaches max_model_len ends with it: it is not scheduled
+    again (no step computes a position past the limit) and keeps HF's tokens."""
+    path, _, _ = base
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = _llm(path, True, max_model_len=40)
+    prompt = mixed_prompts(3, [37])[0]
+    scheduled_lens: list[int] = []
+    execute = llm.engine.runner.execute
+
+    def spy(out, slots=None, patch=None):  # noqa: ANN001, ANN202
+        scheduled_lens.extend(s.start + s.num_new_tokens for s in out.scheduled)
+        return execute(out, slots, patch)
+
+    llm.engine.runner.execute = spy  # type: ignore[method-assign]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == hf_greedy(hf, prompt, 3) and out.finish_reason == "length"
+    assert max(scheduled_lens) == 39  # the 40th token is sampled at position 38 and never computed
+    _clean(llm)
