@@ -101,6 +101,7 @@ class Scheduler:
         self.max_prefix_waits = max_prefix_waits
         self._prefix_waits: dict[int, int] = {}  # seq_id -> steps held back for an in-flight block
         self._finished_ids: list[int] = []  # reported by the next schedule
+        self._preempted_beams: set[int] = set()  # waiting beams whose siblings may still run
 
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -172,6 +173,8 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+        if seq.request.beam is not None:
+            self._preempted_beams.add(seq.seq_id)
         self.stats.num_preemptions += 1
         out.preempted.append(seq)
 
@@ -227,6 +230,8 @@ class Scheduler:
         #    them has starved for `starvation_steps`, then new adapters stop being admitted
         #    until the running ones drain and free a slot.
         #    Nothing new is admitted in a step that had to preempt (blocks are short).
+        if self._preempted_beams:
+            self._beams_first()
         starving = any(n >= self.starvation_steps for n in self._blocked_steps.values())
         seats = sum(_seats(s) for s in self.running) if self.waiting else 0
         inflight = self._inflight_blocks() if self.waiting else {}
@@ -282,6 +287,18 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         return out
+
+    def _beams_first(self) -> None:
+        """Preempted beams go to the front of the queue: their running siblings wait for their
+        proposals holding their own blocks, so a queue head that does not fit would stall the
+        whole beam search for good (and with it, when the beams hold most of the cache, the engine)."""
+        waiting = {s.seq_id for s in self.waiting}
+        self._preempted_beams &= waiting
+        if not self._preempted_beams:
+            return
+        first = [s for s in self.waiting if s.seq_id in self._preempted_beams]
+        rest = [s for s in self.waiting if s.seq_id not in self._preempted_beams]
+        self.waiting = deque(first + rest)
 
     def update(self, out: SchedulerOutput, *, commit: bool = True) -> None:
         """Account the KV written by this step (before tokens are appended). ``commit=False``

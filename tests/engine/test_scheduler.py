@@ -612,3 +612,38 @@ def test_output_ids_view_reads_in_place() -> None:
     ids.append(4)
     assert len(view) == 4 and view[-1] == 4 and list(view) == ids[3:]
     assert len(OutputIds(ids, len(ids))) == 0 and list(OutputIds(ids, len(ids))) == []
+
+
+def test_a_preempted_beam_is_readmitted_before_a_queue_head_that_does_not_fit() -> None:
+    """Beam search advances in lockstep: beams whose proposals are in wait for a preempted sibling
+    while holding their blocks. With a bigger request at the head of the queue that does not fit,
+    FIFO admission stalled the sibling (and so the beams, and the engine) for good; the sibling
+    goes first, and fits because its prompt blocks are cached."""
+    bm = BlockManager(12, BS)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1)
+    beam = Request("beam", None, list(range(16)), SamplingParams(n=3, use_beam_search=True, max_tokens=8))
+    beam.beam = object()  # a BeamState in the engine; the scheduler only asks whether there is one
+    first = beam.sequences[0]
+    sched.add(first)
+    sched.update(sched.schedule())  # the prompt: 4 full blocks, committed to the prefix cache
+    beams = [first] + [Sequence(beam, 0, list(first.token_ids), 16) for _ in range(2)]
+    for child in beams[1:]:
+        sched.add_forked(first, child)
+    beam.forked = True
+    for i, s in enumerate(beams):  # each beam's token from the last proposal
+        s.token_ids.append(100 + i)
+    sched.update(sched.schedule())  # 3 beams x 1 block of their own: 7 blocks used
+    assert bm.num_used_blocks == 7
+    for i, s in enumerate(beams[:2]):  # two beams proposed again; the third has not
+        s.token_ids.append(200 + i)
+    big = Request("big", None, list(range(1000, 1028)), SamplingParams(max_tokens=4))
+    sched.add(big.sequences[0])  # 7 blocks: more than the 6 free once the third beam is out
+    out = SchedulerOutput()
+    sched._preempt(beams[2], out)  # what running out of blocks did to it
+    sched.waiting.rotate(-1)  # the big request ahead of it (it arrived first)
+    assert sched.waiting[0] is big.sequences[0]
+    step = sched.schedule()
+    (mine,) = [s for s in step.scheduled if s.seq is beams[2]]
+    assert beams[2].status is SeqStatus.RUNNING and big.sequences[0].status is SeqStatus.WAITING
+    assert mine.start == 16  # its prompt blocks came from the prefix cache
+    bm.check_invariants(sched.all_sequences())
