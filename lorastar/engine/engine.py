@@ -872,6 +872,10 @@ class LLMEngine:
                     seq.index, seq.token_ids[seq.num_prompt_tokens + sent : end],
                     seq.logprobs[sent:] if want_lp else None, None, seq.finish_reason, seq.stop_reason,
                 ))  # fmt: skip
+        if finished and len(samples) < req.params.n:  # aborted before its samples forked: n of them
+            have = {d.index for d in samples}
+            lps = [] if want_lp and req.beam is None else None
+            samples += [SampleDelta(k, [], lps, None, "abort") for k in range(req.params.n) if k not in have]
         req.num_outputs += 1
         return EngineCoreOutput(
             request_id=req.request_id,
