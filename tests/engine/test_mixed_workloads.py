@@ -1,6 +1,7 @@
 """Every kind of request at once, at random steps, on a cache small enough to preempt: greedy,
 seeded and unseeded sampling, ``n > 1``, beam search, penalties, logprobs, prompt logprobs, stop
-tokens and strings, ``min_tokens``, ``logit_bias``, aborts; with and without async scheduling.
+tokens and strings, ``min_tokens``, ``logit_bias``, aborts, three adapters over two slots; with and
+without async scheduling.
 
 What must hold whatever the mix (token values are held to HF elsewhere): no step raises, the
 engine's invariants hold after every step, each request ends once with ``n`` completions within its
@@ -16,16 +17,23 @@ from hypothesis import strategies as st
 
 from lorastar import LLM, SamplingParams
 from lorastar.errors import LimitExceededError
+from tests.conftest import make_peft_adapter
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def make_engine(tiny_model_dir, request):  # noqa: ANN001, ANN201
-    """A fresh engine per example: a failing example then replays the same way."""
+def make_engine(tiny_model_dir, tmp_path_factory, request):  # noqa: ANN001, ANN201
+    """A fresh engine per example (a failing example then replays the same way), with three
+    adapters of different ranks and two device slots."""
     path = tiny_model_dir("llama-gqa")
+    root = tmp_path_factory.mktemp("mixed-adapters")
+    adapters = {f"a{k}": make_peft_adapter(path, root / f"a{k}", k, r=4 * (k + 1)) for k in range(3)}
 
     def make():  # noqa: ANN202
-        return LLM(path, num_kv_blocks=12, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
-                   async_scheduling=request.param).engine  # fmt: skip
+        llm = LLM(path, num_kv_blocks=12, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
+                  max_loras=2, max_lora_rank=16, async_scheduling=request.param)  # fmt: skip
+        for name, folder in adapters.items():
+            llm.load_adapter(name, folder)
+        return llm.engine
 
     return make
 
@@ -65,6 +73,7 @@ def params(draw: st.DrawFn) -> SamplingParams:
             params(),
             st.integers(0, 4),  # step it arrives at
             st.one_of(st.none(), st.integers(0, 10)),  # step it is aborted at
+            st.sampled_from([None, "a0", "a1", "a2"]),  # adapter
         ),
         min_size=1,
         max_size=6,
@@ -76,13 +85,13 @@ def test_any_mix_of_requests_runs_and_leaks_nothing(make_engine, reqs) -> None: 
     finals: dict[str, object] = {}
     step = 0
     while step <= 4 or engine.has_unfinished():
-        for i, (prompt, sp, arrive, _) in enumerate(reqs):
+        for i, (prompt, sp, arrive, _, adapter) in enumerate(reqs):
             if arrive == step:
                 try:
-                    ids[i] = engine.add_request(prompt, sp).request_id
+                    ids[i] = engine.add_request(prompt, sp, adapter=adapter).request_id
                 except LimitExceededError:  # a beam search that cannot fit this cache: refused whole
                     assert sp.use_beam_search
-        for i, (*_, abort) in enumerate(reqs):
+        for i, (*_, abort, _) in enumerate(reqs):
             if abort == step and i in ids and (out := engine.abort_request(ids[i])) is not None:
                 assert out.finished and ids[i] not in finals
                 finals[ids[i]] = out
@@ -105,3 +114,4 @@ def test_any_mix_of_requests_runs_and_leaks_nothing(make_engine, reqs) -> None: 
     assert not engine.requests and not engine.has_unfinished()
     assert engine.block_manager.num_used_blocks == 0
     assert engine._num_sync_requests == 0
+    assert all(a.in_flight == 0 for a in engine.list_adapters())
