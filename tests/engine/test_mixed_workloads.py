@@ -5,9 +5,10 @@ without async scheduling.
 
 What must hold whatever the mix (token values are held to HF elsewhere): no step raises, the
 engine's invariants hold after every step, each request ends once with ``n`` completions within its
-limits, and the engine is left with no request, block, adapter reference or placeholder. This is how
-a beam request sharing a step with an unforked ``n > 1`` request was found to index the wrong
-logits rows (an IndexError that took the engine down)."""
+limits, and the engine is left with no request, block, adapter reference or placeholder. Workloads
+like these found a livelock (a preempted beam stuck behind a queue head that did not fit, its
+siblings waiting for it forever) and ``n > 1`` requests aborted before forking ending with one
+completion."""
 
 from __future__ import annotations
 
