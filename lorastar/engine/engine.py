@@ -528,6 +528,8 @@ class LLMEngine:
             if seq.num_placeholders and sch.samples:  # its input is the last, unknown token
                 patch_src.append(seq.placeholder_row)
                 patch_dst.append(i)
+        if patch_src and prev is None:  # a placeholder outlived its step: its input would be garbage
+            raise RuntimeError("async scheduling: a placeholder token has no step in flight")
         patch = (prev.sample.token_ids, patch_src, patch_dst) if prev is not None and patch_src else None
         result = self.runner.execute(out, self._adapter_slots(out), patch)
         self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
