@@ -475,22 +475,21 @@ class LLMEngine:
                 return self._step_async()
             return self._step_sync()
 
-    def _step_sync(self) -> list[EngineCoreOutput]:
-        with self.lock:
-            out = self.scheduler.schedule()
-            self.runner.batch.remove(out.finished_seq_ids)  # their rows, before any new one
-            if out.is_empty:
-                return []
-            now = time.monotonic()
-            for sch in out.scheduled:  # before running: a failed step knows whom it involved
-                if sch.seq.request.first_scheduled_time is None:
-                    sch.seq.request.first_scheduled_time = now
-            self._seed_prompt_logprobs(out)
-            result = self.runner.execute(out, self._adapter_slots(out))
-            self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
-            self.scheduler.update(out)
-            self._store_prompt_logprobs(out, result)
-            return self._process(out, result.logits)
+    def _step_sync(self) -> list[EngineCoreOutput]:  # under self.lock (step_core)
+        out = self.scheduler.schedule()
+        self.runner.batch.remove(out.finished_seq_ids)  # their rows, before any new one
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for sch in out.scheduled:  # before running: a failed step knows whom it involved
+            if sch.seq.request.first_scheduled_time is None:
+                sch.seq.request.first_scheduled_time = now
+        self._seed_prompt_logprobs(out)
+        result = self.runner.execute(out, self._adapter_slots(out))
+        self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
+        self.scheduler.update(out)
+        self._store_prompt_logprobs(out, result)
+        return self._process(out, result.logits)
 
     # ---- async scheduling ---------------------------------------------------------------------
     # Step N+1 is scheduled and launched before step N's sampled ids are read back: each sequence
@@ -542,11 +541,7 @@ class LLMEngine:
             seq = sch.seq
             row = seq.sampling_row
             if row is None:  # no fan-out or beams here (_needs_sync)
-                req = seq.request
-                row = seq.sampling_row = SamplingRow(
-                    req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
-                    seq.generator, self.eos_token_ids,
-                )  # fmt: skip
+                row = seq.sampling_row = self._sampling_row(seq, seq.generator)
             rows.append(row)
             seqs.append(seq)
         sample = self.sampler.launch(
@@ -694,8 +689,7 @@ class LLMEngine:
                 if k > 0 and req.params.seed is not None:
                     gen = make_generator((req.params.seed + k) % 2**64, self.device)  # seed <= 2**64 - 1
                 # Its fields never change: built once per sequence (a fork's at the fork).
-                row = SamplingRow(req.params, req.prompt_token_ids,
-                                  OutputIds(seq.token_ids, seq.num_prompt_tokens), gen, self.eos_token_ids)  # fmt: skip
+                row = self._sampling_row(seq, gen)
                 if k == 0:
                     seq.sampling_row = row
                 rows.append(row)
@@ -748,6 +742,13 @@ class LLMEngine:
                 # beam search streams its hypotheses only when asked for cumulative outputs.
                 outputs.append(self._core_output(req, finished=False))
         return outputs
+
+    def _sampling_row(self, seq: Sequence, generator: torch.Generator | None) -> SamplingRow:
+        """The sampler's view of ``seq``: its fields never change, so it is built once (a fork's at
+        the fork); the output ids are read in place."""
+        req = seq.request
+        return SamplingRow(req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
+                           generator, self.eos_token_ids)  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None

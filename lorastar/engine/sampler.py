@@ -78,21 +78,15 @@ class PendingSample:
         self._raw_logprobs = raw_logprobs
         self._ks = ks
         self._lp_idx = lp_idx
-        self._host: list[
-            Tensor
-        ] = []  # pinned copies: the ids, then (logprobs) token, rank, top ids, top values
+        # Copies read by result(): the ids, then (logprobs asked) logprob, rank, top ids, top values.
+        self._host: list[Tensor] = []
         self._event: torch.cuda.Event | None = None
         if copy_out:  # CUDA: pinned, behind an event (elsewhere plain copies: the same path, testable)
             parts = [token_ids]
             if raw_logprobs is not None:  # the logprobs' reductions queued now too, read back with the ids
-                lp = raw_logprobs  # [Rl, V]
-                tok = token_ids if len(lp_idx) == len(token_ids) else token_ids[to_device(lp_idx, lp.device)]
-                tok_t = lp.gather(1, tok[:, None])  # [Rl, 1]
-                parts += [tok, tok_t.squeeze(1), torch.ge(lp, tok_t).sum(dim=-1, dtype=torch.int32)]
-                k = int(ks[lp_idx].max())
-                if k > 0:
-                    top_v, top_i = lp.max(dim=-1, keepdim=True) if k == 1 else lp.topk(k, dim=-1)  # [Rl, k]
-                    parts += [top_i, top_v]
+                tok = _rows(token_ids, lp_idx)
+                tok_lp, ranks, top = _logprob_tensors(raw_logprobs, tok, int(ks[lp_idx].max()))
+                parts += [tok_lp, ranks, *(top or ())]
             for t in parts:
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
                 host.copy_(t, non_blocking=t.is_cuda)
@@ -109,8 +103,9 @@ class PendingSample:
             token_list: list[int] = self._host[0].tolist()
             lps: list[RowLogprobs | None] = [None] * len(token_list)
             if len(self._host) > 1:
-                tok_l, tok_lp_l, ranks_l = (h.tolist() for h in self._host[1:4])
-                tops = [h.tolist() for h in self._host[4:6]] or [[[] for _ in tok_l]] * 2
+                tok_l = [token_list[i] for i in self._lp_idx]
+                tok_lp_l, ranks_l = (h.tolist() for h in self._host[1:3])
+                tops = [h.tolist() for h in self._host[3:5]] or [[[] for _ in tok_l]] * 2
                 k_l: list[int] = self._ks[self._lp_idx].tolist()
                 lps = _logprob_dicts(len(token_list), self._lp_idx, k_l, tok_l, tok_lp_l, ranks_l, *tops)
             return SamplerOutput(token_ids=token_list, logprobs=lps)
@@ -446,12 +441,15 @@ class Sampler:
         idx: list[int],  # [Rl] the rows that asked
     ) -> list[RowLogprobs | None]:
         """The sampled token's logprob and rank, and the top k, per row that asked."""
-        tok = (
-            token_ids if len(idx) == len(token_ids) else token_ids[torch.tensor(idx, device=token_ids.device)]
-        )
+        tok = _rows(token_ids, idx)
         k_l: list[int] = ks[idx].tolist()
         tok_lp_l, ranks_l, top_i_l, top_v_l = token_logprobs(lp, tok, max(k_l))
         return _logprob_dicts(len(token_ids), idx, k_l, tok.tolist(), tok_lp_l, ranks_l, top_i_l, top_v_l)
+
+
+def _rows(t: Tensor, idx: list[int]) -> Tensor:
+    """``t[idx]`` (``t`` itself when ``idx`` is every row)."""
+    return t if len(idx) == len(t) else t[to_device(idx, t.device)]
 
 
 def _logprob_dicts(
@@ -514,9 +512,10 @@ def token_logprobs(
         tok = np.take_along_axis(a, targets.numpy()[:, None], 1)  # [R, 1]
         tok_l, ranks_l = tok[:, 0].tolist(), np.count_nonzero(a >= tok, axis=-1).tolist()
     else:
-        tok_t = lp.gather(1, targets[:, None])  # [R, 1]
-        tok_l = tok_t.squeeze(1).tolist()
-        ranks_l = torch.ge(lp, tok_t).sum(dim=-1, dtype=torch.int32).tolist()
+        tok_lp, ranks, top = _logprob_tensors(lp, targets, k)
+        tok_l, ranks_l = tok_lp.tolist(), ranks.tolist()
+        if top is not None:
+            return tok_l, ranks_l, top[0].tolist(), top[1].tolist()
     if k <= 0:
         return tok_l, ranks_l, [[] for _ in tok_l], [[] for _ in tok_l]
     if k == 1 and cpu:
@@ -524,6 +523,21 @@ def token_logprobs(
         return tok_l, ranks_l, top_i.tolist(), np.take_along_axis(a, top_i, 1).tolist()
     top_v, top_i_t = lp.max(dim=-1, keepdim=True) if k == 1 else lp.topk(k, dim=-1)  # [R, k] each
     return tok_l, ranks_l, top_i_t.tolist(), top_v.tolist()
+
+
+def _logprob_tensors(
+    lp: Tensor,  # [R, V] logprobs
+    targets: Tensor,  # [R] int64 token ids
+    k: int,
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """``token_logprobs`` on the device, nothing read back: ``[R]`` logprobs of the targets, their
+    ``[R]`` int32 ranks, and the top ``k`` ``(ids, logprobs)``, each ``[R, k]`` (None for k = 0)."""
+    tok_t = lp.gather(1, targets[:, None])  # [R, 1]
+    ranks = torch.ge(lp, tok_t).sum(dim=-1, dtype=torch.int32)  # [R]
+    if k <= 0:
+        return tok_t.squeeze(1), ranks, None
+    top_v, top_i = lp.max(dim=-1, keepdim=True) if k == 1 else lp.topk(k, dim=-1)  # [R, k] each
+    return tok_t.squeeze(1), ranks, (top_i, top_v)
 
 
 def _argmax(x: Tensor, may_sync: bool = True) -> Tensor:
