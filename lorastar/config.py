@@ -99,7 +99,7 @@ class EngineConfig:
     sequences replay captured CUDA graphs (at small batches kernel launches, not the GPU, set the
     step time); captured lazily per padded batch size."""
 
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     """Schedule and launch step N+1 before reading step N's sampled tokens back (vLLM's
     ``--async-scheduling``, mini-sglang's overlap loop): N+1's input ids are taken from N's
     sampled ids on the device, and N's outputs are built while the device runs N+1, so on a GPU
@@ -108,7 +108,9 @@ class EngineConfig:
     one extra token computed and dropped. While any live request uses beam search, ``n > 1``,
     prompt logprobs or a repetition/frequency/presence penalty, steps run one at a time (their
     sampling reads the previous token on the host). On a CPU nothing overlaps (a step runs in the
-    calling thread): leave it off there."""
+    calling thread). ``None`` (default): on for CUDA, off elsewhere; measured on an H200 (1.1B
+    Llama, bf16, 128+64 tokens) at 1.02x / 1.30x / 1.42x the tokens/s of one-at-a-time steps for
+    1 / 16 / 64 requests, 1.26x / 1.20x / 1.32x with 16 adapters (README, GPU)."""
 
     seed: int = 0
     """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""
@@ -165,9 +167,11 @@ class EngineConfig:
             raise ValueError(
                 f"embedding_quantization must be one of {_EMBED_QUANT}, got {self.embedding_quantization!r}"
             )
-        for name in ("enable_prefix_caching", "enforce_eager", "tune_malloc", "async_scheduling"):
+        for name in ("enable_prefix_caching", "enforce_eager", "tune_malloc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         for name in (
             "block_size",
             "max_num_seqs",

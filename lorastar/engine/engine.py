@@ -116,7 +116,10 @@ class LLMEngine:
             self.model_name = Path(config.model).name
         self.hf_config = read_hf_config(self.model_dir)
         self.device = resolve_device(config.device)
-        if config.async_scheduling and self.device.type != "cuda":
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        )
+        if self.async_scheduling and self.device.type != "cuda":
             logger.info(
                 "async_scheduling on %s: a step runs in the calling thread, nothing overlaps", self.device
             )
@@ -471,7 +474,7 @@ class LLMEngine:
         """One step of the core: schedule, run, sample; each touched request's new tokens (with
         ``async_scheduling``: the previous step's, this one's come with the next call)."""
         with self.lock:
-            if self.config.async_scheduling:
+            if self.async_scheduling:
                 return self._step_async()
             return self._step_sync()
 

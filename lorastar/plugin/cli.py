@@ -192,9 +192,10 @@ _ENGINE_OPTIONS = [
     ),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
     click.option(
-        "--async-scheduling",
-        is_flag=True,
-        help="Launch step N+1 before reading step N's tokens back (GPU: the host overlaps the forward).",
+        "--async-scheduling/--no-async-scheduling",
+        default=None,
+        help="Launch step N+1 before reading step N's tokens back (the host overlaps the forward) "
+        "[default: on for CUDA, off elsewhere].",
     ),
     click.option(
         "--tune-malloc/--no-tune-malloc",

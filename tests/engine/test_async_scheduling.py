@@ -251,6 +251,29 @@ async def test_core_process_with_async_scheduling_equals_the_in_process_engine()
         await client.shutdown(drain_timeout=0)
 
 
+def test_default_follows_the_device(base) -> None:  # noqa: ANN001
+    """``async_scheduling=None`` (the default) is off on a CPU, where nothing overlaps; an
+    explicit value wins; anything but a bool or None is refused by name."""
+    from lorastar.config import EngineConfig
+
+    path, _, _ = base
+    assert LLM(path, num_kv_blocks=16).engine.async_scheduling is False
+    assert _llm(path, True).engine.async_scheduling is True
+    with pytest.raises(ValueError, match="async_scheduling must be a bool or None"):
+        EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_default_is_async_on_cuda(base) -> None:  # noqa: ANN001
+    """On CUDA the default engine schedules asynchronously, and its greedy tokens equal HF's."""
+    path, prompts, refs = base
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128)
+    assert llm.engine.async_scheduling is True
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    _clean(llm)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_cuda_launch_never_waits_for_the_device(

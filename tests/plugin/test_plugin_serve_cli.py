@@ -73,6 +73,25 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
 
 
 @pytest.mark.parametrize(
+    ("flag", "want"), [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)]
+)
+def test_async_scheduling_flag(
+    monkeypatch: pytest.MonkeyPatch, folders: dict[str, Path], flag: list[str], want: bool | None
+) -> None:
+    """No flag leaves the engine's default (on for CUDA); either spelling overrides it."""
+    seen: dict[str, Any] = {}
+
+    def fake_run(app: Any, sock: socket.socket, log_level: str) -> None:
+        seen.update(app=app)
+        sock.close()
+
+    monkeypatch.setattr(cli, "run_server", fake_run)
+    r = CliRunner().invoke(main, ["serve", str(folders["model"]), "--port", "0", *flag])
+    assert r.exit_code == 0, r.output
+    assert seen["app"].plugins.get("LoraStarPlugin").config.engine_config().async_scheduling is want
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--adapter", "no-equals-sign"], "expected NAME=PATH"),
