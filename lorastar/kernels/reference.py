@@ -362,26 +362,3 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-def ref_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The residual add (rounded to the dtype) and transformers' RMSNorm of the sum: ``(norm, sum)``."""
-    s = x + residual
-    return ref_rms_norm(s, weight, eps), s
-
-
-# ---------------------------------------------------------------------------------------------
-# Rotary position embedding
-# ---------------------------------------------------------------------------------------------
-
-
-def ref_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin`` over the first ``r = cos.shape[-1]`` dims of
-    ``x [T, H, D]`` (``cos``, ``sin``: ``[T, r]``); the rest pass through. A new tensor."""
-    r = cos.shape[-1]
-    rot = x[..., :r]
-    half = torch.cat((-rot[..., r // 2 :], rot[..., : r // 2]), dim=-1)
-    out = rot * cos[:, None, :] + half * sin[:, None, :]
-    return torch.cat((out, x[..., r:]), dim=-1)

@@ -17,8 +17,6 @@ import torch
 from torch import nn
 
 from lorastar.forward_context import ForwardContext
-from lorastar.kernels._triton import HAS_TRITON
-from lorastar.kernels.rotary import rotary_
 
 SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope")
 
@@ -111,8 +109,6 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._step_cos_sin(positions, q.dtype, ctx)
         r = self.rotary_dim
-        if _fused(q, cos) and _fused(k, cos):  # in place, one launch each
-            return rotary_(q, cos[:, 0], sin[:, 0]), rotary_(k, cos[:, 0], sin[:, 0])
         if r == q.shape[-1]:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         q_rot = q[..., :r] * cos + _rotate_half(q[..., :r]) * sin
@@ -123,21 +119,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext | None = None
     ) -> torch.Tensor:
         """Full-width rotary over ``x [T, H, D]`` (q and k heads side by side: one pass for both,
-        10.9 vs 20.6 us for SmolLM2's 9 + 3 heads at 10 rows); on CUDA in half precision, in place
-        in one launch (torch: five)."""
+        10.9 vs 20.6 us for SmolLM2's 9 + 3 heads at 10 rows)."""
         cos, sin = self._step_cos_sin(positions, x.dtype, ctx)
-        if _fused(x, cos):
-            return rotary_(x, cos[:, 0], sin[:, 0])
         return x * cos + _rotate_half(x) * sin
-
-
-def _fused(x: torch.Tensor, cos: torch.Tensor) -> bool:
-    """The one-launch kernel applies: CUDA, half precision (fp32 keeps torch's unfused
-    multiply-add rounding), a contiguous last dimension."""
-    return (
-        x.is_cuda and HAS_TRITON and x.dtype in (torch.bfloat16, torch.float16) and cos.dtype == x.dtype
-        and x.dim() == 3 and x.stride(2) == 1 and cos.stride(-1) == 1
-    )  # fmt: skip
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

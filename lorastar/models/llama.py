@@ -167,23 +167,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps, dtype)
         self.mlp = MLP(cfg, layer_idx, dtype, quant)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        ctx: ForwardContext,
-        residual: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(h, residual)`` with this layer's output ``h + residual`` left unsummed (vLLM's shape):
-        each residual add is done by the next norm, in its launch on CUDA. ``residual`` None: the
-        first layer (``x`` is the embedding)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, ctx)  # [T, hidden]
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, ctx), residual
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -262,10 +248,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         ctx.attn.rope_cos, ctx.attn.rope_sin = self.rope.cos_sin(positions, x.dtype)
-        residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, ctx, residual)
-        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+            x = layer(positions, x, ctx)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)  # [rows, vocab]

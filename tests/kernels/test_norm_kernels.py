@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lorastar.kernels.activation import silu_and_mul
-from lorastar.kernels.norm import add_rms_norm, rms_norm
-from lorastar.kernels.reference import ref_add_rms_norm, ref_rms_norm, ref_silu_and_mul
+from lorastar.kernels.norm import rms_norm
+from lorastar.kernels.reference import ref_rms_norm, ref_silu_and_mul
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -45,40 +45,6 @@ def test_rms_norm_strided_rows_and_refusals() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (7, 576), (33, 1000)])
-def test_add_rms_norm_matches_reference(rows: int, hidden: int, dtype: torch.dtype) -> None:
-    """The residual sum (rounded to the dtype, as torch's add) and the norm of it, both new tensors."""
-    gen = torch.Generator().manual_seed(rows + hidden)
-    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
-    res = (torch.randn(rows, 2 * hidden, generator=gen) * 5).to(dtype)[:, :hidden]  # strided rows
-    w = (1 + 0.3 * torch.randn(hidden, generator=gen)).to(dtype)
-    x0, res0 = x.clone(), res.clone()
-    got, total = add_rms_norm(x, res, w, 1e-5)
-    want, want_total = ref_add_rms_norm(x, res, w, 1e-5)
-    _check(total, want_total)
-    _check(got, want)
-    assert torch.equal(x, x0) and torch.equal(res, res0)  # out of place
-    with pytest.raises(ValueError, match="does not match"):
-        add_rms_norm(x, res[:, :-1].contiguous(), w, 1e-5)
-
-
-def test_layer_norm_with_residual_equals_add_then_norm() -> None:
-    """RMSNorm(x, residual) off CUDA: the torch add, then the same norm, bit for bit."""
-    from lorastar.layers.norm import RMSNorm
-
-    gen = torch.Generator().manual_seed(1)
-    for dtype in DTYPES:
-        norm = RMSNorm(96, 1e-6, dtype)
-        norm.weight.data = (1 + 0.3 * torch.randn(96, generator=gen)).to(dtype)
-        x, res = (
-            (torch.randn(5, 96, generator=gen) * 3).to(dtype),
-            torch.randn(5, 96, generator=gen).to(dtype),
-        )
-        got, total = norm(x, res)
-        assert torch.equal(total, x + res) and torch.equal(got, norm(x + res))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "inter"), [(1, 64), (5, 1536), (17, 1000)])
 def test_silu_and_mul_matches_reference(rows: int, inter: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows + inter)
@@ -101,10 +67,5 @@ def test_norm_and_activation_gpu(rows: int, dtype: torch.dtype) -> None:
         x = (torch.randn(rows, hidden, generator=gen, device="cuda") * 3).to(dtype)
         w = (1 + 0.3 * torch.randn(hidden, generator=gen, device="cuda")).to(dtype)
         _check(rms_norm(x, w, 1e-5), ref_rms_norm(x, w, 1e-5))
-        res = (torch.randn(rows, hidden, generator=gen, device="cuda") * 3).to(dtype)
-        got, total = add_rms_norm(x, res, w, 1e-5)
-        want, want_total = ref_add_rms_norm(x, res, w, 1e-5)
-        assert torch.equal(total, want_total)
-        _check(got, want)
     g = (torch.randn(rows, 2 * 5632, generator=gen, device="cuda") * 4).to(dtype)
     _check(silu_and_mul(g), ref_silu_and_mul(g))
