@@ -31,6 +31,7 @@ from lorastar.engine.request import OutputIds, Request, SeqStatus, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
 from lorastar.engine.sampler import (
     PendingSample,
+    PendingTokens,
     RowLogprobs,
     Sampler,
     SamplingMetadata,
@@ -68,16 +69,11 @@ class _InFlight:
 
 
 def _needs_sync(params: SamplingParams) -> bool:
-    """Requests whose sampling reads the previous token on the host (or forks sequences there):
-    while one is live, async scheduling runs steps one at a time."""
-    return (
-        params.use_beam_search
-        or params.n > 1
-        or params.prompt_logprobs is not None
-        or params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-        or params.presence_penalty != 0.0
-    )
+    """Requests whose sampling reads the previous token on the host or forks sequences there
+    (beams, n > 1), or whose prompt logprobs go through the host: while one is live, async
+    scheduling runs steps one at a time. Penalties read the previous token on the device
+    (``PendingTokens``)."""
+    return params.use_beam_search or params.n > 1 or params.prompt_logprobs is not None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -538,6 +534,7 @@ class LLMEngine:
         self.scheduler.update(out, commit=False)
         rows: list[SamplingRow] = []
         seqs: list[Sequence] = []
+        pending = PendingTokens(prev.sample.token_ids, [], []) if prev is not None else None
         for sch in out.scheduled:
             if not sch.samples:
                 continue
@@ -545,10 +542,13 @@ class LLMEngine:
             row = seq.sampling_row
             if row is None:  # no fan-out or beams here (_needs_sync)
                 row = seq.sampling_row = self._sampling_row(seq, seq.generator)
+            if seq.num_placeholders and pending is not None:  # penalties read its token on the device
+                pending.rows.append(len(rows))
+                pending.src.append(seq.placeholder_row)
             rows.append(row)
             seqs.append(seq)
         sample = self.sampler.launch(
-            result.logits, rows, self.runner.batch.sampling_metadata(seqs), no_sync=True
+            result.logits, rows, self.runner.batch.sampling_metadata(seqs), no_sync=True, pending=pending
         )
         targets: list[tuple[Sequence, int]] = []
         for j, seq in enumerate(seqs):

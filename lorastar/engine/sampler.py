@@ -50,6 +50,17 @@ class SamplingRow:
     prompt_ids: np.ndarray | None = None
 
 
+@dataclass(slots=True)
+class PendingTokens:
+    """Sampling rows whose last output id is a placeholder (async scheduling): the token the
+    previous step sampled for it is still on the device, ``ids[src[j]]`` for row ``rows[j]``.
+    Penalties count it from there, so a step needs no read-back of the one before."""
+
+    ids: Tensor  # [R_prev] the previous step's sampled ids, on the device
+    rows: list[int]  # rows of this step (ascending)
+    src: list[int]  # their rows in ``ids``
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
@@ -228,12 +239,14 @@ class Sampler:
         meta: SamplingMetadata | None = None,
         *,
         no_sync: bool = False,
+        pending: PendingTokens | None = None,
     ) -> PendingSample:
         """``__call__`` without reading the tokens back: their ``[R]`` tensor stays on the device
         (the next step's input ids can be taken from it) until ``result()``. ``no_sync``: on a GPU,
         queue no operation that waits for the device (async scheduling): the NaN fallbacks run
         unconditionally instead of behind a check, and the ids are copied to pinned host memory
-        behind an event."""
+        behind an event. ``pending``: rows whose last output id is not known on the host yet
+        (penalties read it on the device; the rest of sampling reads only how many there are)."""
         num_rows, vocab = logits.shape  # [R, V]
         if num_rows != len(rows):
             raise ValueError(f"logits has {num_rows} rows but {len(rows)} sampling rows were given")
@@ -268,7 +281,7 @@ class Sampler:
 
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
-        self._apply_penalties(x, rows, vocab, meta)
+        self._apply_penalties(x, rows, vocab, meta, pending)
 
         may_sync = not (no_sync and dev.type == "cuda")
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
@@ -310,7 +323,12 @@ class Sampler:
             x[to_device(r_idx, x.device), to_device(t_idx, x.device)] = float("-inf")
 
     def _apply_penalties(
-        self, x: Tensor, rows: Sequence[SamplingRow], vocab: int, meta: SamplingMetadata | None = None
+        self,
+        x: Tensor,
+        rows: Sequence[SamplingRow],
+        vocab: int,
+        meta: SamplingMetadata | None = None,
+        pending: PendingTokens | None = None,
     ) -> None:
         """vLLM semantics: repetition over prompt+output (divide positive logits, multiply
         negative ones), then frequency (x count) and presence (x [count > 0]) over output only.
@@ -322,29 +340,58 @@ class Sampler:
         any is written and all copies write the same value, so no dedup is needed; with each
         row's prompt ids kept on the row, a step reads only the outputs. 64 rows with a 2,000-token
         prompt and 200 outputs, repetition 1.1, one thread: the sampler 35.9 -> 7.3 ms a step (a fresh read
-        and ``np.unique`` of prompt + output every step before)."""
+        and ``np.unique`` of prompt + output every step before).
+
+        ``pending`` rows' last output id is a placeholder: the host pairs leave it out and its
+        device value joins as one more pair (P of them), with the count it makes: the values
+        written are the ones a known token would give, op for op."""
         if meta is None:
             meta = SamplingMetadata.from_params([r.params for r in rows])
         dev = x.device
         rep_rows: list[int] = np.flatnonzero(meta.repetition != 1.0).tolist()
+        need = (meta.frequency != 0.0) | (meta.presence != 0.0)
+        if not rep_rows and not need.any():
+            return
+        trim = np.zeros(len(rows), dtype=np.bool_)  # [R] rows whose last output id is a placeholder
+        if pending is not None and pending.rows:
+            trim[pending.rows] = True
+            pend_rows = np.asarray(pending.rows, dtype=np.int64)  # [P]
+            pend_tok = pending.ids[to_device(pending.src, dev)]  # [P] on the device
         if rep_rows:
-            r_idx, t_idx = _occurrences(rows, rep_rows, vocab)
-            if r_idx.size:
+            r_idx, t_idx = _occurrences(rows, rep_rows, vocab, trim)
+            sel = np.flatnonzero(meta.repetition[pend_rows] != 1.0) if trim.any() else []
+            if r_idx.size or len(sel):
                 flat = to_device(r_idx * vocab + t_idx, dev)  # [N] into x.view(-1)
                 rp = to_device(meta.repetition.astype(np.float32)[r_idx], dev)  # [N]
+                if len(sel):  # a token in both lists is written twice with the same value
+                    pr = pend_rows[sel]
+                    flat = torch.cat([flat, to_device(pr * vocab, dev) + pend_tok[to_device(sel, dev)]])
+                    rp = torch.cat([rp, to_device(meta.repetition.astype(np.float32)[pr], dev)])
                 x_flat = x.view(-1)  # the caller's x is contiguous
                 vals = x_flat[flat]  # [N]
                 x_flat.index_copy_(0, flat, torch.where(vals > 0, vals / rp, vals * rp))
-        need_fp = ((meta.frequency != 0.0) | (meta.presence != 0.0)).tolist()
-        if any(need_fp):
+        if need.any():
             r_idx, t_idx, counts = _counts(
-                [r.output_token_ids if need_fp[i] else () for i, r in enumerate(rows)], vocab
+                [_known_outputs(r, t) if n else () for r, t, n in zip(rows, trim.tolist(), need.tolist())],
+                vocab,
             )
-            if r_idx.size:
+            sel = np.flatnonzero(need[pend_rows]) if trim.any() else []
+            if r_idx.size or len(sel):
                 ri, ti = to_device(r_idx, dev), to_device(t_idx, dev)
+                cnt = to_device(counts, dev, torch.float32)  # [N]
+                if len(sel):
+                    pr = pend_rows[sel]
+                    pr_d, pt = to_device(pr, dev), pend_tok[to_device(sel, dev)]  # [P']
+                    tok_of_row = torch.full((len(rows),), -1, dtype=pt.dtype, device=dev)
+                    tok_of_row[pr_d] = pt
+                    match = ti == tok_of_row[ri]  # [N]: the pair of a row's pending token
+                    known = torch.zeros(len(rows), dtype=torch.float32, device=dev)
+                    known.index_add_(0, ri, cnt * match)  # [R]: its count among the known ids
+                    cnt = torch.cat([cnt + match, known[pr_d] + 1])  # that pair written twice, alike
+                    ri, ti = torch.cat([ri, pr_d]), torch.cat([ti, pt])
+                    r_idx = np.concatenate([r_idx, pr])
                 fp = to_device(meta.frequency.astype(np.float32)[r_idx], dev)  # [N]
                 pp = to_device(meta.presence.astype(np.float32)[r_idx], dev)  # [N]
-                cnt = torch.from_numpy(counts).to(dev, torch.float32)  # [N]
                 x.index_put_((ri, ti), x[ri, ti].sub(fp * cnt).sub(pp))
 
     # ------------------------------------------------------------------ random sampling
@@ -573,9 +620,17 @@ def _below_min_tokens(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> li
     return np.flatnonzero(out_lens < meta.min_tokens).tolist()
 
 
-def _occurrences(rows: Sequence[SamplingRow], idx: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+def _known_outputs(row: SamplingRow, trimmed: bool) -> Sequence[int]:
+    """The row's output ids known on the host: all but the last when that is a placeholder."""
+    return row.output_token_ids[:-1] if trimmed else row.output_token_ids
+
+
+def _occurrences(
+    rows: Sequence[SamplingRow], idx: list[int], vocab: int, trim: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``rows [N]``, ``tokens [N]``: each of rows ``idx``'s distinct in-vocabulary prompt ids (kept on
-    the row after the first call) and every in-vocabulary output id, repeats included."""
+    the row after the first call) and every in-vocabulary output id, repeats included (``trim``:
+    rows whose last output id is left out)."""
     prompts = []
     for i in idx:
         row = rows[i]
@@ -583,7 +638,7 @@ def _occurrences(rows: Sequence[SamplingRow], idx: list[int], vocab: int) -> tup
             p = np.unique(np.asarray(row.prompt_token_ids, dtype=np.int64))
             row.prompt_ids = p[(p >= 0) & (p < vocab)]
         prompts.append(row.prompt_ids)
-    outs = [rows[i].output_token_ids for i in idx]
+    outs = [_known_outputs(rows[i], trim is not None and bool(trim[i])) for i in idx]
     out_lens = np.fromiter(map(len, outs), dtype=np.int64, count=len(idx))
     out_toks = np.fromiter(chain.from_iterable(outs), dtype=np.int64, count=int(out_lens.sum()))  # [M]
     ok = (out_toks >= 0) & (out_toks < vocab)

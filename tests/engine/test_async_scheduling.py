@@ -157,9 +157,46 @@ def test_preemption_and_prefix_cache(base) -> None:  # noqa: ANN001
     _clean(llm)
 
 
+def test_penalties_keep_the_overlap_and_equal_sync(base) -> None:  # noqa: ANN001
+    """Repetition, frequency and presence penalties count the previous step's token from the
+    device (it is a placeholder on the host when the next step is sampled): outputs equal the
+    synchronous engine's token for token, greedy and seeded, with penalties that make tokens
+    repeat (so the pending token is often one the row already holds), and no step waits."""
+    path, prompts, _ = base
+    kw = {"max_tokens": 20, "ignore_eos": True}
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.3, **kw),
+        SamplingParams(temperature=0, frequency_penalty=-2.0, **kw),  # repeats: counts above 1
+        SamplingParams(temperature=0, presence_penalty=0.9, **kw),
+        SamplingParams(
+            temperature=0.9, seed=5, repetition_penalty=1.2, frequency_penalty=0.4, presence_penalty=0.3, **kw
+        ),  # fmt: skip
+        SamplingParams(temperature=0, **kw),
+        SamplingParams(temperature=1.0, seed=7, repetition_penalty=0.7, presence_penalty=-1.0, **kw),
+        SamplingParams(temperature=0, repetition_penalty=0.8, frequency_penalty=0.3, **kw),
+    ]
+    sync, asy = _llm(path, False), _llm(path, True)
+    want = _outputs(sync.generate(prompts, params))
+    eng = asy.engine
+    launch, pending_rows = eng.sampler.launch, []
+
+    def recording(*a, pending=None, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        assert eng._num_sync_requests == 0
+        pending_rows.append(len(pending.rows) if pending is not None else 0)
+        return launch(*a, pending=pending, **k)
+
+    eng.sampler.launch = recording
+    assert _outputs(asy.generate(prompts, params)) == want
+    assert sum(n > 0 for n in pending_rows) >= 15  # every decode step had rows with a pending token
+    assert any(len(set(ids)) < len(ids) // 2 for ids, _, _ in want)
+    _clean(sync)
+    _clean(asy)
+
+
 def test_requests_that_need_sync_steps_mix_in(base) -> None:  # noqa: ANN001
-    """Penalties, n > 1 and beam search make steps run one at a time while they are live; the
-    others around them keep HF's tokens, and the counter of such requests returns to zero."""
+    """n > 1, beam search and prompt logprobs make steps run one at a time while they are live;
+    penalties do not; the others around them keep HF's tokens, and the counter of such requests
+    returns to zero."""
     path, prompts, refs = base
     sync, asy = _llm(path, False), _llm(path, True)
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -289,9 +326,26 @@ def test_cuda_launch_never_waits_for_the_device(
     prompts = mixed_prompts(11, [1, 3, 16, 17, 31, 64])
     llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, max_num_batched_tokens=96,
               async_scheduling=True, enforce_eager=eager)  # fmt: skip
+    sp = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2 if i % 2 else None)
+          for i in range(len(prompts))]  # fmt: skip
+    outs = _generate_strictly(llm, monkeypatch, prompts, sp)
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p], device="cuda")
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                          do_sample=False, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
+        assert o.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
+        if o.outputs[0].logprobs is not None:  # read back with the ids: the sampled token's, rank 1
+            assert all(d[t].rank == 1 and len(d) == 2 for d, t in zip(o.outputs[0].logprobs, ref))
+    _clean(llm)
+
+
+def _generate_strictly(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list, sp: list) -> list:  # noqa: ANN001
+    """Generate twice; in the second round every decode step with a step in flight (and, with
+    graphs, a captured graph) is launched under torch's sync debug mode "error"."""
     eng = llm.engine
     launch = eng._launch
     checked: list[int] = []
+    checked_round = False
 
     def strict(out, prev):  # noqa: ANN001, ANN202
         graphs = eng.runner.graphs
@@ -310,20 +364,26 @@ def test_cuda_launch_never_waits_for_the_device(
             checked.append(len(out.scheduled))
 
     monkeypatch.setattr(eng, "_launch", strict)
-    sp = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2 if i % 2 else None)
-          for i in range(len(prompts))]  # fmt: skip
-    checked_round = False
     llm.generate(prompts, sp)
     checked_round = True
     outs = llm.generate(prompts, sp)
     assert len(checked) >= 10
-    for p, o in zip(prompts, outs):
-        ids = torch.tensor([p], device="cuda")
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                          do_sample=False, pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
-        assert o.outputs[0].token_ids == ref, f"prompt of {len(p)} tokens"
-        if o.outputs[0].logprobs is not None:  # read back with the ids: the sampled token's, rank 1
-            assert all(d[t].rank == 1 and len(d) == 2 for d, t in zip(o.outputs[0].logprobs, ref))
+    return outs
+
+
+@pytest.mark.gpu
+def test_cuda_penalties_never_wait_and_equal_sync(tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """On a GPU: penalties read the pending token on the device; launching a step with penalized
+    rows queues nothing that synchronizes, and outputs equal the synchronous engine's."""
+    path = tiny_model_dir("llama-gqa")
+    prompts = mixed_prompts(13, [1, 3, 16, 17, 31, 64])
+    sp = [SamplingParams(temperature=[0, 0.8][i % 2], seed=i, max_tokens=16, ignore_eos=True,
+                         repetition_penalty=[1.3, 1.0, 0.8][i % 3], frequency_penalty=[0.0, 0.5, -1.0][i % 3],
+                         presence_penalty=[0.4, 0.0][i % 2]) for i in range(len(prompts))]  # fmt: skip
+    opts = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 256, "max_num_batched_tokens": 96}
+    want = _outputs(LLM(path, async_scheduling=False, **opts).generate(prompts, sp))
+    llm = LLM(path, async_scheduling=True, **opts)
+    assert _outputs(_generate_strictly(llm, monkeypatch, prompts, sp)) == want
     _clean(llm)
 
 

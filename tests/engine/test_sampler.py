@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lorastar.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from lorastar.engine.sampler import PendingTokens, Sampler, SamplerOutput, SamplingRow, make_generator
 from lorastar.engine.sampling import SamplingParams
 
 
@@ -431,6 +431,44 @@ def test_sparse_penalties_equal_the_dense_form_bitwise() -> None:
     want = _dense_penalties(x, rows, v)
     assert torch.equal(got, want)
     assert not torch.equal(got, x)
+
+
+def test_penalties_with_the_last_token_on_the_device_equal_it_known() -> None:
+    """Async scheduling: a row's last output id is a placeholder whose token is still on the
+    device (``PendingTokens``). The penalties equal those with the token known on the host, bit for
+    bit, whether that token is new to the row, already in its output (counts > 1), only in its
+    prompt, or the row has no other output; rows without a placeholder are unaffected."""
+    gen = torch.Generator().manual_seed(5)
+    v, r = 120, 10
+    rng = random.Random(6)
+    known_rows, pending_rows, prev_ids, pend, src = [], [], [], [], []
+    for i in range(r):
+        prompt = [rng.randrange(0, v) for _ in range(rng.randrange(0, 20))]
+        output = [rng.randrange(0, 15) for _ in range(rng.randrange(0, 12))]  # repeats
+        p = SamplingParams(
+            repetition_penalty=[1.0, 1.3, 0.7, 1.1][i % 4], frequency_penalty=[0.0, 0.4, -0.9][i % 3],
+            presence_penalty=[0.0, -0.6, 1.1][i % 3],
+        )  # fmt: skip
+        if i % 5 == 4:  # no placeholder on this row
+            known_rows.append(_row(p, prompt=prompt, output=output))
+            pending_rows.append(_row(p, prompt=prompt, output=list(output)))
+            continue
+        last = [rng.randrange(0, 15), *(prompt[:1] or [3]), v - 1][i % 3]  # often seen, or a prompt id
+        known_rows.append(_row(p, prompt=prompt, output=[*output, last]))
+        pending_rows.append(_row(p, prompt=prompt, output=[*output, 0]))  # 0: the placeholder's value
+        pend.append(i)
+        src.append(len(prev_ids) + 1)
+        prev_ids += [rng.randrange(0, v), last]  # the previous step's ids, the token at src
+    x = torch.randn(r, v, generator=gen) * 3
+    want = x.clone()
+    Sampler()._apply_penalties(want, known_rows, v)
+    assert torch.equal(want, _dense_penalties(x, known_rows, v))
+    got = x.clone()
+    Sampler()._apply_penalties(got, pending_rows, v, pending=PendingTokens(torch.tensor(prev_ids), pend, src))
+    assert torch.equal(got, want)
+    wrong = x.clone()
+    Sampler()._apply_penalties(wrong, pending_rows, v)  # the placeholder taken for a token
+    assert not torch.equal(wrong, want)
 
 
 def _dense_penalties(x: torch.Tensor, rows: list[SamplingRow], v: int) -> torch.Tensor:
