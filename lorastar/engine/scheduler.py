@@ -286,7 +286,32 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
+        if not out.scheduled and not out.preempted and self.waiting and self.running:
+            self._unstall_beams(out)
         return out
+
+    def _unstall_beams(self, out: SchedulerOutput) -> None:
+        """Every running sequence is a beam waiting for a preempted sibling's proposal, and the
+        first such sibling in the queue does not fit in the blocks the waiting beams hold: no step
+        would ever run again (two beam searches, each with a beam preempted, can fill the cache so).
+        The newest other beam search's running beams are preempted whole and queued behind the
+        stalled one's, which then runs first; the preempted search resumes after it."""
+        head = self.waiting[0]
+        if head.request.beam is None or head.seq_id not in self._preempted_beams:
+            return
+        if any(s.request.beam is None or s.num_tokens != s.num_computed_tokens for s in self.running):
+            return
+        victim = next((s.request for s in reversed(self.running) if s.request is not head.request), None)
+        if victim is None:  # the stalled search alone holds the cache
+            return
+        seqs = [s for s in self.running if s.request is victim]
+        for seq in seqs:
+            self._preempt(seq, out)
+        for seq in seqs:
+            self.waiting.remove(seq)
+        behind = max(i for i, s in enumerate(self.waiting) if s.request is head.request) + 1
+        for k, seq in enumerate(seqs):
+            self.waiting.insert(behind + k, seq)
 
     def _beams_first(self) -> None:
         """Preempted beams go to the front of the queue: their running siblings wait for their
