@@ -68,12 +68,12 @@ class _InFlight:
     sample: PendingSample
 
 
-def _needs_sync(params: SamplingParams) -> bool:
+def _needs_sync(params: SamplingParams, forked: bool = False) -> bool:
     """Requests whose sampling reads the previous token on the host or forks sequences there
-    (beams, n > 1), or whose prompt logprobs go through the host: while one is live, async
-    scheduling runs steps one at a time. Penalties read the previous token on the device
-    (``PendingTokens``)."""
-    return params.use_beam_search or params.n > 1 or params.prompt_logprobs is not None
+    (beams; n > 1 until its samples have forked, after which they are n plain sequences), or
+    whose prompt logprobs go through the host: while one is live, async scheduling runs steps
+    one at a time. Penalties read the previous token on the device (``PendingTokens``)."""
+    return params.use_beam_search or (params.n > 1 and not forked) or params.prompt_logprobs is not None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -416,7 +416,8 @@ class LLMEngine:
             if _frontend:
                 self.output_processor.add_request(rid, text, ids, params, adapter)
             self.requests[rid] = req
-            self._num_sync_requests += _needs_sync(params)
+            req.holds_sync = _needs_sync(params)
+            self._num_sync_requests += req.holds_sync
             self.scheduler.add(seq)
             return req
 
@@ -724,6 +725,7 @@ class LLMEngine:
                 self._init_seq(child)
                 seq.request.sequences.append(child)
                 seq.request.forked = True
+                self._release_sync(seq.request)
                 targets.append(child)
             for seq, (toks, lps) in zip(targets, new_tokens):
                 for i, tok in enumerate(toks):  # up to the first that finishes the sequence
@@ -913,10 +915,17 @@ class LLMEngine:
             result.append([(tok, e.logprob, e.rank), *((t, v, rank) for rank, (t, v) in enumerate(top, 1))])
         return result
 
+    def _release_sync(self, req: Request) -> None:
+        """``req`` no longer needs steps run one at a time (an n > 1 request once forked)."""
+        if req.holds_sync and not _needs_sync(req.params, req.forked):
+            req.holds_sync = False
+            self._num_sync_requests -= 1
+
     def _finish_request(self, req: Request) -> EngineCoreOutput:
         req.finished_time = time.monotonic()
         if self.requests.pop(req.request_id, None) is not None:
-            self._num_sync_requests -= _needs_sync(req.params)
+            self._num_sync_requests -= req.holds_sync
+            req.holds_sync = False
             if not self.requests:  # the step in flight has only ended sequences left: nothing to read
                 self._inflight = None
         for seq in req.sequences:  # ended with a step in flight (async scheduling): not tokens
@@ -977,9 +986,12 @@ class LLMEngine:
             )
 
     def check_invariants(self) -> None:
-        """Raise if block refcounts, adapter refcounts or the runner's persistent block-table rows
-        are inconsistent (tests call this)."""
+        """Raise if block refcounts, adapter refcounts, the runner's persistent block-table rows or
+        the count of requests that hold steps synchronous are inconsistent (tests call this)."""
         with self.lock:
+            holding = sum(r.holds_sync for r in self.requests.values())
+            if holding != self._num_sync_requests:
+                raise AssertionError(f"{self._num_sync_requests} sync requests counted, {holding} live")
             self.block_manager.check_invariants(self.scheduler.all_sequences())
             self.registry.check_invariants()
             if "runner" in self.__dict__:

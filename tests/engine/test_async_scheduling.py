@@ -193,8 +193,41 @@ def test_penalties_keep_the_overlap_and_equal_sync(base) -> None:  # noqa: ANN00
     _clean(asy)
 
 
+def test_n_samples_run_async_once_forked(base) -> None:  # noqa: ANN001
+    """An n > 1 request makes steps run one at a time only until its samples fork (its first
+    token): from then on they are n plain sequences and steps overlap again. Outputs equal the
+    synchronous engine's (seeded sampling, greedy samples, with a penalty, beside plain requests)."""
+    path, prompts, _ = base
+    kw = {"max_tokens": 10, "ignore_eos": True}
+    params = [
+        SamplingParams(temperature=0.8, seed=3, n=3, **kw),
+        SamplingParams(temperature=0, **kw),
+        SamplingParams(temperature=0, n=2, **kw),
+        SamplingParams(temperature=1.0, seed=9, n=2, frequency_penalty=0.5, **kw),
+        SamplingParams(temperature=0.7, n=4, **{**kw, "max_tokens": 6}),  # unseeded: shapes only
+    ]
+    sync, asy = _llm(path, False), _llm(path, True)
+    want = _outputs(sync.generate(prompts[:5], params))
+    eng = asy.engine
+    launch, overlapped = eng._launch, []
+
+    def counting(out, prev):  # noqa: ANN001, ANN202
+        eng.check_invariants()
+        forked = [s.seq for s in out.scheduled if s.seq.request.params.n > 1]
+        overlapped.append(bool(forked) and prev is not None)
+        return launch(out, prev)
+
+    eng._launch = counting  # type: ignore[method-assign]
+    got = _outputs(asy.generate(prompts[:5], params))
+    assert got[:-4] == want[:-4]  # all but the unseeded request's samples
+    assert [(len(t), r) for t, r, _ in got[-4:]] == [(6, "length")] * 4
+    assert sum(overlapped) >= 7  # the forked samples' decode steps
+    _clean(sync)
+    _clean(asy)
+
+
 def test_requests_that_need_sync_steps_mix_in(base) -> None:  # noqa: ANN001
-    """n > 1, beam search and prompt logprobs make steps run one at a time while they are live;
+    """Beam search, prompt logprobs and an unforked n > 1 request make steps run one at a time;
     penalties do not; the others around them keep HF's tokens, and the counter of such requests
     returns to zero."""
     path, prompts, refs = base
