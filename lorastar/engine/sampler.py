@@ -353,13 +353,14 @@ class Sampler:
         if not rep_rows and not need.any():
             return
         trim = np.zeros(len(rows), dtype=np.bool_)  # [R] rows whose last output id is a placeholder
-        if pending is not None and pending.rows:
+        has_pending = pending is not None and bool(pending.rows)
+        if has_pending:
             trim[pending.rows] = True
             pend_rows = np.asarray(pending.rows, dtype=np.int64)  # [P]
             pend_tok = pending.ids[to_device(pending.src, dev)]  # [P] on the device
         if rep_rows:
             r_idx, t_idx = _occurrences(rows, rep_rows, vocab, trim)
-            sel = np.flatnonzero(meta.repetition[pend_rows] != 1.0) if trim.any() else []
+            sel = np.flatnonzero(meta.repetition[pend_rows] != 1.0) if has_pending else []
             if r_idx.size or len(sel):
                 flat = to_device(r_idx * vocab + t_idx, dev)  # [N] into x.view(-1)
                 rp = to_device(meta.repetition.astype(np.float32)[r_idx], dev)  # [N]
@@ -375,7 +376,7 @@ class Sampler:
                 [_known_outputs(r, t) if n else () for r, t, n in zip(rows, trim.tolist(), need.tolist())],
                 vocab,
             )
-            sel = np.flatnonzero(need[pend_rows]) if trim.any() else []
+            sel = np.flatnonzero(need[pend_rows]) if has_pending else []
             if r_idx.size or len(sel):
                 ri, ti = to_device(r_idx, dev), to_device(t_idx, dev)
                 cnt = to_device(counts, dev, torch.float32)  # [N]
@@ -420,7 +421,8 @@ class Sampler:
         """Random rows: a draw from the truncated distribution; a row whose distribution is
         degenerate (no finite positive mass: NaN or all masked) falls back to its argmax."""
         tok, ok = self._draw(self._probs(x, meta), rows)  # [R] each
-        if not may_sync or not bool(ok.all()):  # rare; the caller syncs on the ids right after anyway
+        # rare; checked on the host unless that would wait for the device (then applied blindly)
+        if not may_sync or not bool(ok.all()):
             tok = torch.where(ok, tok, _argmax(x, may_sync))
         return tok
 
