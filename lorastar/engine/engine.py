@@ -257,6 +257,10 @@ class LLMEngine:
         self.adapter_tokens: dict[str, int] = {}
         self._inflight: _InFlight | None = None  # async scheduling: the step launched last
         self._num_sync_requests = 0  # live requests that make async scheduling wait (_needs_sync)
+        # Live requests with prompt logprobs, and with an adapter: while there are none, a step
+        # skips the passes over its sequences that only those need (check_invariants counts both).
+        self._num_prompt_logprobs = 0
+        self._num_adapter_requests = 0
 
     # ---- setup helpers --------------------------------------------------------------------
     def _auto_num_blocks(self, spec: KVCacheSpec) -> int:
@@ -409,6 +413,8 @@ class LLMEngine:
                           adapter_key=entry.content_hash if entry is not None else None)  # fmt: skip
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
+                self._num_prompt_logprobs += 1
+            self._num_adapter_requests += entry is not None
             if params.use_beam_search:
                 req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos)
             seq = req.sequences[0]
@@ -481,14 +487,20 @@ class LLMEngine:
         if out.is_empty:
             return []
         now = time.monotonic()
+        tokens = 0
         for sch in out.scheduled:  # before running: a failed step knows whom it involved
-            if sch.seq.request.first_scheduled_time is None:
-                sch.seq.request.first_scheduled_time = now
-        self._seed_prompt_logprobs(out)
-        result = self.runner.execute(out, self._adapter_slots(out))
-        self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
+            req = sch.seq.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            tokens += sch.num_new_tokens
+        prompt_logprobs = self._num_prompt_logprobs > 0
+        if prompt_logprobs:
+            self._seed_prompt_logprobs(out)
+        result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
+        self.iteration_tokens.observe(tokens)
         self.scheduler.update(out)
-        self._store_prompt_logprobs(out, result)
+        if prompt_logprobs:
+            self._store_prompt_logprobs(out, result)
         return self._process(out, result.logits)
 
     # ---- async scheduling ---------------------------------------------------------------------
@@ -520,6 +532,7 @@ class LLMEngine:
         now = time.monotonic()
         patch_src: list[int] = []
         patch_dst: list[int] = []
+        tokens = 0
         for i, sch in enumerate(out.scheduled):
             seq = sch.seq
             if seq.request.first_scheduled_time is None:
@@ -527,11 +540,14 @@ class LLMEngine:
             if seq.num_placeholders and sch.samples:  # its input is the last, unknown token
                 patch_src.append(seq.placeholder_row)
                 patch_dst.append(i)
+            tokens += sch.num_new_tokens
         if patch_src and prev is None:  # a placeholder outlived its step: its input would be garbage
             raise RuntimeError("async scheduling: a placeholder token has no step in flight")
         patch = (prev.sample.token_ids, patch_src, patch_dst) if prev is not None and patch_src else None
-        result = self.runner.execute(out, self._adapter_slots(out), patch)
-        self.iteration_tokens.observe(sum(s.num_new_tokens for s in out.scheduled))
+        result = self.runner.execute(
+            out, self._adapter_slots(out), patch, prompt_logprobs=self._num_prompt_logprobs > 0
+        )
+        self.iteration_tokens.observe(tokens)
         self.scheduler.update(out, commit=False)
         rows: list[SamplingRow] = []
         seqs: list[Sequence] = []
@@ -653,6 +669,8 @@ class LLMEngine:
             req.prompt_blocks_kept = j
 
     def _adapter_slots(self, out: SchedulerOutput) -> dict[str, int] | None:
+        if not self._num_adapter_requests:
+            return None
         slots: dict[str, int] = {}
         for s in out.scheduled:
             entry = s.seq.request.adapter_entry
@@ -663,8 +681,8 @@ class LLMEngine:
     def _process(self, out: SchedulerOutput, logits: torch.Tensor) -> list[EngineCoreOutput]:
         now = time.monotonic()
         rows: list[SamplingRow] = []
-        # (sequence, index among the request's samples, the sample's generator)
-        owners: list[tuple[Sequence, int, torch.Generator | None]] = []
+        seqs: list[Sequence] = []  # whose parameters each row samples with (a fork's: its parent)
+        forks: list[tuple[int, int, torch.Generator | None]] = []  # (row, sample index k > 0, generator)
         logit_rows: list[int] = []
         beam_rows: list[tuple[Sequence, int]] = []
         r = 0
@@ -675,7 +693,7 @@ class LLMEngine:
             row = seq.sampling_row
             if row is not None:  # sampled before: no beam, no fan-out (an n > 1 request forked then)
                 rows.append(row)
-                owners.append((seq, 0, row.generator))
+                seqs.append(seq)
                 logit_rows.append(r)
                 r += 1
                 continue
@@ -696,8 +714,10 @@ class LLMEngine:
                 row = self._sampling_row(seq, gen)
                 if k == 0:
                     seq.sampling_row = row
+                else:
+                    forks.append((len(rows), k, gen))
                 rows.append(row)
-                owners.append((seq, k, gen))
+                seqs.append(seq)
                 logit_rows.append(r)
             r += 1
         touched: dict[str, Request] = {}
@@ -705,47 +725,58 @@ class LLMEngine:
             sample_logits = logits  # beam rows below index the step's logits, not these
             if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-            new_tokens = self._sample(
-                sample_logits,
-                rows,
-                self.runner.batch.sampling_metadata(seq for seq, _, _ in owners),  # a fork's: its parent's
-            )
+            new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
-            targets: list[Sequence] = []
-            for seq, k, gen in owners:
-                if k == 0:
-                    targets.append(seq)
-                    continue
-                child = Sequence(
-                    seq.request, k, seq.token_ids[: seq.num_prompt_tokens], seq.num_prompt_tokens
-                )
-                child.generator = gen
-                self.scheduler.add_forked(seq, child)
-                self._init_seq(child)
-                seq.request.sequences.append(child)
-                seq.request.forked = True
-                self._release_sync(seq.request)
-                targets.append(child)
+            targets = seqs
+            if forks:
+                targets = list(seqs)
+                for j, k, gen in forks:
+                    seq = seqs[j]
+                    child = Sequence(
+                        seq.request, k, seq.token_ids[: seq.num_prompt_tokens], seq.num_prompt_tokens
+                    )
+                    child.generator = gen
+                    self.scheduler.add_forked(seq, child)
+                    self._init_seq(child)
+                    seq.request.sequences.append(child)
+                    seq.request.forked = True
+                    self._release_sync(seq.request)
+                    targets[j] = child
+            append = self._append
             for seq, (toks, lps) in zip(targets, new_tokens):
-                for i, tok in enumerate(toks):  # up to the first that finishes the sequence
-                    self._append(seq, tok, lps[i] if lps is not None else None, now)
-                    if seq.is_finished:
-                        break
-                touched[seq.request.request_id] = seq.request
+                if len(toks) == 1:  # one token a step (no drafted tokens)
+                    append(seq, toks[0], None if lps is None else lps[0], now)
+                else:
+                    for i, tok in enumerate(toks):  # up to the first that finishes the sequence
+                        append(seq, tok, lps[i] if lps is not None else None, now)
+                        if seq.is_finished:
+                            break
+                req = seq.request
+                touched[req.request_id] = req
         if beam_rows:
             self._beam_proposals(beam_rows, logits, touched)
         return self._outputs(touched)
 
     def _outputs(self, touched: dict[str, Request]) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        running = SeqStatus.RUNNING
         for req in touched.values():
-            if req.is_finished:
+            seqs = req.sequences
+            if req.beam is None and len(seqs) == 1 and req.num_outputs and seqs[0].status is running:
+                # The common step (one sample, running, past its first output): _core_output's
+                # result without its branches; per request and step, so it counts at 256 of them.
+                req.num_outputs += 1
+                outputs.append(EngineCoreOutput(
+                    req.request_id, [self._sample_delta(seqs[0], req.params.logprobs is not None)],
+                    False, False, req.num_cached_tokens, None, _metrics(req),
+                ))  # fmt: skip
+            elif req.is_finished:
                 outputs.append(self._finish_request(req))
             elif req.beam is None or req.params.output_kind == RequestOutputKind.CUMULATIVE:
                 # Every step of a sample goes out (the frontend finds stop strings in its text);
                 # beam search streams its hypotheses only when asked for cumulative outputs.
-                outputs.append(self._core_output(req, finished=False))
+                outputs.append(self._core_output(req, False))
         return outputs
 
     def _sampling_row(self, seq: Sequence, generator: torch.Generator | None) -> SamplingRow:
@@ -850,7 +881,7 @@ class LLMEngine:
                 seq.cumulative_logprob += lp[tok][0]
         # Stop strings are the frontend's (engine/output_processor.py): they need the text.
         n_out = end - seq.num_prompt_tokens
-        if not p.ignore_eos and tok in self.eos_token_ids and n_out >= p.min_tokens:
+        if tok in self.eos_token_ids and not p.ignore_eos and n_out >= p.min_tokens:
             self.scheduler.finish(seq, "stop", None)
         elif p.stop_token_ids and tok in p.stop_token_ids and n_out >= p.min_tokens:
             self.scheduler.finish(seq, "stop", tok)
@@ -860,46 +891,41 @@ class LLMEngine:
     def _core_output(self, req: Request, finished: bool) -> EngineCoreOutput:
         """The request's step for the frontend: each sample's tokens since the last output (beam
         search: the hypotheses whole), the prompt logprobs with the first output."""
-        want_lp = req.params.logprobs is not None
+        params, beam = req.params, req.beam
+        want_lp = params.logprobs is not None
         samples: list[SampleDelta] = []
-        if req.beam is not None and req.beam.done:
-            for i, h in enumerate(req.beam.finished):
+        if beam is None:
+            samples = [self._sample_delta(seq, want_lp) for seq in req.sequences]
+        elif beam.done:
+            for i, h in enumerate(beam.finished):
                 ended_on_eos = bool(h.token_ids) and h.token_ids[-1] in self.eos_token_ids
                 samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob,
                                            "stop" if ended_on_eos else "length"))  # fmt: skip
-        elif req.beam is not None:
+        else:
             for seq in req.sequences:
                 samples.append(SampleDelta(seq.index, seq.output_token_ids, None,
                                            seq.cumulative_logprob if want_lp else None,
                                            seq.finish_reason, seq.stop_reason))  # fmt: skip
-        else:
-            for seq in req.sequences:
-                end = len(seq.token_ids) - seq.num_placeholders  # placeholders: not tokens yet
-                sent, seq.sent_tokens = seq.sent_tokens, end - seq.num_prompt_tokens
-                samples.append(SampleDelta(
-                    seq.index, seq.token_ids[seq.num_prompt_tokens + sent : end],
-                    seq.logprobs[sent:] if want_lp else None, None, seq.finish_reason, seq.stop_reason,
-                ))  # fmt: skip
-        if finished and len(samples) < req.params.n:  # aborted before its samples forked: n of them
+        if finished and len(samples) < params.n:  # aborted before its samples forked: n of them
             have = {d.index for d in samples}
-            lps = [] if want_lp and req.beam is None else None
-            samples += [SampleDelta(k, [], lps, None, "abort") for k in range(req.params.n) if k not in have]
+            lps = [] if want_lp and beam is None else None
+            samples += [SampleDelta(k, [], lps, None, "abort") for k in range(params.n) if k not in have]
         req.num_outputs += 1
+        # Positional: one of these per touched request a step, and keywords cost more.
         return EngineCoreOutput(
-            request_id=req.request_id,
-            samples=samples,
-            finished=finished,
-            whole=req.beam is not None,
-            num_cached_tokens=req.num_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs_output(req) if req.num_outputs == 1 else None,
-            metrics=RequestMetrics(
-                req.arrival_time,
-                req.first_scheduled_time,
-                req.first_token_time,
-                req.last_token_time,
-                req.finished_time,
-            ),  # fmt: skip
-        )
+            req.request_id, samples, finished, beam is not None, req.num_cached_tokens,
+            self._prompt_logprobs_output(req) if req.num_outputs == 1 else None, _metrics(req),
+        )  # fmt: skip
+
+    @staticmethod
+    def _sample_delta(seq: Sequence, want_lp: bool) -> SampleDelta:
+        """A sample's tokens (and logprobs) since its last output; counts them as sent."""
+        end = len(seq.token_ids) - seq.num_placeholders  # placeholders: not tokens yet
+        sent, seq.sent_tokens = seq.sent_tokens, end - seq.num_prompt_tokens
+        return SampleDelta(
+            seq.index, seq.token_ids[seq.num_prompt_tokens + sent : end],
+            seq.logprobs[sent:] if want_lp else None, None, seq.finish_reason, seq.stop_reason,
+        )  # fmt: skip
 
     def _prompt_logprobs_output(self, req: Request) -> list[RawLogprobs | None] | None:
         """Per prompt position: ``None`` for position 0, then ``(token_id, logprob, rank)`` of the
@@ -926,6 +952,7 @@ class LLMEngine:
         if self.requests.pop(req.request_id, None) is not None:
             self._num_sync_requests -= req.holds_sync
             req.holds_sync = False
+            self._num_prompt_logprobs -= req.prompt_logprobs is not None
             if not self.requests:  # the step in flight has only ended sequences left: nothing to read
                 self._inflight = None
         for seq in req.sequences:  # ended with a step in flight (async scheduling): not tokens
@@ -935,6 +962,7 @@ class LLMEngine:
         if req.adapter_entry is not None:
             self.registry.release(req.adapter_entry)
             req.adapter_entry = None
+            self._num_adapter_requests -= 1
         self.prompt_tokens_total += req.num_prompt_tokens
         return self._core_output(req, finished=True)
 
@@ -992,10 +1020,28 @@ class LLMEngine:
             holding = sum(r.holds_sync for r in self.requests.values())
             if holding != self._num_sync_requests:
                 raise AssertionError(f"{self._num_sync_requests} sync requests counted, {holding} live")
+            scoring = sum(r.prompt_logprobs is not None for r in self.requests.values())
+            if scoring != self._num_prompt_logprobs:
+                raise AssertionError(
+                    f"{self._num_prompt_logprobs} prompt-logprob requests counted, {scoring} live"
+                )
+            adapted = sum(r.adapter_entry is not None for r in self.requests.values())
+            if adapted != self._num_adapter_requests:
+                raise AssertionError(f"{self._num_adapter_requests} adapter requests counted, {adapted} live")
             self.block_manager.check_invariants(self.scheduler.all_sequences())
             self.registry.check_invariants()
             if "runner" in self.__dict__:
                 self.runner.batch.check(self.scheduler.all_sequences())
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    return RequestMetrics(
+        req.arrival_time,
+        req.first_scheduled_time,
+        req.first_token_time,
+        req.last_token_time,
+        req.finished_time,
+    )
 
 
 def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:

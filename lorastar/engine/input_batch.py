@@ -159,13 +159,22 @@ class InputBatch:
         starts: list[int] = []
         qlens: list[int] = []
         last_row = [0] * len(scheduled)
+        row_of = self.row_of
         for i in order:
             s = scheduled[i]
             seq, start, n = s.seq, s.start, s.num_new_tokens
-            rows.append(self._row(seq))
+            row = row_of.get(seq.seq_id)
+            # Most decode steps: nothing changed since the row was written (the watermark covers
+            # the whole table, which is not empty: an emptied one must clear its row).
+            if row is None or seq.block_table_synced != len(seq.block_table) or not seq.block_table:
+                row = self._row(seq)
+            rows.append(row)
             starts.append(start)
             qlens.append(n)
-            ids += seq.token_ids[start : start + n]
+            if n == 1:
+                ids.append(seq.token_ids[start])
+            else:
+                ids += seq.token_ids[start : start + n]
             last_row[i] = len(ids) - 1
         row_a = np.array(rows, dtype=np.int64)  # [B]
         start_a = np.array(starts, dtype=np.int64)

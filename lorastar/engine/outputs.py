@@ -59,7 +59,7 @@ class RequestOutput:
 RawLogprobs = list[tuple[int, float, int]]
 
 
-class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One sample's step (``n > 1``: one of ``n``): its new token ids (beam search: every output
     token of a hypothesis), their logprobs when asked for, and how it finished in the core."""
 
@@ -71,7 +71,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
 
 
-class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One request's step in the core (vLLM v1's shape): no text, no prompt; the frontend has
     the prompt and the tokenizer. ``whole``: the samples are beam hypotheses, replaced wholesale."""
 

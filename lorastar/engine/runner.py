@@ -167,16 +167,24 @@ class ModelRunner:
         out: SchedulerOutput,
         adapter_slot: dict[str, int] | None = None,
         patch: InputPatch | None = None,
+        *,
+        prompt_logprobs: bool = True,
     ) -> ModelRunnerOutput:
         """Run one step: the sampling rows' logits and any prompt logprobs it produced. ``patch``:
-        input ids that are the previous step's sampled ids, still on the device."""
+        input ids that are the previous step's sampled ids, still on the device.
+        ``prompt_logprobs=False``: no scheduled request asks for them (the engine counts them), so
+        the pass that looks is skipped."""
         self.copy_blocks(out.copies)
-        wants = [
-            s.seq.request.params.prompt_logprobs is not None
-            and s.seq.index == 0
-            and s.start < s.seq.num_prompt_tokens
-            for s in out.scheduled
-        ]
+        wants = (
+            [
+                s.seq.request.params.prompt_logprobs is not None
+                and s.seq.index == 0
+                and s.start < s.seq.num_prompt_tokens
+                for s in out.scheduled
+            ]
+            if prompt_logprobs
+            else []
+        )
         wants_prompt = any(wants)
         if self.graphs is not None and not wants_prompt and all(s.num_new_tokens == 1 for s in out.scheduled):
             logits = self._execute_graph(self.graphs, out, adapter_slot, patch)
@@ -185,8 +193,11 @@ class ModelRunner:
         input_ids, positions, ctx, last_row = self.prepare(out, adapter_slot, patch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         sampling = [last_row[i] for i, s in enumerate(out.scheduled) if s.samples]
-        rows = to_device(sampling, self.device, torch.int64)
-        result = ModelRunnerOutput(self.model.compute_logits(hidden[rows]).float())  # [B, vocab]
+        if len(sampling) == hidden.shape[0] and sampling == list(range(len(sampling))):
+            sample_hidden = hidden  # a decode step in schedule order: every row, as it is
+        else:
+            sample_hidden = hidden[to_device(sampling, self.device, torch.int64)]
+        result = ModelRunnerOutput(self.model.compute_logits(sample_hidden).float())  # [B, vocab]
         if wants_prompt:
             bs = self.block_size
             spans = [_prompt_span(s) for s in out.scheduled]

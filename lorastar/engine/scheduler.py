@@ -28,17 +28,22 @@ from lorastar.engine.request import Request, SeqStatus, Sequence
 EnsureAdapter = Callable[[Sequence, set[str]], bool]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class ScheduledSeq:
     seq: Sequence
     start: int  # tokens already in the KV cache before this step
     num_new_tokens: int
     # Whether this step produces a token for the sequence (its last chunk). Fixed when scheduled:
     # it stays true after the sampled token is appended.
-    samples: bool = field(init=False)
+    samples: bool
 
-    def __post_init__(self) -> None:
-        self.samples = self.start + self.num_new_tokens == self.seq.num_tokens
+    def __init__(self, seq: Sequence, start: int, num_new_tokens: int) -> None:
+        # (written out: one of these per scheduled sequence a step, and a generated __init__
+        # calling __post_init__ costs more)
+        self.seq = seq
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.samples = start + num_new_tokens == len(seq.token_ids)
 
 
 @dataclass
@@ -182,47 +187,48 @@ class Scheduler:
         out = SchedulerOutput(finished_seq_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
         # Adapters of running sequences hold their slots; new ones may only take free/LRU slots.
-        pinned: set[str] = {s.adapter_key for s in self.running if s.adapter_key}
+        pinned: set[str] = {k for s in self.running if (k := s.request.adapter_key)}
 
         # 1) Running sequences: decodes first (1 token each, oldest first), then the remaining
         #    prefill chunks (oldest first), so a long prompt's chunks never starve decodes.
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for s in self.running:
-            left = s.num_tokens - s.num_computed_tokens
+            left = len(s.token_ids) - s.num_computed_tokens
             if s.ends_pending:  # its last token is in flight and ends it (async scheduling)
                 continue
             if left == 1:
                 decodes.append(s)
             elif left > 1:
                 prefills.append(s)
+        allocate, running, scheduled = self.bm.allocate, SeqStatus.RUNNING, out.scheduled
         for seq in decodes + prefills:
             if budget <= 0:
                 break
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
-            key = seq.adapter_key
+            key = seq.request.adapter_key
             if key is not None and not self.ensure_adapter(seq, pinned - {key}):
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
                 continue
-            copies = self.bm.allocate(seq, num_new)
+            copies = allocate(seq, num_new)
             while copies is None:
                 # Out of blocks: preempt the newest running sequence not yet scheduled (possibly
                 # ``seq`` itself, which is then the newest such).
+                scheduled_ids = {x.seq.seq_id for x in out.scheduled}  # (rare: built when needed)
                 victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
-                copies = self.bm.allocate(seq, num_new)
+                copies = allocate(seq, num_new)
             if copies is None:
                 continue
-            out.copies.extend(copies)
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-            scheduled_ids.add(seq.seq_id)
+            if copies:
+                out.copies.extend(copies)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
 
         # 2) Waiting sequences, FIFO. Blocks that don't fit stop admission (FIFO fairness);
@@ -284,7 +290,6 @@ class Scheduler:
             seats += _seats(seq)
             out.copies.extend(copies)
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
-            scheduled_ids.add(seq.seq_id)
             budget -= num_new
         if not out.scheduled and not out.preempted and self.waiting and self.running:
             self._unstall_beams(out)
@@ -329,13 +334,17 @@ class Scheduler:
         """Account the KV written by this step (before tokens are appended). ``commit=False``
         (async scheduling: the step's inputs may still be placeholders): count the tokens only;
         ``commit`` registers the blocks once every token is known."""
+        bm = self.bm
+        caching, window = commit and bm.enable_prefix_caching, commit and bm.sliding_window > 0
         for s in out.scheduled:
-            if s.seq.status is not SeqStatus.RUNNING:
+            seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:
                 continue
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            if commit:
-                self.bm.commit(s.seq)  # before the window releases any of its blocks
-                self.bm.release_outside_window(s.seq)
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            if caching:
+                bm.commit(seq)  # before the window releases any of its blocks
+            if window:
+                bm.release_outside_window(seq)
 
     def commit(self, out: SchedulerOutput) -> None:
         """The prefix-cache registration and window release ``update(out, commit=False)`` left."""

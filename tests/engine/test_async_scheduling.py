@@ -79,9 +79,9 @@ def test_steps_overlap_and_inputs_come_from_the_device(base, monkeypatch: pytest
     patches: list[object] = []
     execute = eng.runner.execute
 
-    def spy(out, slots=None, patch=None):  # noqa: ANN001, ANN202
+    def spy(out, slots=None, patch=None, **kw):  # noqa: ANN001, ANN003, ANN202
         patches.append(patch)
-        return execute(out, slots, patch)
+        return execute(out, slots, patch, **kw)
 
     monkeypatch.setattr(eng.runner, "execute", spy)
     eng.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -493,9 +493,9 @@ def test_context_limit_ends_without_an_extra_step(base) -> None:  # noqa: ANN001
     scheduled_lens: list[int] = []
     execute = llm.engine.runner.execute
 
-    def spy(out, slots=None, patch=None):  # noqa: ANN001, ANN202
+    def spy(out, slots=None, patch=None, **kw):  # noqa: ANN001, ANN003, ANN202
         scheduled_lens.extend(s.start + s.num_new_tokens for s in out.scheduled)
-        return execute(out, slots, patch)
+        return execute(out, slots, patch, **kw)
 
     llm.engine.runner.execute = spy  # type: ignore[method-assign]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
