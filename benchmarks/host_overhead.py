@@ -15,8 +15,11 @@ before the engine process (one loop for everything) it is the host time.
 ``--other PATH`` runs the same measurement on a second checkout (``git worktree add /tmp/base
 <rev>``) in alternation with this one, each size in a fresh process, and prints both side by
 side with the ratio: run-to-run drift on this shared CPU is 10-30%, a ratio within one run is not.
+``--rounds R`` repeats each pair R times (alternating) and reports each part's median over the
+rounds, with the range of the per-round core ratios: one pair's ratio at 256 sequences moved
+between 4.2x and 6.0x across three back-to-back runs of the same two checkouts.
 
-    .venv/bin/python benchmarks/host_overhead.py --seqs 1,16,64,256 --other /tmp/base
+    .venv/bin/python benchmarks/host_overhead.py --seqs 1,16,64,256 --other /tmp/base --rounds 3
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -207,6 +211,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: the random path")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (context length)")
     ap.add_argument("--other", type=Path, default=None, help="a second checkout to compare with")
+    ap.add_argument("--rounds", type=int, default=1, help="pairs per size (medians are reported)")
     ap.add_argument("--out", type=Path, default=common.RESULTS)
     args = ap.parse_args()
     sizes = [int(s) for s in args.seqs.split(",")]
@@ -216,12 +221,17 @@ def main() -> None:
     here = common.REPO
     systems = {"this": here} | ({"other": args.other.resolve()} if args.other else {})
     results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in systems}
+    rounds: dict[str, dict[int, list[dict[str, float]]]] = {name: {n: [] for n in sizes} for name in systems}
     for n in sizes:
-        for name, checkout in systems.items():  # alternate: drift hits both alike
-            results[name][n] = run_child(
-                checkout, model_dir, n, args.steps, args.temperature, args.prompt_len
-            )
-            print(f"{name:5s} {n:4d} seqs: {results[name][n]['step']:.2f} ms/step", flush=True)
+        for _ in range(args.rounds):
+            for name, checkout in systems.items():  # alternate: drift hits both alike
+                r = run_child(checkout, model_dir, n, args.steps, args.temperature, args.prompt_len)
+                rounds[name][n].append(r)
+                print(f"{name:5s} {n:4d} seqs: {r['step']:.2f} ms/step, core {_core(r):.2f} ms", flush=True)
+        for name in systems:  # each part's median over the rounds
+            results[name][n] = {
+                k: statistics.median(r[k] for r in rounds[name][n]) for k in rounds[name][n][0]
+            }
 
     rows = []
     for n in sizes:
@@ -252,15 +262,16 @@ def main() -> None:
     sections = [common.markdown_table(headers, rows)]
     if args.other:
         o, t = results["other"], results["this"]
-        ratio_rows = [
-            [
+        ratio_rows = []
+        for n in sizes:
+            per_round = [_core(a) / _core(b) for a, b in zip(rounds["other"][n], rounds["this"][n])]
+            ratio_rows.append([
                 n,
                 o[n]["step"] / t[n]["step"],
                 (o[n]["step"] - o[n]["forward"]) / (t[n]["step"] - t[n]["forward"]),
                 _core(o[n]) / _core(t[n]),
-            ]
-            for n in sizes
-        ]
+                f"{min(per_round):.2f} - {max(per_round):.2f}",
+            ])  # fmt: skip
         sections.append(
             common.markdown_table(
                 [
@@ -268,6 +279,7 @@ def main() -> None:
                     "other / this: whole step",
                     "other / this: host (step - forward)",
                     "other / this: core (engine process)",
+                    "core ratio per round (min - max)",
                 ],
                 ratio_rows,
             )
@@ -276,7 +288,7 @@ def main() -> None:
         "host_overhead",
         args.out,
         sections,
-        {"env": common.env_line("1 thread per engine"), "results": results},
+        {"env": common.env_line("1 thread per engine"), "results": results, "rounds": rounds},
         notes=[
             "Model: 1 layer, hidden 32, SmolLM2 vocabulary (49152): 'forward' is mostly the lm_head.",
             f"Sampling at temperature {args.temperature} (0: greedy), ignore_eos, prefix caching off; "
@@ -284,6 +296,7 @@ def main() -> None:
             "'host ms': the step less 'forward' (everything but the model's own compute).",
             "'core ms': host less frontend plus ipc: an engine process's own loop per step (for a "
             "checkout without an engine process, its host).",
+            f"{args.rounds} round(s) per size, alternating checkouts; each part is its median over the rounds.",
         ],
     )
     print(text)
