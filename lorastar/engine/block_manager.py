@@ -176,12 +176,8 @@ class BlockManager:
         ``[(src, dst)]``, or ``None`` (nothing changed) if the blocks don't fit."""
         if cached and seq.block_table:
             raise ValueError("prefix-cache hits are only taken at admission (empty block table)")
-        if not cached:  # most decode steps: the tokens fit the blocks held, none of them shared
-            bs, table = self.block_size, seq.block_table
-            if -(-(seq.num_computed_tokens + num_new_tokens) // bs) <= len(table):  # blocks_needed == 0
-                i = seq.num_computed_tokens // bs
-                if i >= len(table) or self.ref_counts[table[i]] <= 1:  # _cow_needed == 0
-                    return []
+        if not cached and not self.blocks_needed(seq, num_new_tokens) and not self._cow_needed(seq):
+            return []  # most decode steps: the tokens fit the blocks held, none of them shared
         if not self.can_allocate(seq, num_new_tokens, cached):
             return None
         for b in cached:

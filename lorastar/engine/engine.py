@@ -743,15 +743,11 @@ class LLMEngine:
                     seq.request.forked = True
                     self._release_sync(seq.request)
                     targets[j] = child
-            append = self._append
             for seq, (toks, lps) in zip(targets, new_tokens):
-                if len(toks) == 1:  # one token a step (no drafted tokens)
-                    append(seq, toks[0], None if lps is None else lps[0], now)
-                else:
-                    for i, tok in enumerate(toks):  # up to the first that finishes the sequence
-                        append(seq, tok, lps[i] if lps is not None else None, now)
-                        if seq.is_finished:
-                            break
+                for i, tok in enumerate(toks):  # up to the first that finishes the sequence
+                    self._append(seq, tok, lps[i] if lps is not None else None, now)
+                    if seq.is_finished:
+                        break
                 req = seq.request
                 touched[req.request_id] = req
         if beam_rows:

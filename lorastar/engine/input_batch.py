@@ -100,6 +100,8 @@ class InputBatch:
     def _row(self, seq: Sequence) -> int:
         """``seq``'s row, written up to date."""
         row = self.row_of.get(seq.seq_id)
+        if row is not None and seq.block_table_synced == len(seq.block_table) != 0:
+            return row  # most decode steps: unchanged since written (an emptied table must clear its row)
         if row is None:
             if not self._free:
                 self._grow(2 * self.tables.shape[0], 0)
@@ -159,16 +161,10 @@ class InputBatch:
         starts: list[int] = []
         qlens: list[int] = []
         last_row = [0] * len(scheduled)
-        row_of = self.row_of
         for i in order:
             s = scheduled[i]
             seq, start, n = s.seq, s.start, s.num_new_tokens
-            row = row_of.get(seq.seq_id)
-            # Most decode steps: nothing changed since the row was written (the watermark covers
-            # the whole table, which is not empty: an emptied one must clear its row).
-            if row is None or seq.block_table_synced != len(seq.block_table) or not seq.block_table:
-                row = self._row(seq)
-            rows.append(row)
+            rows.append(self._row(seq))
             starts.append(start)
             qlens.append(n)
             if n == 1:

@@ -334,17 +334,13 @@ class Scheduler:
         """Account the KV written by this step (before tokens are appended). ``commit=False``
         (async scheduling: the step's inputs may still be placeholders): count the tokens only;
         ``commit`` registers the blocks once every token is known."""
-        bm = self.bm
-        caching, window = commit and bm.enable_prefix_caching, commit and bm.sliding_window > 0
         for s in out.scheduled:
-            seq = s.seq
-            if seq.status is not SeqStatus.RUNNING:
+            if s.seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            if caching:
-                bm.commit(seq)  # before the window releases any of its blocks
-            if window:
-                bm.release_outside_window(seq)
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            if commit:
+                self.bm.commit(s.seq)  # before the window releases any of its blocks
+                self.bm.release_outside_window(s.seq)
 
     def commit(self, out: SchedulerOutput) -> None:
         """The prefix-cache registration and window release ``update(out, commit=False)`` left."""
