@@ -320,9 +320,12 @@ class AsyncLLM:
         self.engine.check_prompt_size(text, param)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        return self.engine.apply_chat_template(messages, add_generation_prompt)
+        return self.engine.apply_chat_template(messages, add_generation_prompt, add_special_tokens)
 
     def stats(self) -> EngineStats | None:
         """The engine's counters; ``None`` while it is being rebuilt (its gauges are gone)."""

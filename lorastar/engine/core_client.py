@@ -455,9 +455,12 @@ class AsyncCoreClient:
         self.inputs.check_prompt_size(text, param)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        return self.inputs.apply_chat_template(messages, add_generation_prompt)
+        return self.inputs.apply_chat_template(messages, add_generation_prompt, add_special_tokens)
 
     def stats(self) -> EngineStats | None:
         """The counters the core sent last (at most ``STATE_EVERY_S`` old while it steps)."""

@@ -313,9 +313,12 @@ class LLMEngine:
         self.inputs.check_prompt_size(text, param)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        return self.inputs.apply_chat_template(messages, add_generation_prompt)
+        return self.inputs.apply_chat_template(messages, add_generation_prompt, add_special_tokens)
 
     def check_limits(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """The configured per-request limits, and whether the request can ever fit the KV cache."""

@@ -58,8 +58,14 @@ class InputProcessor:
             )
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]:
+        """The messages rendered by the model's chat template, then tokenized; ``add_special_tokens``
+        (vLLM's field, off by default: templates write their own BOS) adds what the tokenizer adds to
+        any text, such as a BOS."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
         if not messages:
@@ -70,7 +76,7 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
         )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a prompt given as text or ids; ``InvalidParamError``

@@ -66,7 +66,10 @@ class EngineClient(Protocol):
         ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
     ) -> list[int]: ...
 
     def stats(self) -> EngineStats | None: ...

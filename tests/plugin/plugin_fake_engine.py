@@ -108,7 +108,9 @@ class FakeAsyncLLM:
     def vocab_size(self) -> int:
         return 0x110000  # CharTokenizer: one id per code point
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
             "<assistant>" if add_generation_prompt else ""
         )

@@ -32,6 +32,28 @@ def test_tokenize_detokenize_roundtrip(real_server: Any, tiny_model_dir: Path) -
         tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False
     )
     assert r.status_code == 200 and r.json()["tokens"] == want["input_ids"] and r.json()["token_strs"] is None
+    # add_special_tokens with messages (vLLM's field): the rendered text tokenized with them
+    r = _post(real_server, "/tokenize", {"model": "tiny", "messages": msgs, "add_special_tokens": True})
+    want = tok(
+        tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=True
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == want["input_ids"]
+
+
+def test_chat_template_add_special_tokens_adds_what_the_tokenizer_adds(tiny_model_dir: Path) -> None:
+    """With a tokenizer that adds a BOS to any text, the rendered messages get it only when asked
+    (transformers 5's tokenizers have no ``build_inputs_with_special_tokens``: /tokenize used it and
+    answered 500)."""
+    from lorastar.engine.input_processor import InputProcessor
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    tok.add_bos_token = True
+    inputs = InputProcessor(tok, model_name="tiny", max_model_len=64, max_prompt_bytes=4096, vocab_size=49152)
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = inputs.apply_chat_template(msgs)
+    with_bos = inputs.apply_chat_template(msgs, add_special_tokens=True)
+    assert with_bos == [tok.bos_token_id, *plain]
 
 
 def test_adapter_id_selects_or_is_refused(real_server: Any) -> None:

@@ -77,13 +77,18 @@ def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]
 
 
 async def render_messages(
-    engine: EngineClient, messages: list[ChatMessageParam], add_generation_prompt: bool
+    engine: EngineClient,
+    messages: list[ChatMessageParam],
+    add_generation_prompt: bool,
+    add_special_tokens: bool = False,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The messages as the template takes them and their token ids, rendered on a worker thread;
     a template that rejects them ("roles must alternate") is the client's 400, not our 500."""
     normalized = _normalize_messages(messages)
     try:
-        ids = await in_thread(engine.apply_chat_template, normalized, add_generation_prompt)
+        ids = await in_thread(
+            engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens
+        )
     except (APIError, InvalidParamError):
         raise
     except Exception as exc:  # jinja's TemplateError and friends

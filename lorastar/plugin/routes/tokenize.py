@@ -72,9 +72,9 @@ def build_tokenize_handlers(service: LoraStarService, *, guards: list[Any] | Non
         if (data.prompt is None) == (data.messages is None):
             raise APIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
         if data.messages is not None:
-            _, ids = await render_messages(engine, data.messages, data.add_generation_prompt)
-            if data.add_special_tokens:
-                ids = list(engine.tokenizer.build_inputs_with_special_tokens(ids))
+            _, ids = await render_messages(
+                engine, data.messages, data.add_generation_prompt, bool(data.add_special_tokens)
+            )
         else:
             add = True if data.add_special_tokens is None else data.add_special_tokens
             engine.check_prompt_size(data.prompt or "")  # before any tokenizing
