@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Passive OpenMP waits: spinning threads collapse throughput when the 2 cores are shared.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv browser demo test test-gpu bench bench-peers lint clean
+.PHONY: venv browser demo test test-gpu bench bench-peers fuzz lint clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,14 @@ bench-peers: venv
 	PYTHONPATH=$(LLAMA_SRC)/gguf-py $(BIN)/python $(LLAMA_SRC)/convert_hf_to_gguf.py --outtype f32 \
 		--outfile .peers/smollm2-f32.gguf \
 		"$$($(BIN)/python -c 'from lorastar.models.default import default_model_dir as d; print(d())')"
+
+# Property tests with LORASTAR_FUZZ times their CI budget of fresh random cases (tests/fuzzing.py):
+# About FUZZ x 1.5 min on 2 cores (the CI budget of these tests takes ~1.5 min). FUZZ=K to change it.
+FUZZ ?= 10
+fuzz: venv
+	LORASTAR_FUZZ=$(FUZZ) $(BIN)/python -m pytest -q -x tests/engine/test_mixed_workloads.py \
+		tests/engine/test_hostile_params.py tests/engine/test_input_batch.py tests/plugin/test_fuzz_openapi.py \
+		"tests/engine/test_async_scheduling.py::test_random_workloads_match_hf_and_leak_nothing"
 
 lint: venv
 	$(BIN)/ruff check lorastar tests benchmarks examples

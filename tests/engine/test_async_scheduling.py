@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.sampling import RequestOutputKind
 from tests.adapters.test_lora_vs_peft import make_adapters, peft_greedy, peft_reference
+from tests.fuzzing import budget
 from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
 
 NEW = 12
@@ -420,9 +421,10 @@ def test_cuda_penalties_never_wait_and_equal_sync(tiny_model_dir, monkeypatch: p
     _clean(llm)
 
 
-@pytest.fixture(scope="module")
-def fuzz_setup(base):  # noqa: ANN001, ANN201
-    path = base[0]
+@pytest.fixture(scope="module", params=["llama-gqa", "mistral-window"])
+def fuzz_setup(tiny_model_dir, request):  # noqa: ANN001, ANN201
+    """Also on a sliding-window model: blocks behind the window are freed while tokens are in flight."""
+    path = tiny_model_dir(request.param)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     # 10 blocks of 4 tokens: two or three running requests fill it, so sequences are preempted
     # with their next token in flight.
@@ -430,7 +432,7 @@ def fuzz_setup(base):  # noqa: ANN001, ANN201
     return llm, hf, {}
 
 
-@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@budget(25)
 @given(
     reqs=st.lists(
         st.tuples(

@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.sampler import Sampler, SamplingRow
 from lorastar.errors import InvalidParamError
+from tests.fuzzing import budget
 
 V = 40
 EXTREME_FLOATS = st.one_of(
@@ -52,7 +53,7 @@ LOGIT_ROW = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@budget(300, derandomize=False, database=None)
 @given(rows=st.lists(st.tuples(LOGIT_ROW, VALID_PARAMS), min_size=1, max_size=5), out_len=st.integers(0, 4))
 def test_sampler_ids_in_range_and_logprobs_finite_whatever_the_logits(
     rows: list[tuple[list[float], SamplingParams]], out_len: int
@@ -115,7 +116,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@budget(120, derandomize=False, database=None)
 @given(d=st.fixed_dictionaries({}, optional=FIELDS))
 def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, Any]) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -1,7 +1,8 @@
 """Every kind of request at once, at random steps, on a cache small enough to preempt: greedy,
 seeded and unseeded sampling, ``n > 1``, beam search, penalties, logprobs, prompt logprobs, stop
-tokens and strings, ``min_tokens``, ``logit_bias``, aborts, three adapters over two slots; with and
-without async scheduling.
+tokens and strings, ``min_tokens``, ``logit_bias``, aborts, three adapters over two slots, prompts
+that share cached blocks; with and without async scheduling, and on a sliding-window model (blocks
+left behind the window are freed as sequences grow) with an FP8 KV cache.
 
 What must hold whatever the mix (token values are held to HF elsewhere): no step raises, the
 engine's invariants hold after every step, each request ends once with ``n`` completions within its
@@ -13,25 +14,32 @@ completion."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from lorastar import LLM, SamplingParams
 from lorastar.errors import LimitExceededError
 from tests.conftest import make_peft_adapter
+from tests.fuzzing import budget
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+@pytest.fixture(
+    scope="module",
+    params=[("llama-gqa", False, "auto"), ("llama-gqa", True, "auto"), ("mistral-window", True, "fp8")],
+    ids=["sync", "async", "window-fp8-async"],
+)
 def make_engine(tiny_model_dir, tmp_path_factory, request):  # noqa: ANN001, ANN201
     """A fresh engine per example (a failing example then replays the same way), with three
     adapters of different ranks and two device slots."""
-    path = tiny_model_dir("llama-gqa")
+    model, async_scheduling, kv_cache_dtype = request.param
+    path = tiny_model_dir(model)
     root = tmp_path_factory.mktemp("mixed-adapters")
     adapters = {f"a{k}": make_peft_adapter(path, root / f"a{k}", k, r=4 * (k + 1)) for k in range(3)}
 
     def make():  # noqa: ANN202
         llm = LLM(path, num_kv_blocks=12, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
-                  max_loras=2, max_lora_rank=16, async_scheduling=request.param)  # fmt: skip
+                  max_loras=2, max_lora_rank=16, async_scheduling=async_scheduling,
+                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
         for name, folder in adapters.items():
             llm.load_adapter(name, folder)
         return llm.engine
@@ -42,7 +50,7 @@ def make_engine(tiny_model_dir, tmp_path_factory, request):  # noqa: ANN001, ANN
 @st.composite
 def params(draw: st.DrawFn) -> SamplingParams:
     kind = draw(st.sampled_from(["greedy", "sample", "n", "beam", "penalties"]))
-    max_tokens = draw(st.integers(1, 8))
+    max_tokens = draw(st.integers(1, 12))
     kw: dict = {"max_tokens": max_tokens, "ignore_eos": draw(st.booleans())}
     if kind == "beam":
         return SamplingParams(n=draw(st.integers(1, 3)), use_beam_search=True, temperature=0, **kw)
@@ -66,11 +74,14 @@ def params(draw: st.DrawFn) -> SamplingParams:
     )
 
 
-@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@budget(30)
 @given(
     reqs=st.lists(
         st.tuples(
-            st.lists(st.integers(3, 49151), min_size=1, max_size=20),  # prompt
+            st.one_of(  # prompt: any, or one of a few sharing their first blocks (prefix-cache hits)
+                st.lists(st.integers(3, 49151), min_size=1, max_size=20),
+                st.sampled_from([(5,) * 9, (5,) * 9 + (6,) * 8, (5,) * 17]).map(list),
+            ),
             params(),
             st.integers(0, 4),  # step it arrives at
             st.one_of(st.none(), st.integers(0, 10)),  # step it is aborted at

@@ -14,10 +14,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
+    """HF's greedy continuation of ``n`` tokens through any EOS, as ``ignore_eos`` generates: EOS
+    may be chosen, it just ends nothing (``min_new_tokens`` would mask it instead, and a random
+    workload whose argmax was the EOS then "failed" against a reference that could not pick it)."""
     ids = torch.tensor([prompt])
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-        min_new_tokens=n, pad_token_id=0,
+        eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 

@@ -11,11 +11,13 @@ from typing import Any
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import Phase, given  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from plugin_support import ServerThread, engine_config  # noqa: E402
 from schemathesis import checks  # noqa: E402
 from schemathesis.generation.modes import GenerationMode  # noqa: E402
+
+from tests.fuzzing import budget  # noqa: E402
 
 ADMIN = "fuzz-admin"
 CHECKS = [
@@ -67,14 +69,7 @@ def test_every_route_answers_as_documented(api_schema: Any) -> None:
         generating = op.path.endswith("completions")
 
         @given(case=op.as_strategy(generation_mode=mode))
-        @settings(
-            max_examples=150 if generating else 25,
-            deadline=None,
-            derandomize=True,  # the same cases every run: a CI failure reproduces
-            phases=[Phase.explicit, Phase.generate],
-            suppress_health_check=list(HealthCheck),
-            database=None,
-        )
+        @budget(150 if generating else 25, phases=[Phase.explicit, Phase.generate], database=None)
         def run(case: Any) -> None:
             response = case.call_and_validate(
                 headers={"Authorization": f"Bearer {ADMIN}"}, checks=CHECKS, timeout=60
