@@ -1,0 +1,155 @@
+"""Many clients at once, every kind of request, and clients that hang up at random moments.
+
+Each round sends 24 concurrent requests drawn at random (chat and completions, streamed or not,
+the base model and three adapters over two device slots, n > 1, beam search, stop strings,
+logprobs, penalties, seeds, echo, token-id prompts) to a live server on a small KV cache, and
+cancels a third of them after 0-500 ms (before the reply starts, mid-stream, or never reached).
+What must hold: no 5xx and no error frame in any stream, every round drains to an idle engine (no
+running or waiting request, no KV block, no adapter reference), and the server still serves.
+Engine as a thread of the server and in its own process, with and without async scheduling.
+CI runs two rounds per mode with fixed draws (the cancel timing still varies); ``make fuzz``
+runs ``2 x LORASTAR_FUZZ`` freshly random rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from plugin_support import ServerThread, engine_config, wait_until
+
+from tests.fuzzing import FUZZ
+
+ROUNDS = 2 * max(FUZZ, 1)
+CLIENTS = 24
+WORDS = ["the", "cat", "a", "dog", "hello", "world", "lorem", "ipsum"]
+
+
+def draw_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    """A random request: ``(route, JSON body)``, valid or refused with a 400 by design (for
+    example stop strings with beam search)."""
+    chat = rng.random() < 0.5
+    body: dict[str, Any] = {
+        "model": rng.choice(["tiny", "alpha", "beta", "gamma"]),
+        "max_tokens": rng.randint(1, 40),
+        "stream": rng.random() < 0.7,
+        "temperature": rng.choice([0.0, 0.8]),
+    }
+    if rng.random() < 0.3:
+        body["n"] = rng.randint(2, 3)
+    if not chat and rng.random() < 0.2:
+        body.update(use_beam_search=True, temperature=0.0, n=rng.randint(1, 2))
+    if rng.random() < 0.3:
+        body["stop"] = ["e", "a"]
+    if rng.random() < 0.3:
+        body.update(
+            {"logprobs": True, "top_logprobs": rng.randint(0, 3)} if chat else {"logprobs": rng.randint(0, 3)}
+        )
+    if rng.random() < 0.2:
+        body["ignore_eos"] = True
+    if body["stream"] and rng.random() < 0.2:
+        body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.2:
+        body["seed"] = rng.randint(0, 5)
+    if rng.random() < 0.2:
+        body["presence_penalty"] = 0.5
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
+        return "/v1/chat/completions", body
+    body["prompt"] = (
+        text if rng.random() < 0.8 else [rng.randint(3, 49151) for _ in range(rng.randint(1, 30))]
+    )
+    if rng.random() < 0.1:
+        body["echo"] = True
+    return "/v1/completions", body
+
+
+async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[str]]) -> None:
+    route, body = draw_request(rng)
+    hang_up = rng.choice([None, None, 0.0, 0.05, 0.2, 0.5])  # seconds until the client goes away
+    try:
+        async with asyncio.timeout(hang_up):
+            if body["stream"]:
+                async with client.stream("POST", url + route, json=body) as r:
+                    text = (await r.aread()).decode() if r.status_code != 200 else ""
+                    async for line in r.aiter_lines():
+                        if (
+                            line.startswith("data: ")
+                            and line != "data: [DONE]"
+                            and "error" in json.loads(line[6:])
+                        ):
+                            seen["bad"].append(f"error frame {line} for {body}")
+            else:
+                r = await client.post(url + route, json=body)
+                text = r.text
+    except TimeoutError:
+        seen["cancelled"].append(route)
+        return
+    if r.status_code >= 500:
+        seen["bad"].append(f"{r.status_code} {text} for {body}")
+    seen[str(r.status_code)].append(route)
+
+
+def engine_idle(engine: Any) -> bool:
+    s = engine.stats()
+    return (
+        s is not None
+        and s.num_running == 0
+        and s.num_waiting == 0
+        and s.kv_cache_usage == 0
+        and all(a.in_flight == 0 for a in engine.list_adapters())
+    )
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
+    tiny_model_dir: Path, adapter_root: Path, engine_process: bool, async_scheduling: bool
+) -> None:
+    from litestar import Litestar
+
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
+
+    plugin = LoraStarPlugin(
+        LoraStarConfig(
+            # 40 blocks of 4 tokens for up to 8 sequences: preemption, and adapters over 2 slots.
+            engine=engine_config(
+                tiny_model_dir,
+                num_kv_blocks=40,
+                block_size=4,
+                max_num_seqs=8,
+                max_loras=2,
+                max_num_batched_tokens=48,
+                async_scheduling=async_scheduling,
+            ),  # fmt: skip
+            served_model_name="tiny",
+            adapters={name: str(adapter_root / name) for name in ("alpha", "beta", "gamma")},
+            engine_process=engine_process,
+        )
+    )
+    seed = random.Random().random() if FUZZ else 0
+    with ServerThread(Litestar(plugins=[plugin])) as srv:
+        engine = plugin.engine
+        for rnd in range(ROUNDS):
+            rng = random.Random(f"{seed}-{rnd}-{engine_process}-{async_scheduling}")
+            seen: dict[str, list[str]] = defaultdict(list)  # "bad", "cancelled", or a status code
+
+            async def round_(rng: random.Random = rng, seen: dict[str, list[str]] = seen) -> None:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
+                    await asyncio.gather(*(send(client, srv.url, r, seen) for r in rngs))
+
+            asyncio.run(round_())
+            assert not seen["bad"], (seed, rnd, seen["bad"][:3])
+            # A third of the clients never hang up: most of them are served (some draws are 400s).
+            assert len(seen["200"]) >= 2, (seed, rnd, {k: len(v) for k, v in seen.items()})
+            assert wait_until(lambda: engine_idle(engine), timeout=60), (seed, rnd, engine.stats())
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
