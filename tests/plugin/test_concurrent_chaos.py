@@ -4,8 +4,10 @@ Each round sends 24 concurrent requests drawn at random (chat and completions, s
 the base model and three adapters over two device slots, n > 1, beam search, stop strings,
 logprobs, penalties, seeds, echo, token-id prompts) to a live server on a small KV cache, and
 cancels a third of them after 0-500 ms (before the reply starts, mid-stream, or never reached).
-What must hold: no 5xx and no error frame in any stream, every round drains to an idle engine (no
-running or waiting request, no KV block, no adapter reference), and the server still serves.
+Meanwhile an operator hot-loads and unloads ``gamma`` (which requests also name: a 404 while it is
+out) and replaces ``beta`` in place with other weights and back. What must hold: no 5xx and no
+error frame in any stream, every round drains to an idle engine (no running or waiting request,
+no KV block, no adapter reference), and the server still serves.
 Engine as a thread of the server and in its own process, with and without async scheduling.
 CI runs two rounds per mode with fixed draws (the cancel timing still varies); ``make fuzz``
 runs ``2 x LORASTAR_FUZZ`` freshly random rounds.
@@ -27,6 +29,7 @@ from plugin_support import ServerThread, engine_config, wait_until
 from tests.fuzzing import FUZZ
 
 ROUNDS = 2 * max(FUZZ, 1)
+ADMIN = "chaos-admin"
 CLIENTS = 24
 WORDS = ["the", "cat", "a", "dog", "hello", "world", "lorem", "ipsum"]
 
@@ -36,7 +39,7 @@ def draw_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     example stop strings with beam search)."""
     chat = rng.random() < 0.5
     body: dict[str, Any] = {
-        "model": rng.choice(["tiny", "alpha", "beta", "gamma"]),
+        "model": rng.choice(["tiny", "alpha", "beta", "gamma"]),  # gamma comes and goes
         "max_tokens": rng.randint(1, 40),
         "stream": rng.random() < 0.7,
         "temperature": rng.choice([0.0, 0.8]),
@@ -97,6 +100,25 @@ async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: di
     seen[str(r.status_code)].append(route)
 
 
+async def operate(
+    client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[str]]
+) -> None:
+    """Hot-load and unload ``gamma`` and replace ``beta`` in place, in a random order at random
+    moments, then restore ``beta``."""
+    calls = [
+        ("/v1/load_lora_adapter", {"lora_name": "gamma", "lora_path": "gamma"}),
+        ("/v1/unload_lora_adapter", {"lora_name": "gamma"}),
+        ("/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": "alpha", "load_inplace": True}),
+    ]
+    restore = ("/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": "beta", "load_inplace": True})
+    for route, body in [*rng.sample(calls, len(calls)), restore]:
+        await asyncio.sleep(rng.uniform(0.0, 0.3))
+        r = await client.post(url + route, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+        if r.status_code not in (200, 400, 404):  # loading one loaded, unloading one absent: 4xx
+            seen["bad"].append(f"{r.status_code} {r.text} for {route} {body}")
+        seen[f"admin {r.status_code}"].append(route)
+
+
 def engine_idle(engine: Any) -> bool:
     s = engine.stats()
     return (
@@ -130,7 +152,9 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
                 async_scheduling=async_scheduling,
             ),  # fmt: skip
             served_model_name="tiny",
-            adapters={name: str(adapter_root / name) for name in ("alpha", "beta", "gamma")},
+            adapters={name: str(adapter_root / name) for name in ("alpha", "beta")},
+            adapter_root=adapter_root,
+            admin_token=ADMIN,
             engine_process=engine_process,
         )
     )
@@ -144,7 +168,10 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
             async def round_(rng: random.Random = rng, seen: dict[str, list[str]] = seen) -> None:
                 async with httpx.AsyncClient(timeout=120) as client:
                     rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
-                    await asyncio.gather(*(send(client, srv.url, r, seen) for r in rngs))
+                    await asyncio.gather(
+                        operate(client, srv.url, random.Random(rng.random()), seen),
+                        *(send(client, srv.url, r, seen) for r in rngs),
+                    )
 
             asyncio.run(round_())
             assert not seen["bad"], (seed, rnd, seen["bad"][:3])
@@ -153,3 +180,5 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
             assert wait_until(lambda: engine_idle(engine), timeout=60), (seed, rnd, engine.stats())
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        names = {a.name: a for a in engine.list_adapters()}
+        assert names["beta"].path.endswith("beta"), names  # each round ends by restoring beta
