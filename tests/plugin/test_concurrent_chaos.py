@@ -150,7 +150,7 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
                 max_loras=2,
                 max_num_batched_tokens=48,
                 async_scheduling=async_scheduling,
-            ),  # fmt: skip
+            ),
             served_model_name="tiny",
             adapters={name: str(adapter_root / name) for name in ("alpha", "beta")},
             adapter_root=adapter_root,
