@@ -74,7 +74,9 @@ def draw_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", body
 
 
-async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[str]]) -> None:
+async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[Any]]) -> None:
+    """One random request; ``seen`` gets its status code (or "cancelled"), and the error body of a
+    5xx ("5xx") or of an error frame in a stream ("error frames")."""
     route, body = draw_request(rng)
     hang_up = rng.choice([None, None, 0.0, 0.05, 0.2, 0.5])  # seconds until the client goes away
     try:
@@ -83,12 +85,9 @@ async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: di
                 async with client.stream("POST", url + route, json=body) as r:
                     text = (await r.aread()).decode() if r.status_code != 200 else ""
                     async for line in r.aiter_lines():
-                        if (
-                            line.startswith("data: ")
-                            and line != "data: [DONE]"
-                            and "error" in json.loads(line[6:])
-                        ):
-                            seen["bad"].append(f"error frame {line} for {body}")
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            if "error" in (frame := json.loads(line[6:])):
+                                seen["error frames"].append(frame)
             else:
                 r = await client.post(url + route, json=body)
                 text = r.text
@@ -96,12 +95,12 @@ async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: di
         seen["cancelled"].append(route)
         return
     if r.status_code >= 500:
-        seen["bad"].append(f"{r.status_code} {text} for {body}")
+        seen["5xx"].append(json.loads(text) if text.startswith("{") else text)
     seen[str(r.status_code)].append(route)
 
 
 async def operate(
-    client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[str]]
+    client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[Any]]
 ) -> None:
     """Hot-load and unload ``gamma`` and replace ``beta`` in place, in a random order at random
     moments, then restore ``beta``."""
@@ -115,7 +114,7 @@ async def operate(
         await asyncio.sleep(rng.uniform(0.0, 0.3))
         r = await client.post(url + route, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
         if r.status_code not in (200, 400, 404):  # loading one loaded, unloading one absent: 4xx
-            seen["bad"].append(f"{r.status_code} {r.text} for {route} {body}")
+            seen["admin bad"].append(f"{r.status_code} {r.text} for {route} {body}")
         seen[f"admin {r.status_code}"].append(route)
 
 
@@ -163,9 +162,9 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
         engine = plugin.engine
         for rnd in range(ROUNDS):
             rng = random.Random(f"{seed}-{rnd}-{engine_process}-{async_scheduling}")
-            seen: dict[str, list[str]] = defaultdict(list)  # "bad", "cancelled", or a status code
+            seen: dict[str, list[Any]] = defaultdict(list)
 
-            async def round_(rng: random.Random = rng, seen: dict[str, list[str]] = seen) -> None:
+            async def round_(rng: random.Random = rng, seen: dict[str, list[Any]] = seen) -> None:
                 async with httpx.AsyncClient(timeout=120) as client:
                     rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
                     await asyncio.gather(
@@ -174,7 +173,8 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
                     )
 
             asyncio.run(round_())
-            assert not seen["bad"], (seed, rnd, seen["bad"][:3])
+            bad = seen["5xx"] + seen["error frames"] + seen["admin bad"]
+            assert not bad, (seed, rnd, bad[:3])
             # A third of the clients never hang up: most of them are served (some draws are 400s).
             assert len(seen["200"]) >= 2, (seed, rnd, {k: len(v) for k, v in seen.items()})
             assert wait_until(lambda: engine_idle(engine), timeout=60), (seed, rnd, engine.stats())
@@ -182,3 +182,79 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         names = {a.name: a for a in engine.list_adapters()}
         assert names["beta"].path.endswith("beta"), names  # each round ends by restoring beta
+
+
+def test_a_core_killed_under_load_fails_its_requests_with_503_and_comes_back(
+    tiny_model_dir: Path, adapter_root: Path
+) -> None:
+    """The engine process is SIGKILLed while a round of random requests and one long stream are in
+    flight: each request in flight or arriving during the restart ends with a 503 that says to
+    retry (a status, or an error frame in a stream; the long stream surely so), never another 5xx;
+    a new core starts with the adapters loaded again, drains to idle and serves."""
+    import os
+    import signal
+
+    from litestar import Litestar
+
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
+
+    plugin = LoraStarPlugin(
+        LoraStarConfig(
+            engine=engine_config(tiny_model_dir, num_kv_blocks=40, block_size=4, max_num_seqs=8, max_loras=2),
+            served_model_name="tiny",
+            adapters={name: str(adapter_root / name) for name in ("alpha", "beta")},
+            engine_process=True,
+        )
+    )
+    seed = random.Random().random() if FUZZ else 0
+    with ServerThread(Litestar(plugins=[plugin])) as srv:
+        engine = plugin.engine
+        for rnd in range(ROUNDS):
+            rng = random.Random(f"kill-{seed}-{rnd}")
+            seen: dict[str, list[Any]] = defaultdict(list)
+            pid = engine.core_pid
+
+            async def kill(
+                client: httpx.AsyncClient,
+                delay: float = rng.uniform(0.0, 0.2),
+                pid: int | None = pid,
+                seen: dict[str, list[Any]] = seen,
+            ) -> None:
+                """A long stream that is surely in flight: the kill comes after its first frame."""
+                # 150 of the 160 tokens this cache holds (max_model_len follows the cache)
+                body = {"prompt": "Hi", "max_tokens": 150, "ignore_eos": True, "stream": True}
+                async with client.stream("POST", srv.url + "/v1/completions", json=body) as r:
+                    lines = r.aiter_lines()
+                    async for line in lines:
+                        if line.startswith("data: "):
+                            break
+                    await asyncio.sleep(delay)
+                    assert pid is not None
+                    os.kill(pid, signal.SIGKILL)
+                    async for line in lines:
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            if "error" in (frame := json.loads(line[6:])):
+                                seen["error frames"].append(frame)
+                                seen["long stream failed"].append(frame)
+
+            async def round_(rng: random.Random = rng, seen: dict[str, list[Any]] = seen) -> None:
+                async with httpx.AsyncClient(timeout=120) as client:
+                    rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
+                    await asyncio.gather(kill(client), *(send(client, srv.url, r, seen) for r in rngs))
+
+            asyncio.run(round_())
+            assert seen["long stream failed"], (seed, rnd, {k: len(v) for k, v in seen.items()})
+            failed = seen["5xx"] + seen["error frames"]
+            for err in failed:
+                assert isinstance(err, dict) and err["error"]["code"] == 503, (seed, rnd, err)
+                assert "retry" in err["error"]["message"], (seed, rnd, err)
+            assert wait_until(lambda: not engine.restarting, timeout=120), (seed, rnd)
+            assert engine.core_pid != pid
+            assert sorted(a.name for a in engine.list_adapters()) == ["alpha", "beta"]
+            assert wait_until(lambda: engine_idle(engine), timeout=60), (seed, rnd, engine.stats())
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                json={"model": "alpha", "prompt": "Hi", "max_tokens": 2},
+                timeout=30,
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
