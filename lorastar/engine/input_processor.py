@@ -73,9 +73,14 @@ class InputProcessor:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
         self.check_prompt_size([c for m in messages if isinstance(c := m.get("content"), str)], "messages")
-        text = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja's UndefinedError / TemplateError: what the messages lack
+            raise InvalidParamError(
+                "messages", f"messages could not be rendered by the chat template: {exc}"
+            ) from exc
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

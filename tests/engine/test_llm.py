@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lorastar import LLM, SamplingParams
-from lorastar.errors import AdapterError, AdapterNotFoundError
+from lorastar.errors import AdapterError, AdapterNotFoundError, InvalidParamError
 from tests.conftest import make_peft_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -109,6 +109,15 @@ def test_chat_uses_template(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "hello"}], GREEDY)[0]
     text = llm.tokenizer.decode(out.prompt_token_ids)
     assert "hello" in text and "assistant" in text
+
+
+def test_chat_messages_the_template_cannot_render_are_refused_naming_messages(llm: LLM) -> None:
+    """A message without content made the template raise jinja's UndefinedError out of
+    ``LLM.chat``; it is the caller's InvalidParamError, as the HTTP route's 400 already was."""
+    with pytest.raises(InvalidParamError, match="could not be rendered by the chat template") as e:
+        llm.chat([{"role": "user"}], GREEDY)
+    assert e.value.param == "messages"
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
 
 
 def test_adapter_load_unload_while_generating(llm: LLM, tiny_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
