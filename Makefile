@@ -58,7 +58,7 @@ bench-peers: venv
 		"$$($(BIN)/python -c 'from lorastar.models.default import default_model_dir as d; print(d())')"
 
 # Property tests with LORASTAR_FUZZ times their CI budget of fresh random cases (tests/fuzzing.py):
-# About FUZZ x 1.5 min on 2 cores (the CI budget of these tests takes ~1.5 min). FUZZ=K to change it.
+# About a minute per unit of FUZZ on 2 cores (the default 10: 11 min). FUZZ=K to change it.
 FUZZ ?= 10
 fuzz: venv
 	LORASTAR_FUZZ=$(FUZZ) $(BIN)/python -m pytest -q -x tests/engine/test_mixed_workloads.py \
