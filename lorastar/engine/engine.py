@@ -751,8 +751,7 @@ class LLMEngine:
                     self._append(seq, tok, lps[i] if lps is not None else None, now)
                     if seq.is_finished:
                         break
-                req = seq.request
-                touched[req.request_id] = req
+                touched[seq.request.request_id] = seq.request
         if beam_rows:
             self._beam_proposals(beam_rows, logits, touched)
         return self._outputs(touched)

@@ -167,10 +167,7 @@ class InputBatch:
             rows.append(self._row(seq))
             starts.append(start)
             qlens.append(n)
-            if n == 1:
-                ids.append(seq.token_ids[start])
-            else:
-                ids += seq.token_ids[start : start + n]
+            ids += seq.token_ids[start : start + n]
             last_row[i] = len(ids) - 1
         row_a = np.array(rows, dtype=np.int64)  # [B]
         start_a = np.array(starts, dtype=np.int64)

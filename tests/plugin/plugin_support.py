@@ -69,6 +69,19 @@ def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.02) ->
     return bool(predicate())
 
 
+def engine_idle(engine: Any) -> bool:
+    """No running or waiting request, no KV block in use, no adapter reference held (False while a
+    restarting engine has no counters)."""
+    s = engine.stats()
+    return (
+        s is not None
+        and s.num_running == 0
+        and s.num_waiting == 0
+        and s.kv_cache_usage == 0
+        and all(a.in_flight == 0 for a in engine.list_adapters())
+    )
+
+
 def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 4) -> Path:
     """A real PEFT LoRA folder for ``model_dir`` on all seven projections (``make_peft_adapter``)."""
     from tests.conftest import ALL_TARGETS, make_peft_adapter

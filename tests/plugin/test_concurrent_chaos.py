@@ -16,15 +16,17 @@ runs ``2 x LORASTAR_FUZZ`` freshly random rounds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from plugin_support import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, engine_config, engine_idle, wait_until
 
 from tests.fuzzing import FUZZ
 
@@ -118,29 +120,13 @@ async def operate(
         seen[f"admin {r.status_code}"].append(route)
 
 
-def engine_idle(engine: Any) -> bool:
-    s = engine.stats()
-    return (
-        s is not None
-        and s.num_running == 0
-        and s.num_waiting == 0
-        and s.kv_cache_usage == 0
-        and all(a.in_flight == 0 for a in engine.list_adapters())
-    )
-
-
-@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
-    tiny_model_dir: Path, adapter_root: Path, engine_process: bool, async_scheduling: bool
-) -> None:
-    from litestar import Litestar
-
+def serve(tiny_model_dir: Path, adapter_root: Path, *, engine_process: bool, async_scheduling: bool) -> Any:
+    """The plugin both tests serve: 40 blocks of 4 tokens for up to 8 sequences (preemption),
+    alpha and beta loaded over 2 device slots, gamma loadable from ``adapter_root``."""
     from lorastar.plugin import LoraStarConfig, LoraStarPlugin
 
-    plugin = LoraStarPlugin(
+    return LoraStarPlugin(
         LoraStarConfig(
-            # 40 blocks of 4 tokens for up to 8 sequences: preemption, and adapters over 2 slots.
             engine=engine_config(
                 tiny_model_dir,
                 num_kv_blocks=40,
@@ -157,22 +143,42 @@ def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
             engine_process=engine_process,
         )
     )
+
+
+def run_round(
+    url: str,
+    rng: random.Random,
+    seen: dict[str, list[Any]],
+    beside: Callable[[httpx.AsyncClient], Awaitable[None]],
+) -> None:
+    """``CLIENTS`` random requests at once, with ``beside(client)`` running alongside them."""
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
+            await asyncio.gather(beside(client), *(send(client, url, r, seen) for r in rngs))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_concurrent_mixed_requests_and_hang_ups_leave_nothing(
+    tiny_model_dir: Path, adapter_root: Path, engine_process: bool, async_scheduling: bool
+) -> None:
+    from litestar import Litestar
+
+    plugin = serve(
+        tiny_model_dir, adapter_root, engine_process=engine_process, async_scheduling=async_scheduling
+    )
     seed = random.Random().random() if FUZZ else 0
     with ServerThread(Litestar(plugins=[plugin])) as srv:
         engine = plugin.engine
         for rnd in range(ROUNDS):
             rng = random.Random(f"{seed}-{rnd}-{engine_process}-{async_scheduling}")
             seen: dict[str, list[Any]] = defaultdict(list)
-
-            async def round_(rng: random.Random = rng, seen: dict[str, list[Any]] = seen) -> None:
-                async with httpx.AsyncClient(timeout=120) as client:
-                    rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
-                    await asyncio.gather(
-                        operate(client, srv.url, random.Random(rng.random()), seen),
-                        *(send(client, srv.url, r, seen) for r in rngs),
-                    )
-
-            asyncio.run(round_())
+            operator = functools.partial(operate, url=srv.url, rng=random.Random(rng.random()), seen=seen)
+            run_round(srv.url, rng, seen, operator)
             bad = seen["5xx"] + seen["error frames"] + seen["admin bad"]
             assert not bad, (seed, rnd, bad[:3])
             # A third of the clients never hang up: most of them are served (some draws are 400s).
@@ -196,16 +202,7 @@ def test_a_core_killed_under_load_fails_its_requests_with_503_and_comes_back(
 
     from litestar import Litestar
 
-    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
-
-    plugin = LoraStarPlugin(
-        LoraStarConfig(
-            engine=engine_config(tiny_model_dir, num_kv_blocks=40, block_size=4, max_num_seqs=8, max_loras=2),
-            served_model_name="tiny",
-            adapters={name: str(adapter_root / name) for name in ("alpha", "beta")},
-            engine_process=True,
-        )
-    )
+    plugin = serve(tiny_model_dir, adapter_root, engine_process=True, async_scheduling=False)
     seed = random.Random().random() if FUZZ else 0
     with ServerThread(Litestar(plugins=[plugin])) as srv:
         engine = plugin.engine
@@ -237,12 +234,7 @@ def test_a_core_killed_under_load_fails_its_requests_with_503_and_comes_back(
                                 seen["error frames"].append(frame)
                                 seen["long stream failed"].append(frame)
 
-            async def round_(rng: random.Random = rng, seen: dict[str, list[Any]] = seen) -> None:
-                async with httpx.AsyncClient(timeout=120) as client:
-                    rngs = [random.Random(rng.random()) for _ in range(CLIENTS)]
-                    await asyncio.gather(kill(client), *(send(client, srv.url, r, seen) for r in rngs))
-
-            asyncio.run(round_())
+            run_round(srv.url, rng, seen, kill)
             assert seen["long stream failed"], (seed, rnd, {k: len(v) for k, v in seen.items()})
             failed = seen["5xx"] + seen["error frames"]
             for err in failed:

@@ -7,25 +7,14 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
-from plugin_support import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, engine_config, engine_idle, wait_until
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 PROMPT = "Once upon a time"
-
-
-def idle(engine: Any) -> bool:
-    s = engine.stats()
-    return (
-        s.num_running == 0
-        and s.num_waiting == 0
-        and s.kv_cache_usage == 0
-        and all(a.in_flight == 0 for a in engine.list_adapters())
-    )
 
 
 def test_path_escapes_and_tokens_on_real_engine(
@@ -131,7 +120,7 @@ def test_concurrent_load_unload_during_streaming(real_server: ServerThread) -> N
     assert sorted(f for _, f in results) == ["length"] * 6
     ids = [m.id for m in client.models.list().data]
     assert "gamma" not in ids and "beta" in ids
-    assert wait_until(lambda: idle(engine))
+    assert wait_until(lambda: engine_idle(engine))
 
 
 def test_load_200_requests_32_streaming_clients_against_demo_app(
@@ -217,7 +206,7 @@ def test_load_200_requests_32_streaming_clients_against_demo_app(
         elapsed = time.monotonic() - t0
         assert not failures, failures[:5]
         assert outcome["finished"] + outcome["aborted"] == total and outcome["aborted"] > 0
-        assert wait_until(lambda: idle(plugin.engine), timeout=20), plugin.engine.stats()
+        assert wait_until(lambda: engine_idle(plugin.engine), timeout=20), plugin.engine.stats()
         metrics = httpx.get(srv.url + "/metrics").text
         assert 'vllm:num_requests_running{model_name="' in metrics
         print(f"load test: {total} requests, {concurrency} clients, {elapsed:.1f} s, {outcome}")

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from plugin_support import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, engine_config, engine_idle, wait_until
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -37,17 +37,6 @@ def greedy(max_tokens: int = 12, **kw: Any) -> Any:
     from lorastar import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
-
-
-def engine_idle(server: ServerThread) -> bool:
-    engine = server.plugin.engine  # type: ignore[attr-defined]
-    s = engine.stats()
-    return (
-        s.num_running == 0
-        and s.num_waiting == 0
-        and s.kv_cache_usage == 0
-        and all(a.in_flight == 0 for a in engine.list_adapters())
-    )
 
 
 def test_models_list(client: openai.OpenAI, adapter_root: Path) -> None:
@@ -234,7 +223,7 @@ def test_real_engine_error_paths(real_server: ServerThread, client: openai.OpenA
         client.completions.create(model="tiny", prompt=[10**9])
     assert e.value.body["param"] == "prompt"  # type: ignore[index]
     assert httpx.get(real_server.url + "/app-own").json() == {"mine": "yes"}
-    assert wait_until(lambda: engine_idle(real_server))
+    assert wait_until(lambda: engine_idle(real_server.plugin.engine))
 
 
 def test_client_disconnect_mid_stream_frees_blocks(real_server: ServerThread) -> None:
@@ -258,7 +247,7 @@ def test_client_disconnect_mid_stream_frees_blocks(real_server: ServerThread) ->
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["choices"][0]["index"] == 0
         assert engine.stats().num_running + engine.stats().num_waiting >= 1
-    assert wait_until(lambda: engine_idle(real_server), timeout=10)
+    assert wait_until(lambda: engine_idle(real_server.plugin.engine), timeout=10)
 
 
 def test_overloaded_engine_answers_503(tiny_model_dir: Path) -> None:
@@ -289,7 +278,7 @@ def test_overloaded_engine_answers_503(tiny_model_dir: Path) -> None:
         assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
         busy = next(r for r in responses if r.status_code == 503)
         assert busy.headers["retry-after"] == "2" and busy.json()["error"]["code"] == 503
-        assert wait_until(lambda: engine_idle(srv))
+        assert wait_until(lambda: engine_idle(srv.plugin.engine))
 
 
 def test_metrics_and_health_on_real_engine(real_server: ServerThread, client: openai.OpenAI) -> None:

@@ -12,7 +12,6 @@ from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput
-from lorastar.errors import InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
@@ -82,19 +81,11 @@ async def render_messages(
     add_generation_prompt: bool,
     add_special_tokens: bool = False,
 ) -> tuple[list[dict[str, Any]], list[int]]:
-    """The messages as the template takes them and their token ids, rendered on a worker thread;
-    a template that rejects them ("roles must alternate") is the client's 400, not our 500."""
+    """The messages as the template takes them and their token ids, rendered on a worker thread.
+    A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
+    naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400."""
     normalized = _normalize_messages(messages)
-    try:
-        ids = await in_thread(
-            engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens
-        )
-    except (APIError, InvalidParamError):
-        raise
-    except Exception as exc:  # jinja's TemplateError and friends
-        raise APIError(
-            f"messages could not be rendered by the chat template: {exc}", param="messages"
-        ) from exc
+    ids = await in_thread(engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens)
     return normalized, list(ids)
 
 
