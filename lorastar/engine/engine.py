@@ -7,7 +7,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,22 @@ def _needs_sync(params: SamplingParams, forked: bool = False) -> bool:
     whose prompt logprobs go through the host: while one is live, async scheduling runs steps
     one at a time. Penalties read the previous token on the device (``PendingTokens``)."""
     return params.use_beam_search or (params.n > 1 and not forked) or params.prompt_logprobs is not None
+
+
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` as a callback that does not keep its engine alive. The scheduler and adapter
+    registry hold these, not bound methods: with a reference cycle, dropping the last reference
+    to an engine freed its weights and KV cache only at Python's next cyclic GC, which GPU memory
+    pressure never triggers (a benchmark making one engine after another ran out of memory)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the engine behind this callback is gone")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def resolve_device(device: str) -> torch.device:
@@ -204,8 +221,8 @@ class LLMEngine:
         self.registry = AdapterRegistry(
             config.max_loras,
             config.max_cpu_loras,
-            loader=self._read_adapter,
-            on_slot_assigned=lambda slot, w: self.lora_state.load_slot(slot, w.content_hash, w.weights),
+            loader=_weak(self._read_adapter),
+            on_slot_assigned=_weak(self._load_slot),
         )
         self.kv_spec = spec
         # A sequence holds every block it wrote, unless all layers slide over one window: then at
@@ -239,8 +256,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
             max_loras=config.max_loras,
-            ensure_adapter=self._ensure_adapter,
-            prompt_logprobs_hits=self._prompt_logprobs_hits,
+            ensure_adapter=_weak(self._ensure_adapter),
+            prompt_logprobs_hits=_weak(self._prompt_logprobs_hits),
             max_prefix_waits=32,  # share a prefix computed in flight (scheduler docstring)
         )
         self.prompt_logprobs_cache = PromptLogprobsCache()
@@ -275,6 +292,9 @@ class LLMEngine:
 
     def _read_adapter(self, path: str) -> LoRAWeights:
         return load_peft_adapter(path, self.model_spec, max_rank=self.config.max_lora_rank)
+
+    def _load_slot(self, slot: int, w: LoRAWeights) -> None:
+        self.lora_state.load_slot(slot, w.content_hash, w.weights)
 
     def _ensure_adapter(self, seq: Sequence, pinned: set[str]) -> bool:
         entry = seq.request.adapter_entry

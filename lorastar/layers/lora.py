@@ -35,7 +35,12 @@ class LoRASlots(ABC):
     def __init__(
         self, layer: Linear, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.layer = layer
+        # The linear's shape, not the linear: it holds this object, and a cycle would keep both
+        # (and the model's weights) alive past the engine until a cyclic GC.
+        self.slice_names: list[str] = list(layer.slice_names)
+        self.module = layer.prefix.rpartition(".")[2]  # the fused module's name (qkv_proj)
+        self.input_size = layer.input_size
+        self.output_sizes: list[int] = list(layer.output_sizes)
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.dtype = dtype
@@ -56,7 +61,7 @@ class LoRASlots(ABC):
         """Write an adapter's A ``[r, in]`` / B ``[out, r]`` per module name into ``slot``
         (everything the slot held before is zeroed). ``shared_a``: every slice has the same A (a
         LoRA on the fused module), so one shrink serves them all."""
-        names = self.layer.slice_names
+        names = self.slice_names
         slices = [i for i, name in enumerate(names) if name in weights]
         self._clear(slot)
         for i in slices:
@@ -116,9 +121,9 @@ class GpuLoRASlots(LoRASlots):
 
     def _write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if self.a is None or self.b is None:
-            p = len(self.layer.slice_names)
-            self.a = self._zeros(self.max_loras, p * self.max_rank, self.layer.input_size)
-            self.b = self._zeros(self.max_loras, sum(self.layer.output_sizes), self.max_rank)
+            p = len(self.slice_names)
+            self.a = self._zeros(self.max_loras, p * self.max_rank, self.input_size)
+            self.b = self._zeros(self.max_loras, sum(self.output_sizes), self.max_rank)
         r, lo = a.shape[0], i * self.max_rank
         self.a[slot, lo : lo + r].copy_(a)
         self.b[slot, self.offsets[i] : self.offsets[i] + b.shape[0], :r].copy_(b)
@@ -166,9 +171,9 @@ class CpuLoRASlots(LoRASlots):
 
     def _write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if self.a[i] is None:
-            self.a[i] = self._zeros(self.max_loras, self.max_rank, self.layer.input_size)
+            self.a[i] = self._zeros(self.max_loras, self.max_rank, self.input_size)
         if self.b[i] is None:
-            self.b[i] = self._zeros(self.max_loras, self.max_rank, self.layer.output_sizes[i])
+            self.b[i] = self._zeros(self.max_loras, self.max_rank, self.output_sizes[i])
         self.a[i][slot, : a.shape[0]].copy_(a)  # type: ignore[index]
         self.b[i][slot, : b.shape[1]].copy_(b.t())  # type: ignore[index]
 
@@ -219,18 +224,16 @@ class LoRADeviceState:
         registry's record, not kept here."""
         allocated = self._num_buffers()
         for layer_idx, lora in self.slots:
-            per_slice = {name: w for name in lora.layer.slice_names if (w := weights.get((layer_idx, name)))}
-            fused = weights.get((layer_idx, lora.layer.prefix.rpartition(".")[2]))
-            if fused is not None and len(lora.layer.slice_names) > 1:
+            per_slice = {name: w for name in lora.slice_names if (w := weights.get((layer_idx, name)))}
+            fused = weights.get((layer_idx, lora.module))
+            if fused is not None and len(lora.slice_names) > 1:
                 # A LoRA on the fused module (Phi-3's qkv_proj): one A for every slice, B split by rows.
                 a, b = fused
-                per_slice = dict(
-                    zip(lora.layer.slice_names, ((a, p) for p in b.split(lora.layer.output_sizes)))
-                )
+                per_slice = dict(zip(lora.slice_names, ((a, p) for p in b.split(lora.output_sizes))))
             lora.set_slot(slot, {
                 name: (a.to(self.device, lora.dtype), b.to(self.device, lora.dtype))
                 for name, (a, b) in per_slice.items()
-            }, shared_a=fused is not None and len(lora.layer.slice_names) > 1)  # fmt: skip
+            }, shared_a=fused is not None and len(lora.slice_names) > 1)  # fmt: skip
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)
         self.ranks_host[slot] = rank
         if self._num_buffers() != allocated:

@@ -84,7 +84,7 @@ def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> 
     assert len(out.scheduled) == len(prompts)
     logits = eng.runner.execute(out, eng._adapter_slots(out)).logits
     if name.startswith("phi"):  # fused-module LoRA: on CPU one shrink serves q/k/v (gate/up)
-        fused = [lora for _, lora in eng.lora_state.slots if len(lora.layer.slice_names) > 1]
+        fused = [lora for _, lora in eng.lora_state.slots if len(lora.slice_names) > 1]
         targeted = [lora for lora in fused if any(lora.slot_slices)]
         assert targeted and all(any(lora.slot_shared_a) for lora in targeted)
     for row, (p, a) in enumerate(zip(prompts, order)):
