@@ -92,7 +92,7 @@ if HAS_TRITON:
     @triton.jit
     def _lora_expand_kernel(
         buf_ptr, b_ptr, y_ptr, runs_ptr, ranks_ptr, bounds_ptr,
-        R, P, N_TILES,
+        R, P, N_TILES, SLOT_COLS,
         stride_runs,
         stride_bt, stride_br,
         stride_bs, stride_bn, stride_bk,
@@ -124,7 +124,7 @@ if HAS_TRITON:
         offs_n = n_lo + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_hi
         offs_r = tl.arange(0, BLOCK_R)
-        col0 = i * R
+        col0 = s * SLOT_COLS + i * R
         b_base = b_ptr + s.to(tl.int64) * stride_bs
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for r0 in range(0, rank, BLOCK_R):
@@ -240,25 +240,29 @@ def lora_expand(
     block_m: int | None = None,
     block_r: int | None = None,
     block_n: int | None = None,
+    slot_cols: int = 0,
 ) -> None:
     """Segmented LoRA expand of every slice of a fused linear in one launch, added into ``y``.
 
-    Semantics: ``for s, i: rows = runs[0, s] : runs[0, s] + runs[1, s]; r = ranks[s, i]; y[rows, bounds[i] : bounds[i+1]] += buf[rows, i*R : i*R + r] @ lora_b[s, bounds[i] : bounds[i+1], :r].T``
+    Semantics: ``for s, i: rows = runs[0, s] : runs[0, s] + runs[1, s]; r = ranks[s, i]; c = s*slot_cols + i*R; y[rows, bounds[i] : bounds[i+1]] += buf[rows, c : c + r] @ lora_b[s, bounds[i] : bounds[i+1], :r].T``
 
     Args:
-        buf: ``[T, P * R]`` shrink output.
+        buf: ``[T, P * R]`` shrink output; with ``slot_cols = P * R``, ``[T, S * P * R]``: every
+            slot's shrink of every row (one dense ``x @ lora_a.view(S * P * R, H).T``), each row
+            reading its own slot's columns.
         lora_b: ``[S, Ntot, R]`` B of every slice, rows at their output columns (scaled).
         y: ``[T, Ntot]`` base output, updated in place.
         slot_runs: ``[2, S]`` int32; ranks: ``[S, P]`` int32 (0: the slice is skipped).
         bounds: ``[P + 1]`` int32 first output column of each slice, then ``Ntot``.
         max_rows: the longest run, or a bound of it; max_width: the widest slice.
+        slot_cols: columns of ``buf`` per slot (0: one ``[T, P * R]`` shrink output for all slots).
     """
     _require_triton()
     t = buf.shape[0]
     if t == 0 or max_rows == 0:
         return
     num_slots, p = ranks.shape
-    rank = buf.shape[1] // p
+    rank = lora_b.shape[2]
     # Prefill-sized runs: 64-row x 32-rank tiles re-read B less often (H100 sweep, 2048 tokens,
     # rank 64: 34 us vs 104 us with 16 x 16). Small batches keep 16-row tiles (more programs).
     big = buf.is_cuda and max_rows >= 256
@@ -269,7 +273,7 @@ def lora_expand(
     n_tiles = triton.cdiv(max_width, block_n)
     _lora_expand_kernel[(num_slots, triton.cdiv(max_rows, block_m), p * n_tiles)](
         buf, lora_b, y, slot_runs, ranks, bounds,
-        rank, p, n_tiles,
+        rank, p, n_tiles, slot_cols,
         slot_runs.stride(0),
         buf.stride(0), buf.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),

@@ -179,21 +179,23 @@ def ref_lora_shrink_runs(
 
 def ref_lora_expand_runs(
     y: torch.Tensor,  # [T, Ntot]
-    buf: torch.Tensor,  # [T, P * R]
+    buf: torch.Tensor,  # [T, P * R], or [T, S * P * R] with slot_cols = P * R
     lora_b: torch.Tensor,  # [S, Ntot, R]
     slot_runs: torch.Tensor,  # [2, S] int32
     ranks: torch.Tensor,  # [S, P] int32
     bounds: torch.Tensor,  # [P + 1] int32
+    slot_cols: int = 0,
 ) -> torch.Tensor:
-    """``kernels/lora.lora_expand``: a new ``y`` with ``y[rows_s, lo:hi] += buf[rows_s, i*R : i*R + r] @ lora_b[s, lo:hi, :r].T``
-    for each slot ``s`` and slice ``i`` (``lo, hi = bounds[i], bounds[i + 1]``). Sum in fp32."""
+    """``kernels/lora.lora_expand``: a new ``y`` with ``y[rows_s, lo:hi] += buf[rows_s, c : c + r] @ lora_b[s, lo:hi, :r].T``
+    for each slot ``s`` and slice ``i`` (``lo, hi = bounds[i], bounds[i + 1]``, ``c = s * slot_cols + i * R``).
+    Sum in fp32."""
     num_slots, p = ranks.shape
-    width = buf.shape[1] // p
+    width = lora_b.shape[2]
     new_y = y.clone()
     for s in range(num_slots):
         start, count = int(slot_runs[0, s]), int(slot_runs[1, s])
         for i in range(p):
-            r, c, lo, hi = int(ranks[s, i]), i * width, int(bounds[i]), int(bounds[i + 1])
+            r, c, lo, hi = int(ranks[s, i]), s * slot_cols + i * width, int(bounds[i]), int(bounds[i + 1])
             for t in range(start, start + count):
                 delta = lora_b[s, lo:hi, :r].float() @ buf[t, c : c + r].float()
                 new_y[t, lo:hi] = (y[t, lo:hi].float() + delta).to(y.dtype)

@@ -179,6 +179,41 @@ def test_runs_reference_is_the_per_token_semantics() -> None:
     assert (y != c["y"]).any()
 
 
+@pytest.mark.parametrize(
+    ("rank", "batch", "dtype", "popularity"),
+    [(16, 16, torch.float32, "zipf"), (33, 5, torch.float16, "uniform"), (8, 1, torch.float32, "identical")],
+)
+def test_expand_of_every_slots_shrink(rank: int, batch: int, dtype: torch.dtype, popularity: str) -> None:
+    """``slot_cols``: ``buf`` holds every slot's shrink of every row (one dense GEMM over all
+    slots' A, as a base GEMM with the A rows stacked under its weight would give); each row adds
+    its own slot's columns only, the same delta as the per-slot shrink's output."""
+    c = _runs_case(rank, batch, dtype, popularity)
+    num_slots, p = c["ranks"].shape
+    a = c["a"].clone()
+    a[0] = 0.0  # the dense shrink reads the padding past each rank: zero, as the slots keep it
+    for s in range(1, num_slots):
+        for i in range(p):
+            a[s, i * rank + int(c["ranks"][s, i]) : (i + 1) * rank] = 0.0
+    c["a"] = a
+    c["b"][0] = 0.0
+    dense = (c["x"].float() @ a.reshape(num_slots * p * rank, -1).float().T).to(dtype)  # [T, S * P * R]
+    y = c["y"].clone()
+    kw = {"max_rows": c["max_rows"], "max_width": c["max_width"], "slot_cols": p * rank}
+    lora_expand(dense, c["b"], y, c["runs"], c["ranks"], c["bounds"], **kw)  # type: ignore[arg-type]
+    want = ref_lora_expand_runs(c["y"], dense, c["b"], c["runs"], c["ranks"], c["bounds"], slot_cols=p * rank)
+    torch.testing.assert_close(y, want, **_tol(dtype))
+    per_slot = ref_lora_expand_runs(
+        c["y"],
+        ref_lora_shrink_runs(c["x"], a, c["runs"], c["ranks"]),
+        c["b"],
+        c["runs"],
+        c["ranks"],
+        c["bounds"],
+    )
+    torch.testing.assert_close(want, per_slot, **_tol(dtype))
+    assert (want != c["y"]).any()
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 def test_shrink_split_k_atomic(split_k: int) -> None:
     # Split-K accumulates partial sums with atomics into an fp32 output.
