@@ -190,6 +190,10 @@ def main() -> None:
     ap.add_argument(
         "--sync", action="store_true", help="also run with async_scheduling=False (two more columns)"
     )
+    ap.add_argument(
+        "--unstacked", action="store_true",
+        help="also run the adapters with the shrink outside the base GEMM (layers/lora.py STACKED_MAX_BYTES = 0)",
+    )  # fmt: skip
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     bw = copy_bandwidth()
@@ -217,6 +221,15 @@ def main() -> None:
         peft = float("nan") if args.no_peft else run_peft_mixed(path, prompts, adapters[: min(16, b)])
         rows.append({"batch": b, "lorastar": base, "lorastar_eager": eager, "lorastar_16_lora": lora,
                      "lorastar_16_lora_eager": lora_eager, "hf_static": hf, "peft_mixed": peft})  # fmt: skip
+        if args.unstacked:
+            import lorastar.layers.lora as lora_layers
+
+            saved, lora_layers.STACKED_MAX_BYTES = lora_layers.STACKED_MAX_BYTES, 0
+            rows[-1]["lorastar_16_lora_unstacked"] = run_lorastar(path, prompts, adapters[: min(16, b)])
+            lora_layers.STACKED_MAX_BYTES = saved
+            print(f"B={b}: +{min(16, b)} adapters, shrink outside the base GEMM: "
+                  f"{rows[-1]['lorastar_16_lora_unstacked']:.0f} tok/s (LoRA tax "
+                  f"{rows[-1]['lorastar_16_lora_unstacked'] / base:.2f}; stacked {lora / base:.2f})", flush=True)  # fmt: skip
         if args.sync:
             sync = run_lorastar(path, prompts, None, asyn=False)
             lora_sync = run_lorastar(path, prompts, adapters[: min(16, b)], asyn=False)
@@ -249,6 +262,15 @@ def main() -> None:
             lines.append(f"| {r['batch']} | {r['lorastar_sync']:.0f} | {r['lorastar'] / r['lorastar_sync']:.2f}x | "
                          f"{r['lorastar_16_lora_sync']:.0f} | {r['lorastar_16_lora'] / r['lorastar_16_lora_sync']:.2f}x "
                          f"| {r['lorastar_16_lora_sync'] / r['lorastar_sync']:.2f} |")  # fmt: skip
+    if args.unstacked:
+        lines += ["", "The shrink outside the base GEMM (`STACKED_MAX_BYTES = 0`: one shrink and one expand "
+                  "launch per linear, as before the stacked layout), same run:", "",
+                  "| requests | 16 adapters, stacked tok/s | LoRA tax | shrink separate tok/s | LoRA tax | stacked / separate |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            u = r["lorastar_16_lora_unstacked"]
+            lines.append(f"| {r['batch']} | {r['lorastar_16_lora']:.0f} | {r['lorastar_16_lora'] / r['lorastar']:.2f} | "
+                         f"{u:.0f} | {u / r['lorastar']:.2f} | {r['lorastar_16_lora'] / u:.2f}x |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

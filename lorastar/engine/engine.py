@@ -193,6 +193,12 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
         self.vocab_size = self.model.vocab_size
 
+        # Adapter slots before the KV cache takes what memory is left (stacked A rows, layers/lora.py).
+        self.model_spec = ModelSpec.from_model(self.model)
+        self.lora_state = LoRADeviceState(
+            self.model.linears(), config.max_loras, config.max_lora_rank, self.dtype, self.device
+        )
+
         # ---- KV cache ----
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
         spec = KVCacheSpec(
@@ -214,10 +220,6 @@ class LLMEngine:
         self.kv_scales = (k_scales, v_scales)
 
         # ---- adapters ----
-        self.model_spec = ModelSpec.from_model(self.model)
-        self.lora_state = LoRADeviceState(
-            self.model.linears(), config.max_loras, config.max_lora_rank, self.dtype, self.device
-        )
         self.registry = AdapterRegistry(
             config.max_loras,
             config.max_cpu_loras,

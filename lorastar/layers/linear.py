@@ -32,6 +32,9 @@ class LoRAHook(Protocol):
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         """Add each row's adapter delta for ``x [T, in]`` into ``y [T, out]`` in place."""
 
+    def fused_forward(self, x: torch.Tensor, meta: LoRAMetadata) -> torch.Tensor | None:
+        """The whole output ``[T, out]`` (base and deltas) in one pass, or ``None``: base, then ``apply``."""
+
 
 def set_param_meta(
     param: nn.Parameter, *, output_dim: int | None, output_pack: int = 1, **extra: Any
@@ -193,9 +196,12 @@ class Linear(nn.Module):
             load_shard(self.bias, self.output_sizes, loaded, shard, source)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        meta = ctx.lora if ctx is not None and self.lora is not None else None
+        if meta is not None and (fused := self.lora.fused_forward(x, meta)) is not None:  # type: ignore[union-attr]
+            return fused  # [tokens, output_size], rows may be strided (a view)
         y = self.quant_method.apply(self, x, self.bias)  # [tokens, output_size]
-        if self.lora is not None and ctx is not None and ctx.lora is not None:
-            self.lora.apply(x, y, ctx.lora)
+        if meta is not None:
+            self.lora.apply(x, y, meta)  # type: ignore[union-attr]
         return y
 
     def slice_offsets(self) -> list[int]:

@@ -11,6 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
+from lorastar.kernels.lora import lora_shrink
 from tests.conftest import make_peft_adapters
 
 ADAPTERS = {
@@ -123,30 +124,38 @@ def test_smollm2_mixed_adapters_match_peft(tmp_path: Path) -> None:
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # adapters change outputs
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("name", ["llama-gqa", "phi3"])
 def test_gpu_lora_layout_matches_peft(
-    tiny_model_dir, tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir, tmp_path: Path, name: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU path end to end on CPU: the engine with ``GpuLoRASlots`` (every slice of a fused
     linear in one buffer, the runner's ``slot_runs``, one shrink and one expand launch per linear
-    through the Triton kernels, interpreted) equals PEFT for a mixed batch of four adapters with
-    different ranks and targets (Phi-3: LoRA on the fused modules)."""
+    through the Triton kernels, interpreted; ``stacked``: the shrink in the base GEMM, one expand)
+    equals PEFT for a mixed batch of four adapters with different ranks and targets (Phi-3: LoRA
+    on the fused modules)."""
     import lorastar.layers.lora as lora_layers
 
     monkeypatch.setattr(lora_layers, "lora_slots_class", lambda device: lora_layers.GpuLoRASlots)
+    monkeypatch.setattr(lora_layers, "STACKED_MAX_BYTES", 8 << 20 if stacked else 0)
+    shrinks = []  # stacked: every step has fewer than STACKED_MAX_ROWS rows, so no separate shrink
+    monkeypatch.setattr(lora_layers, "lora_shrink", lambda *a, **k: shrinks.append(lora_shrink(*a, **k)))
     base_dir = tiny_model_dir(name)
     paths = make_adapters(base_dir, tmp_path)
     ref = peft_reference(base_dir, paths)
-    llm = LLM(base_dir, num_kv_blocks=64, max_loras=4, max_lora_rank=16)
+    # cpu_gemm="torch": oneDNN's packed weights (CPU only) cannot be stacked
+    llm = LLM(base_dir, num_kv_blocks=64, max_loras=4, max_lora_rank=16, cpu_gemm="torch")
     for n, p in paths.items():
         llm.load_adapter(n, p)
     eng = llm.engine
     assert all(isinstance(lora, lora_layers.GpuLoRASlots) for _, lora in eng.lora_state.slots)
+    assert all((lora.stacked is not None) == stacked for _, lora in eng.lora_state.slots)
     order = ["c", None, "a", "b", "d", "a"]
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(2, 12))] for _ in order]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), adapter=order)
     for p, a, o in zip(prompts, order, outs):
         assert o.outputs[0].token_ids == peft_greedy(ref, p, a, 4), f"adapter {a}"
+    assert bool(shrinks) != stacked
     eng.check_invariants()
     assert llm.kv_cache_usage()["num_used_blocks"] == 0
