@@ -114,7 +114,7 @@ def _stackable(layer: Linear, rows: int, dtype: torch.dtype, device: torch.devic
         and layer.weight_packed is None
         and isinstance(w, torch.Tensor)
         and w.dtype == dtype
-        and w.device == device
+        and w.device.type == device.type
         and rows * layer.input_size * w.element_size() <= STACKED_MAX_BYTES
     )
 
@@ -149,12 +149,12 @@ class GpuLoRASlots(LoRASlots):
         rows = max_loras * len(layer.slice_names) * max_rank
         if _stackable(layer, rows, dtype, device):
             n, w = self.out_size, layer.weight
-            self.stacked = torch.zeros(n + rows, layer.input_size, dtype=dtype, device=device)
+            self.stacked = torch.zeros(n + rows, layer.input_size, dtype=dtype, device=w.device)
             self.stacked[:n].copy_(w.data)
             w.data = self.stacked[:n]
             self.a = self.stacked[n:].view(max_loras, rows // max_loras, layer.input_size)
             if layer.bias is not None:
-                self.stacked_bias = torch.zeros(n + rows, dtype=layer.bias.dtype, device=device)
+                self.stacked_bias = torch.zeros(n + rows, dtype=layer.bias.dtype, device=w.device)
                 self.stacked_bias[:n].copy_(layer.bias.data)
                 layer.bias.data = self.stacked_bias[:n]
 

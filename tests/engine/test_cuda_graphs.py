@@ -55,6 +55,8 @@ def test_graphs_with_lora_match_peft_through_hot_loads(tiny_model_dir, tmp_path:
     ref = peft_reference(base_dir, paths)
     llm = LLM(base_dir, device="cuda", dtype="float32", num_kv_blocks=256, max_loras=4, max_lora_rank=16)
     prompts = [[7 + i] * (5 + 3 * i) for i in range(6)]
+    # every slot set stacks its A under the base weight: decode steps take the shrink in the base GEMM
+    assert all(lora.stacked is not None for _, lora in llm.engine.lora_state.slots)
 
     # One adapter first: graphs are captured with only its slice buffers allocated.
     llm.load_adapter("a", paths["a"])

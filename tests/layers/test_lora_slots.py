@@ -109,3 +109,12 @@ def test_stacked_shrink_in_the_base_gemm(graph_grid: bool, monkeypatch: pytest.M
     assert separate.fused_forward(x, meta) is None
     big = torch.randn(lora_layers.STACKED_MAX_ROWS + 1, 16)
     assert stacked.fused_forward(big, meta) is None  # prefill-sized: the separate shrink
+
+
+def test_stacked_whatever_the_device_index() -> None:
+    """The engine names its device without an index (``cuda``) while the weights report one
+    (``cuda:0``): stacking compares device types (an exact comparison left the GPU unstacked)."""
+    lin = Linear(16, [8], bias=False, prefix="layers.0.o_proj", slice_names=["o"], params_dtype=torch.float32)
+    assert lin.weight.device != torch.device("cpu", 0)
+    slots = GpuLoRASlots(lin, 2, 4, torch.float32, torch.device("cpu", 0))
+    assert slots.stacked is not None and lin.weight.data_ptr() == slots.stacked.data_ptr()
