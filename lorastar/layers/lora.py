@@ -3,7 +3,9 @@ adapter deltas (``GpuLoRASlots.apply``: the punica kernels; ``add_lora_cpu`` on 
 
 Each LoRA-capable ``Linear`` gets a ``LoRASlots``, one implementation per device. On GPU all
 slices (q/k/v, gate/up, ...) share one A ``[max_loras, P * max_rank, in]`` and one B
-``[max_loras, out, max_rank]`` buffer, so one shrink and one expand launch cover the linear; on CPU
+``[max_loras, out, max_rank]`` buffer, so one shrink and one expand launch cover the linear (on an
+unquantized base, A sits under the base weight and steps of few rows fold the shrink into the
+base GEMM: one GEMM and one expand, ``STACKED_MAX_BYTES``); on CPU
 each slice has its own A ``[max_loras, max_rank, in]`` and B transposed
 ``[max_loras, max_rank, out_slice]``. Ranks below ``max_rank`` are zero-padded in storage but every
 path computes only up to each slot's true rank.
@@ -130,7 +132,8 @@ class GpuLoRASlots(LoRASlots):
 
     Stacked (``_stackable``): A is allocated with the slots, as the rows under the base weight of
     one ``[N + S * P * R, in]`` tensor, and the linear's weight (and bias) become views of it, so
-    ``fused_forward`` computes the base output and every slot's shrink in one GEMM."""
+    ``fused_forward`` computes the base output and every slot's shrink in one GEMM. A then takes its
+    memory from the start, targeted or not (vLLM allocates every slice up front as well)."""
 
     reads_slot_runs = True
 
