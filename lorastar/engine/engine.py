@@ -93,6 +93,17 @@ def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _adapter_reserver(registry: AdapterRegistry) -> Callable[[Sequence, set[str]], bool]:
+    """The scheduler's ``ensure_adapter``: called for every running sequence with an adapter on
+    every step, so a closure over the registry rather than a weak engine method (~0.5 us a call)."""
+
+    def ensure_adapter(seq: Sequence, pinned: set[str]) -> bool:
+        entry = seq.request.adapter_entry
+        return entry is not None and registry.try_reserve(entry, pinned) is not None
+
+    return ensure_adapter
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -258,7 +269,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
             max_loras=config.max_loras,
-            ensure_adapter=_weak(self._ensure_adapter),
+            ensure_adapter=_adapter_reserver(self.registry),
             prompt_logprobs_hits=_weak(self._prompt_logprobs_hits),
             max_prefix_waits=32,  # share a prefix computed in flight (scheduler docstring)
         )
@@ -297,10 +308,6 @@ class LLMEngine:
 
     def _load_slot(self, slot: int, w: LoRAWeights) -> None:
         self.lora_state.load_slot(slot, w.content_hash, w.weights)
-
-    def _ensure_adapter(self, seq: Sequence, pinned: set[str]) -> bool:
-        entry = seq.request.adapter_entry
-        return entry is not None and self.registry.try_reserve(entry, pinned) is not None
 
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
