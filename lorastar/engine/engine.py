@@ -209,6 +209,10 @@ class LLMEngine:
         self.lora_state = LoRADeviceState(
             self.model.linears(), config.max_loras, config.max_lora_rank, self.dtype, self.device
         )
+        if self.device.type == "cuda":
+            # Stacking (layers/lora.py) copied linears' weights; the old copies sit in torch's
+            # cache, which mem_get_info counts as used: hand them back before the KV cache is sized.
+            torch.cuda.empty_cache()
 
         # ---- KV cache ----
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
