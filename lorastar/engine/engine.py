@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
 import time
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,31 +77,31 @@ def _needs_sync(params: SamplingParams, forked: bool = False) -> bool:
     return params.use_beam_search or (params.n > 1 and not forked) or params.prompt_logprobs is not None
 
 
-def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` as a callback that does not keep its engine alive. The scheduler and adapter
-    registry hold these, not bound methods: with a reference cycle, dropping the last reference
-    to an engine freed its weights and KV cache only at Python's next cyclic GC, which GPU memory
-    pressure never triggers (a benchmark making one engine after another ran out of memory)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        if bound is None:
-            raise RuntimeError("the engine behind this callback is gone")
-        return bound(*args, **kwargs)
-
-    return call
+# The scheduler's and adapter registry's callbacks: module functions bound (functools.partial) to
+# the parts they use, never to the engine. Bound methods made reference cycles that kept a dropped
+# engine's weights and KV cache until Python's next cyclic GC, which GPU memory pressure never runs
+# (a benchmark making one engine after another ran out of memory on an H100).
 
 
-def _adapter_reserver(registry: AdapterRegistry) -> Callable[[Sequence, set[str]], bool]:
-    """The scheduler's ``ensure_adapter``: called for every running sequence with an adapter on
-    every step, so a closure over the registry rather than a weak engine method (~0.5 us a call)."""
+def _reserve_adapter(registry: AdapterRegistry, seq: Sequence, pinned: set[str]) -> bool:
+    """The scheduler's ``ensure_adapter`` (every running sequence with an adapter, every step)."""
+    entry = seq.request.adapter_entry
+    return entry is not None and registry.try_reserve(entry, pinned) is not None
 
-    def ensure_adapter(seq: Sequence, pinned: set[str]) -> bool:
-        entry = seq.request.adapter_entry
-        return entry is not None and registry.try_reserve(entry, pinned) is not None
 
-    return ensure_adapter
+def _prompt_logprobs_hits(bm: BlockManager, cache: PromptLogprobsCache, seq: Sequence, n: int) -> int:
+    """How many of ``seq``'s first ``n`` cached blocks have their prompt logprobs kept."""
+    k = seq.request.params.prompt_logprobs or 0
+    hits = 0
+    for h in bm.hashes(seq, n):
+        if cache.get(h, k) is None:
+            break
+        hits += 1
+    return hits
+
+
+def _load_slot(state: LoRADeviceState, slot: int, w: LoRAWeights) -> None:
+    state.load_slot(slot, w.content_hash, w.weights)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -235,11 +235,14 @@ class LLMEngine:
         self.kv_scales = (k_scales, v_scales)
 
         # ---- adapters ----
+        self._read_adapter = functools.partial(
+            load_peft_adapter, spec=self.model_spec, max_rank=config.max_lora_rank
+        )  # [path] -> LoRAWeights
         self.registry = AdapterRegistry(
             config.max_loras,
             config.max_cpu_loras,
-            loader=_weak(self._read_adapter),
-            on_slot_assigned=_weak(self._load_slot),
+            loader=self._read_adapter,
+            on_slot_assigned=functools.partial(_load_slot, self.lora_state),
         )
         self.kv_spec = spec
         # A sequence holds every block it wrote, unless all layers slide over one window: then at
@@ -268,16 +271,18 @@ class LLMEngine:
             spec.num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, salt=salt,
             sliding_window=window,
         )  # fmt: skip
+        self.prompt_logprobs_cache = PromptLogprobsCache()
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens or max(2048, config.block_size),
             max_loras=config.max_loras,
-            ensure_adapter=_adapter_reserver(self.registry),
-            prompt_logprobs_hits=_weak(self._prompt_logprobs_hits),
+            ensure_adapter=functools.partial(_reserve_adapter, self.registry),
+            prompt_logprobs_hits=functools.partial(
+                _prompt_logprobs_hits, self.block_manager, self.prompt_logprobs_cache
+            ),
             max_prefix_waits=32,  # share a prefix computed in flight (scheduler docstring)
         )
-        self.prompt_logprobs_cache = PromptLogprobsCache()
         self.iteration_tokens = TokenHistogram()
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_id=list(self.eos_token_ids))
         self.requests: dict[str, Request] = {}
@@ -306,12 +311,6 @@ class LLMEngine:
             else:
                 mem = 1 << 30
         return max(1, mem // spec.bytes_per_block)
-
-    def _read_adapter(self, path: str) -> LoRAWeights:
-        return load_peft_adapter(path, self.model_spec, max_rank=self.config.max_lora_rank)
-
-    def _load_slot(self, slot: int, w: LoRAWeights) -> None:
-        self.lora_state.load_slot(slot, w.content_hash, w.weights)
 
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
@@ -636,16 +635,6 @@ class LLMEngine:
         return self._outputs(touched)
 
     # ---- prompt logprobs and the prefix cache (see engine/prompt_logprobs.py) -----------------
-    def _prompt_logprobs_hits(self, seq: Sequence, n: int) -> int:
-        """How many of ``seq``'s first ``n`` cached blocks have their prompt logprobs kept."""
-        k = seq.request.params.prompt_logprobs or 0
-        hits = 0
-        for h in self.block_manager.hashes(seq, n):
-            if self.prompt_logprobs_cache.get(h, k) is None:
-                break
-            hits += 1
-        return hits
-
     def _seed_prompt_logprobs(self, out: SchedulerOutput) -> None:
         """A request admitted on a prefix-cache hit: its cached positions' logprobs come from the
         kept blocks, the first computed position's from the last kept block's hidden row."""

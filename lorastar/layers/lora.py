@@ -101,10 +101,11 @@ class LoRASlots(ABC):
 # ``x @ [W; A].T``, then one expand) when those rows take at most STACKED_MAX_BYTES and a step at
 # most STACKED_MAX_ROWS rows. lora_graph_step.py, H100, the 88 linears of a 1.1B Llama with 16
 # slots of rank 16 in one CUDA graph: LoRA 625 vs 1220 us per step at 64 rows, 398 vs 774 us at one
-# row; end to end (gpu_throughput.py --unstacked) 1.21x / 1.18x the tokens/s with 16 adapters at 64
-# requests / one request, LoRA tax 0.79 / 0.81 vs 0.65 / 0.69. The launch it saves costs ~4-7 us per linear, the time to read ~13-20 MB; the stacked
-# rows of idle slots are read as well, hence the bound on their size. Past STACKED_MAX_ROWS the
-# GEMM is no longer bound by reading weights and every row times every slot's A costs FLOPs.
+# row; end to end (gpu_throughput.py --unstacked) 1.21x / 1.18x the tokens/s with 16 adapters at
+# 64 requests / one request, LoRA tax 0.79 / 0.81 vs 0.65 / 0.69. The launch it saves costs ~4-7 us
+# per linear, the time to read ~13-20 MB; the stacked rows of idle slots are read as well, hence
+# the bound on their size. Past STACKED_MAX_ROWS the GEMM is no longer bound by reading weights
+# and every row times every slot's A costs FLOPs.
 STACKED_MAX_BYTES = 8 << 20
 STACKED_MAX_ROWS = 256
 
