@@ -251,12 +251,14 @@ def test_auto_sized_kv_cache_sees_no_cached_weight_copies(
         return sizing(self, spec)
 
     monkeypatch.setattr(LLMEngine, "_auto_num_blocks", spy)
+    torch.cuda.empty_cache()  # what earlier tests left cached between live tensors stays out of it
+    leftover = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     llm = LLM(path, device="cuda", dtype="float32", max_loras=2, max_lora_rank=8, max_num_seqs=4,
               enforce_eager=True)  # fmt: skip
     stacked = [lora.stacked for _, lora in llm.engine.lora_state.slots if lora.stacked is not None]
     assert len(stacked) == len(llm.engine.lora_state.slots) > 0
     stacked_bytes = sum(t.numel() * t.element_size() for t in stacked)
     assert stacked_bytes > 200 << 20, stacked_bytes
-    assert len(seen) == 1 and seen[0] < stacked_bytes / 4, (seen, stacked_bytes)
+    assert len(seen) == 1 and seen[0] - leftover < stacked_bytes / 4, (seen, leftover, stacked_bytes)
     out = llm.generate([[5] * 9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
