@@ -124,8 +124,11 @@ def test_smollm2_mixed_adapters_match_peft(tmp_path: Path) -> None:
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # adapters change outputs
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("name", ["llama-gqa", "phi3"])
+@pytest.mark.parametrize(
+    ("name", "stacked"),
+    [("llama-gqa", False), ("llama-gqa", True), ("phi3", False), ("phi3", True),
+     ("qwen2", True), ("qwen3", True), ("gemma3", True)],  # stacked bias; q/k norms, gelu on strided views
+)  # fmt: skip
 def test_gpu_lora_layout_matches_peft(
     tiny_model_dir, tmp_path: Path, name: str, stacked: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

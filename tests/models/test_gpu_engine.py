@@ -67,15 +67,21 @@ def test_cuda_bf16_matches_hf_until_a_near_tie(tiny_model_dir, monkeypatch: pyte
     assert err <= 2 * torch_err + 0.02, (err, torch_err)
 
 
-def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> None:
+    """Prefill logits and greedy decodes of a batch mixing four adapters and the base equal PEFT's
+    on the same GPU; decode steps take the shrink in the base GEMM (stacked slots), whose outputs
+    are strided views into the rotary, q/k norms, activations and norms after them (Qwen2: the
+    stacked bias; Phi-3: LoRA on the fused modules)."""
     from tests.adapters.test_lora_vs_peft import make_adapters, peft_reference
 
-    base_dir = tiny_model_dir("llama-gqa")
+    base_dir = tiny_model_dir(name)
     paths = make_adapters(base_dir, tmp_path)
     ref = peft_reference(base_dir, paths).cuda()
     llm = LLM(base_dir, device="cuda", dtype="float32", num_kv_blocks=256, max_loras=4, max_lora_rank=16)
     for n, p in paths.items():
         llm.load_adapter(n, p)
+    assert all(lora.stacked is not None for _, lora in llm.engine.lora_state.slots)
     order = [None, "a", "b", "c", "d", "a", None, "c", "b", "d"]
     prompts = [[7 + i] * (5 + 3 * i) for i in range(len(order))]
     eng = llm.engine
@@ -91,7 +97,7 @@ def test_cuda_mixed_lora_batch_matches_peft(tiny_model_dir, tmp_path: Path) -> N
         torch.testing.assert_close(logits[row], want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     for rid in list(eng.requests):
         eng.abort_request(rid)
-    # Decode steps run the gather (BGMV) form: greedy tokens equal PEFT.
+    # Decode steps: the stacked shrink and one expand per linear; greedy tokens equal PEFT.
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), adapter=order)
     for p, a, o in zip(prompts, order, outs):
         ids = torch.tensor([p], device="cuda")
