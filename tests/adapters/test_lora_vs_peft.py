@@ -124,6 +124,23 @@ def test_smollm2_mixed_adapters_match_peft(tmp_path: Path) -> None:
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) > 1  # adapters change outputs
 
 
+def _gpu_layout_llm(
+    base_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, max_loras: int
+) -> tuple[LLM, PeftModel]:
+    """An engine on CPU with the GPU slot layout (``GpuLoRASlots``, its Triton kernels interpreted)
+    and the four adapters loaded, and their PEFT reference."""
+    import lorastar.layers.lora as lora_layers
+
+    monkeypatch.setattr(lora_layers, "lora_slots_class", lambda device: lora_layers.GpuLoRASlots)
+    paths = make_adapters(base_dir, tmp_path)
+    # cpu_gemm="torch": oneDNN's packed weights (CPU only) cannot be stacked
+    llm = LLM(base_dir, num_kv_blocks=64, max_loras=max_loras, max_lora_rank=16, cpu_gemm="torch")
+    for n, p in paths.items():
+        llm.load_adapter(n, p)
+    assert all(isinstance(lora, lora_layers.GpuLoRASlots) for _, lora in llm.engine.lora_state.slots)
+    return llm, peft_reference(base_dir, paths)
+
+
 @pytest.mark.parametrize(
     ("name", "stacked"),
     [("llama-gqa", False), ("llama-gqa", True), ("phi3", False), ("phi3", True),
@@ -139,19 +156,11 @@ def test_gpu_lora_layout_matches_peft(
     on the fused modules)."""
     import lorastar.layers.lora as lora_layers
 
-    monkeypatch.setattr(lora_layers, "lora_slots_class", lambda device: lora_layers.GpuLoRASlots)
     monkeypatch.setattr(lora_layers, "STACKED_MAX_BYTES", 8 << 20 if stacked else 0)
     shrinks = []  # stacked: every step has fewer than STACKED_MAX_ROWS rows, so no separate shrink
     monkeypatch.setattr(lora_layers, "lora_shrink", lambda *a, **k: shrinks.append(lora_shrink(*a, **k)))
-    base_dir = tiny_model_dir(name)
-    paths = make_adapters(base_dir, tmp_path)
-    ref = peft_reference(base_dir, paths)
-    # cpu_gemm="torch": oneDNN's packed weights (CPU only) cannot be stacked
-    llm = LLM(base_dir, num_kv_blocks=64, max_loras=4, max_lora_rank=16, cpu_gemm="torch")
-    for n, p in paths.items():
-        llm.load_adapter(n, p)
+    llm, ref = _gpu_layout_llm(tiny_model_dir(name), tmp_path, monkeypatch, max_loras=4)
     eng = llm.engine
-    assert all(isinstance(lora, lora_layers.GpuLoRASlots) for _, lora in eng.lora_state.slots)
     assert all((lora.stacked is not None) == stacked for _, lora in eng.lora_state.slots)
     order = ["c", None, "a", "b", "d", "a"]
     rng = random.Random(3)
@@ -172,15 +181,7 @@ def test_stacked_slots_reused_by_other_adapters_match_peft(
     slot's A rows under the base weight and its B are taken over by adapters that target other
     modules with other ranks, and every batch still equals PEFT (a row left behind by the
     previous adapter would add its delta to the next one's)."""
-    import lorastar.layers.lora as lora_layers
-
-    monkeypatch.setattr(lora_layers, "lora_slots_class", lambda device: lora_layers.GpuLoRASlots)
-    base_dir = tiny_model_dir(name)
-    paths = make_adapters(base_dir, tmp_path)
-    ref = peft_reference(base_dir, paths)
-    llm = LLM(base_dir, num_kv_blocks=64, max_loras=2, max_lora_rank=16, cpu_gemm="torch")
-    for n, p in paths.items():
-        llm.load_adapter(n, p)
+    llm, ref = _gpu_layout_llm(tiny_model_dir(name), tmp_path, monkeypatch, max_loras=2)
     eng = llm.engine
     assert all(lora.stacked is not None for _, lora in eng.lora_state.slots)
     rng = random.Random(5)
