@@ -3,7 +3,8 @@
 Each round sends 24 concurrent requests drawn at random (chat and completions, streamed or not,
 the base model and three adapters over two device slots, n > 1, beam search, stop strings,
 logprobs, penalties, seeds, echo, token-id prompts) to a live server on a small KV cache, and
-cancels a third of them after 0-500 ms (before the reply starts, mid-stream, or never reached).
+gives two thirds of them a hang-up time of 0-500 ms (it falls before the reply starts, mid-stream,
+or after the reply ended). Two plain requests beside them (``tiny``, ``beta``) must be served.
 Meanwhile an operator hot-loads and unloads ``gamma`` (which requests also name: a 404 while it is
 out) and replaces ``beta`` in place with other weights and back. What must hold: no 5xx and no
 error frame in any stream, every round drains to an idle engine (no running or waiting request,
