@@ -92,6 +92,11 @@ class AsyncLLM:
         return self._vocab_size
 
     @property
+    def max_waiting(self) -> int | None:
+        """Most requests queued and not yet started (``EngineConfig.max_waiting``; None: no bound)."""
+        return self.config.max_waiting
+
+    @property
     def errored(self) -> bool:
         """The loop ended for good (it only does on a non-``Exception`` error)."""
         return self._error is not None

@@ -127,6 +127,7 @@ class AsyncCoreClient:
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
+        self.max_waiting = ready.max_waiting
         self.summary = ready.summary
         self._tokenizer = load_tokenizer(Path(ready.tokenizer_dir), ready.chat_template)
         # Text, stop strings and RequestOutputs from the core's deltas, in this process.

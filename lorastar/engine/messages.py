@@ -108,6 +108,7 @@ class Ready(msgspec.Struct, tag=True):
     vocab_size: int
     summary: list[str]  # the start-up summary lines (engine/summary.py), computed in the core
     state: State
+    max_waiting: int | None = None  # the core's bound on queued requests (EngineConfig.max_waiting)
 
 
 class Outputs(msgspec.Struct, tag=True):

@@ -78,7 +78,8 @@ class LoraStarConfig:
     (model, KV cache, ...) apply; ``engine`` and ``model`` here are ignored."""
 
     max_waiting: int | None = None
-    """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``.
+    """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``
+    (each prompt of a completions batch is a request: a batch larger than this is 400).
     ``None``: ``engine.max_waiting`` when set, else ``DEFAULT_MAX_WAITING`` (256)."""
 
     retry_after_seconds: int = 1

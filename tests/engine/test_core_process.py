@@ -274,11 +274,14 @@ async def test_two_clients_share_one_core(llm: LLM, tmp_path: Any) -> None:
     address = f"ipc://{tmp_path}/core"
     proc = subprocess.Popen(
         [sys.executable, "-m", "lorastar.plugin.cli", "engine", "--address", address, "--device", "cpu",
-         "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--max-num-seqs", "16"],
+         "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--max-num-seqs", "16",
+         "--max-waiting", "7"],
     )  # fmt: skip
     try:
         a = await asyncio.to_thread(AsyncCoreClient, cfg, address=address, start_timeout=120)
         b = await asyncio.to_thread(AsyncCoreClient, cfg, address=address, start_timeout=120)
+        # the core's settings, not the frontend's config (the HTTP layer bounds a prompt batch by it)
+        assert (cfg.max_waiting, a.max_waiting, b.max_waiting) == (None, 7, 7)
         sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         ra, rb = await asyncio.gather(_collect(a, PROMPTS[0], sp), _collect(b, PROMPTS[1], sp))
         ref = llm.generate(PROMPTS[:2], sp)

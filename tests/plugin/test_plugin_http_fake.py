@@ -86,6 +86,7 @@ def _reset_fake(request: pytest.FixtureRequest) -> None:
         engine.fail_after = None
         engine.fail_on_submit = None
         engine.errored = False
+        engine.max_waiting = None
 
 
 @pytest.fixture()
@@ -202,6 +203,22 @@ def test_overloaded_is_503_with_retry_after(
         r = http.post("/v1/completions", json={"prompt": "x", "stream": stream})
         assert_error(r, 503)
         assert r.headers["retry-after"] == "1"
+
+
+def test_a_batch_larger_than_the_queue_is_400_not_503(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
+    """Each prompt of a batch is a request: a batch over ``max_waiting`` would get 503 on every
+    retry, however idle the server, so it is refused as bad input, before any prompt is queued."""
+    fake[1].max_waiting = 3
+    for stream in (False, True):
+        for prompt in (["a", "b", "c", "d"], [[1], [2], [3], [4]]):
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "stream": stream})
+            err = assert_error(r, 400, "prompt")
+            assert "4 prompts" in err["message"] and "max_waiting" in err["message"], err
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2, "stream": stream})
+        assert r.status_code == 200, r.text
+    assert not fake[1].running
 
 
 def test_dead_engine_health_503_and_requests_503(

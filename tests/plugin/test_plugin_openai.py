@@ -279,6 +279,12 @@ def test_overloaded_engine_answers_503(tiny_model_dir: Path) -> None:
         busy = next(r for r in responses if r.status_code == 503)
         assert busy.headers["retry-after"] == "2" and busy.json()["error"]["code"] == 503
         assert wait_until(lambda: engine_idle(srv.plugin.engine))
+        # a batch the queue can never hold is bad input, not "retry later"
+        batch = httpx.post(
+            srv.url + "/v1/completions", json={"prompt": [PROMPT, PROMPT], "max_tokens": 2}, timeout=60
+        )
+        assert batch.status_code == 400 and batch.json()["error"]["param"] == "prompt", batch.text
+        assert "max_waiting" in batch.json()["error"]["message"]
 
 
 def test_metrics_and_health_on_real_engine(real_server: ServerThread, client: openai.OpenAI) -> None:

@@ -174,6 +174,15 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
         tokenizer = engine.tokenizer
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
+        limit = engine.max_waiting
+        if limit is not None and len(prompts) > limit:
+            # Each prompt is a request of its own: this batch would meet the queue bound (503) on
+            # every retry, however idle the server.
+            raise APIError(
+                f"prompt holds {len(prompts)} prompts; this server queues at most {limit} requests "
+                f"(max_waiting): send at most {limit} prompts per request.",
+                param="prompt",
+            )
         max_model_len = int(engine.max_model_len)
         max_tokens = data.max_tokens
         echo = bool(data.echo)
