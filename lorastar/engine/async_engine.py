@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -329,8 +329,14 @@ class AsyncLLM:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.engine.apply_chat_template(messages, add_generation_prompt, add_special_tokens)
+        return self.engine.apply_chat_template(
+            messages, add_generation_prompt, add_special_tokens,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+        )  # fmt: skip
 
     def stats(self) -> EngineStats | None:
         """The engine's counters; ``None`` while it is being rebuilt (its gauges are gone)."""

@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -460,8 +460,14 @@ class AsyncCoreClient:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.inputs.apply_chat_template(messages, add_generation_prompt, add_special_tokens)
+        return self.inputs.apply_chat_template(
+            messages, add_generation_prompt, add_special_tokens,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+        )  # fmt: skip
 
     def stats(self) -> EngineStats | None:
         """The counters the core sent last (at most ``STATE_EVERY_S`` old while it steps)."""

@@ -349,8 +349,14 @@ class LLMEngine:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        return self.inputs.apply_chat_template(messages, add_generation_prompt, add_special_tokens)
+        return self.inputs.apply_chat_template(
+            messages, add_generation_prompt, add_special_tokens,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+        )  # fmt: skip
 
     def check_limits(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """The configured per-request limits, and whether the request can ever fit the KV cache."""

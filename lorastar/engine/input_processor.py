@@ -24,6 +24,19 @@ def load_tokenizer(folder: Path, chat_template: str | None = None) -> Any:
     return tok
 
 
+def _template_parameters(tokenizer: Any) -> set[str]:
+    """The named parameters of ``tokenizer.apply_chat_template`` (its ``**kwargs`` excluded), and the
+    names the rendering itself passes (transformers' ``render_jinja_template``: ``conversations``,
+    then ``messages`` into the template)."""
+    import inspect
+
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} | {
+        "conversations",
+        "messages",
+    }
+
+
 class InputProcessor:
     """Validates and tokenizes prompts for one model. Stateless apart from its limits; thread-safe
     as far as the tokenizer is (transformers' fast tokenizers are)."""
@@ -62,26 +75,55 @@ class InputProcessor:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The messages rendered by the model's chat template, then tokenized; ``add_special_tokens``
         (vLLM's field, off by default: templates write their own BOS) adds what the tokenizer adds to
-        any text, such as a BOS."""
+        any text, such as a BOS. ``continue_final_message`` (vLLM's, exclusive with
+        ``add_generation_prompt``) leaves the last message open for the model to continue (an
+        assistant prefill); ``chat_template_kwargs`` are extra template variables (Qwen3's
+        ``enable_thinking``), never one of ``apply_chat_template``'s own parameters."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
         if not messages:
             raise InvalidParamError("messages", "messages must not be empty")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParamError(
+                "continue_final_message",
+                "Cannot set both continue_final_message and add_generation_prompt to true.",
+            )
+        extra = self._template_kwargs(chat_template_kwargs)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
         self.check_prompt_size([c for m in messages if isinstance(c := m.get("content"), str)], "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **extra,
+            )  # fmt: skip
         except Exception as exc:  # jinja's UndefinedError / TemplateError: what the messages lack
             raise InvalidParamError(
                 "messages", f"messages could not be rendered by the chat template: {exc}"
             ) from exc
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _template_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``chat_template_kwargs`` checked: string keys, none of them a parameter of the tokenizer's
+        ``apply_chat_template`` (``tokenize``, ``chat_template``, ``tools``...: a client may set template
+        variables, not how the template is chosen or its output returned)."""
+        if not kwargs:
+            return {}
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise InvalidParamError("chat_template_kwargs", "chat_template_kwargs must be an object")
+        reserved = sorted(set(kwargs) & _template_parameters(self.tokenizer))
+        if reserved:
+            raise InvalidParamError(
+                "chat_template_kwargs",
+                f"chat_template_kwargs may not set {', '.join(reserved)}: they are not template variables.",
+            )
+        return dict(kwargs)
 
     def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """``(text or None, token ids)`` of a prompt given as text or ids; ``InvalidParamError``

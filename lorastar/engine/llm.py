@@ -71,14 +71,21 @@ class LLM:
         *,
         adapter: str | None | Seq[str | None] = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, with the model's chat template."""
+        """Generate replies to one conversation or a list of them, with the model's chat template.
+        ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message
+        instead of starting a reply; ``chat_template_kwargs`` are extra template variables (vLLM's)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         prompts: list[Prompt] = [
-            self.engine.apply_chat_template(c, add_generation_prompt)
-            for c in convs  # type: ignore[arg-type]
-        ]
+            self.engine.apply_chat_template(
+                c, add_generation_prompt,  # type: ignore[arg-type]
+                continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in convs
+        ]  # fmt: skip
         n = len(prompts)
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
         adapters = _per_prompt(adapter, n, "adapter", str)

@@ -7,7 +7,7 @@ method fails type checks and the protocol test, not a request at run time.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from lorastar.adapters.registry import AdapterInfo
@@ -71,6 +71,9 @@ class EngineClient(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]: ...
 
     def stats(self) -> EngineStats | None: ...

@@ -83,6 +83,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: leave the last message open (an assistant prefill); exclusive with add_generation_prompt.
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS etc. on top of the template's
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking)
+    chat_template: str | None = None  # refused: the server's template is its operator's choice
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

@@ -122,6 +122,52 @@ def test_chat_messages_the_template_cannot_render_are_refused_naming_messages(ll
     assert llm.kv_cache_usage()["num_used_blocks"] == 0
 
 
+PREFILL = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Arr, the"}]
+
+
+def test_chat_continue_final_message_renders_as_transformers(llm: LLM) -> None:
+    """vLLM's ``continue_final_message``: the last message stays open for the model to continue
+    (an assistant prefill), token for token as transformers renders it; it excludes a generation
+    prompt."""
+    tok = llm.tokenizer
+    ref = tok.apply_chat_template(
+        PREFILL, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    out = llm.chat(PREFILL, GREEDY, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == tok(ref, add_special_tokens=False)["input_ids"]
+    assert tok.decode(out.prompt_token_ids).endswith("Arr, the")
+    closed = llm.chat(PREFILL, GREEDY, add_generation_prompt=False)[0]
+    assert len(closed.prompt_token_ids) > len(out.prompt_token_ids)  # the message ended there
+    with pytest.raises(InvalidParamError, match="add_generation_prompt") as e:
+        llm.chat(PREFILL, GREEDY, continue_final_message=True)  # add_generation_prompt is on by default
+    assert e.value.param == "continue_final_message"
+
+
+def test_chat_template_kwargs_are_template_variables_only(llm: LLM) -> None:
+    """``chat_template_kwargs`` reach the template as variables (Qwen3's ``enable_thinking``); the
+    tokenizer's own ``apply_chat_template`` parameters are refused, naming the field."""
+    import copy
+
+    from lorastar.engine.input_processor import InputProcessor
+
+    tok = copy.deepcopy(llm.tokenizer)
+    tok.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    inputs = InputProcessor(
+        tok, model_name="t", max_model_len=256, max_prompt_bytes=1 << 16, vocab_size=len(tok)
+    )
+    msgs = [{"role": "user", "content": "hi"}]
+    off = inputs.apply_chat_template(msgs, False, chat_template_kwargs={"enable_thinking": False})
+    assert tok.decode(off) == "<think></think>hi"
+    assert tok.decode(inputs.apply_chat_template(msgs, False)) == "hi"
+    for key in ("tokenize", "chat_template", "add_generation_prompt", "tools", "messages", "conversations"):
+        with pytest.raises(InvalidParamError, match=key) as e:
+            llm.chat(msgs, GREEDY, chat_template_kwargs={key: True})
+        assert e.value.param == "chat_template_kwargs"
+
+
 def test_adapter_load_unload_while_generating(llm: LLM, tiny_model_dir, tmp_path: Path) -> None:  # noqa: ANN001
     base_dir = tiny_model_dir("llama-gqa")
     p1 = make_peft_adapter(base_dir, tmp_path / "one", 1)

@@ -109,7 +109,13 @@ class FakeAsyncLLM:
         return 0x110000  # CharTokenizer: one id per code point
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
             "<assistant>" if add_generation_prompt else ""

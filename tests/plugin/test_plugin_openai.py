@@ -80,6 +80,41 @@ def test_greedy_completion_and_chat_equal_llm_generate(
     assert chat2.choices[0].message.content == want_chat.outputs[0].text
 
 
+def test_chat_prefill_and_template_fields(
+    client: openai.OpenAI, real_server: ServerThread, reference: Any
+) -> None:
+    """vLLM's chat fields reach the template: ``continue_final_message`` continues the last message
+    (prompt as transformers renders it); a request's own ``chat_template``, both prompt flags at
+    once, and template parameters in ``chat_template_kwargs`` are 400s naming the field."""
+    conv = [*MESSAGES, {"role": "assistant", "content": "Red, green"}]
+    tok = reference.tokenizer
+    want_ids = tok(
+        tok.apply_chat_template(
+            conv, tokenize=False, add_generation_prompt=False, continue_final_message=True
+        ),
+        add_special_tokens=False,
+    )["input_ids"]
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    want = reference.chat(conv, greedy(8), **flags)[0]
+    got = client.chat.completions.create(
+        model="tiny", messages=conv, max_tokens=8, temperature=0, extra_body=flags
+    )
+    assert got.usage.prompt_tokens == len(want_ids) == len(want.prompt_token_ids)
+    assert got.choices[0].message.content == want.outputs[0].text
+    tokens = httpx.post(real_server.url + "/tokenize", json={"model": "tiny", "messages": conv, **flags})
+    assert tokens.json()["tokens"] == want_ids
+    for extra, param in [
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"chat_template": "{{ messages }}"}, "chat_template"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ]:
+        for route in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(
+                real_server.url + route, json={"model": "tiny", "messages": conv, "max_tokens": 2, **extra}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
+
+
 def test_adapters_change_the_output(client: openai.OpenAI) -> None:
     texts = {
         m: client.completions.create(model=m, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from litestar import Request, Response
@@ -80,12 +81,28 @@ async def render_messages(
     messages: list[ChatMessageParam],
     add_generation_prompt: bool,
     add_special_tokens: bool = False,
+    *,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The messages as the template takes them and their token ids, rendered on a worker thread.
     A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
-    naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400."""
+    naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400. A request's own
+    ``chat_template`` is refused (vLLM refuses it too unless its operator trusts clients')."""
+    if chat_template is not None:
+        raise APIError(
+            "chat_template in a request is not supported; the server's template is set at start "
+            "(lorastar serve --chat-template).",
+            param="chat_template",
+        )
     normalized = _normalize_messages(messages)
-    ids = await in_thread(engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens)
+    ids = await in_thread(
+        partial(
+            engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+        )
+    )  # fmt: skip
     return normalized, list(ids)
 
 
@@ -134,7 +151,11 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        messages, prompt_ids = await render_messages(engine, data.messages, data.add_generation_prompt)
+        messages, prompt_ids = await render_messages(
+            engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
+            continue_final_message=data.continue_final_message,
+            chat_template_kwargs=data.chat_template_kwargs, chat_template=data.chat_template,
+        )  # fmt: skip
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         if requested is not None and requested < 1:
             field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"

@@ -29,6 +29,9 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessageParam] | None = None
     add_special_tokens: bool | None = None  # default: True for prompt, False for messages (vLLM)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # refused, as on the chat route
     return_token_strs: bool = False
     adapter_id: str | None = None
 
@@ -73,8 +76,10 @@ def build_tokenize_handlers(service: LoraStarService, *, guards: list[Any] | Non
             raise APIError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
         if data.messages is not None:
             _, ids = await render_messages(
-                engine, data.messages, data.add_generation_prompt, bool(data.add_special_tokens)
-            )
+                engine, data.messages, data.add_generation_prompt, bool(data.add_special_tokens),
+                continue_final_message=data.continue_final_message,
+                chat_template_kwargs=data.chat_template_kwargs, chat_template=data.chat_template,
+            )  # fmt: skip
         else:
             add = True if data.add_special_tokens is None else data.add_special_tokens
             engine.check_prompt_size(data.prompt or "")  # before any tokenizing
