@@ -315,11 +315,11 @@ class AsyncLLM:
         return self.engine.list_adapters()
 
     # ---- misc ------------------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added).
-        Blocking (the HTTP layer calls it from a worker thread); refuses text over
-        ``max_prompt_bytes`` before tokenizing."""
-        return self.engine.tokenize(prompt)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added unless
+        ``add_special_tokens`` is off). Blocking (the HTTP layer calls it from a worker thread);
+        refuses text over ``max_prompt_bytes`` before tokenizing."""
+        return self.engine.tokenize(prompt, add_special_tokens)
 
     def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
         self.engine.check_prompt_size(text, param)

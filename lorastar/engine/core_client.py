@@ -449,8 +449,8 @@ class AsyncCoreClient:
     def list_adapters(self) -> list[AdapterInfo]:
         return list(self._state.adapters) if self._state is not None else []
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inputs.tokenize(prompt, add_special_tokens)
 
     def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
         self.inputs.check_prompt_size(text, param)

@@ -338,8 +338,8 @@ class LLMEngine:
         return self.registry.list()
 
     # ---- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.inputs.tokenize(prompt)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inputs.tokenize(prompt, add_special_tokens)
 
     def check_prompt_size(self, text: str | Sequence_[str], param: str = "prompt") -> None:
         self.inputs.check_prompt_size(text, param)

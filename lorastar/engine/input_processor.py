@@ -50,9 +50,9 @@ class InputProcessor:
         self.max_prompt_bytes = max_prompt_bytes
         self.vocab_size = vocab_size
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self.check_prompt_size(prompt)
-        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     def check_prompt_size(self, text: str | Sequence[str], param: str = "prompt") -> None:
         """Refuse text over ``max_prompt_bytes`` before any tokenizing (a 9 MB prompt would hold

@@ -58,7 +58,7 @@ class EngineClient(Protocol):
 
     def list_adapters(self) -> Sequence[AdapterInfo]: ...
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Blocking; refuses text over the engine's ``max_prompt_bytes`` before tokenizing."""
         ...
 

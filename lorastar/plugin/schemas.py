@@ -1,6 +1,7 @@
 """Wire types of the OpenAI routes (msgspec Structs, field names and shapes as in vLLM's server).
 
-Requests ignore unknown fields (as vLLM does). ``prompt`` is ``str | list`` because msgspec
+Requests ignore unknown fields (as vLLM does); vLLM's own fields that lorastar does not implement
+are declared and refused when set (a 400 naming the field), since each changes the result. ``prompt`` is ``str | list`` because msgspec
 unions may hold only one array type; its list forms are checked in the route.
 """
 
@@ -48,6 +49,23 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's extension: top-k logprobs of every prompt position after the first (non-streaming).
     prompt_logprobs: int | None = None
     adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
+    truncate_prompt_tokens: int | None = None
+    # vLLM fields lorastar does not implement. Each changes what comes back, so a set value is a
+    # 400 naming it (routes/common.refuse_unsupported), never silently ignored.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -56,6 +74,9 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on text prompts
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}, as on the chat route
+    prompt_embeds: Any = None  # refused (refuse_unsupported)
 
 
 ChatRole = Literal["system", "user", "assistant", "tool", "developer"]

@@ -64,6 +64,7 @@ class FakeAsyncLLM:
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.max_waiting = max_waiting
+        self.tokenized_with_special_tokens: list[bool] = []  # each tokenize call's add_special_tokens
         self.errored = False
         self.restarting = False
         self.retry_after = 1.0
@@ -98,7 +99,8 @@ class FakeAsyncLLM:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
         del self.adapters[name]
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        self.tokenized_with_special_tokens.append(add_special_tokens)
         return self.tokenizer.encode(prompt)
 
     def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:

@@ -221,6 +221,60 @@ def test_a_batch_larger_than_the_queue_is_400_not_503(
     assert not fake[1].running
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "a+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("structured_outputs", {"json": {}}),
+        ("allowed_token_ids", [1, 2]),
+        ("bad_words", ["x"]),
+        ("logits_processors", ["m.P"]),
+        ("cache_salt", "s3cret"),
+        ("priority", 1),
+        ("return_tokens_as_token_ids", True),
+        ("kv_transfer_params", {"a": 1}),
+        ("vllm_xargs", {"a": 1}),
+    ],
+)
+def test_vllm_fields_lorastar_lacks_are_400_not_ignored(http: httpx.Client, field: str, value: Any) -> None:
+    """Each of these changes what vLLM returns; ignoring one would hand back something else than
+    was asked for (unconstrained text for a guided_json request)."""
+    bodies = {
+        "/v1/completions": {"prompt": "x", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    }
+    for route, body in bodies.items():
+        err = assert_error(http.post(route, json={**body, field: value}), 400, field)
+        assert "not supported" in err["message"], err
+    # vLLM's defaults (unset, empty, false, 0) are no request for the feature
+    unset = {"priority": 0, "bad_words": [], "return_tokens_as_token_ids": False, "guided_json": None}
+    for route, body in bodies.items():
+        assert http.post(route, json={**body, **unset}).status_code == 200
+    err = assert_error(
+        http.post("/v1/completions", json={**bodies["/v1/completions"], "prompt_embeds": "AAAA"}),
+        400,
+        "prompt_embeds",
+    )
+    fmt = {"type": "json_object"}
+    assert_error(
+        http.post("/v1/completions", json={"prompt": "x", "response_format": fmt}), 400, "response_format"
+    )
+
+
+def test_completions_add_special_tokens_reaches_the_tokenizer(
+    fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
+) -> None:
+    calls = fake[1].tokenized_with_special_tokens
+    calls.clear()
+    for flag in (None, False, True):
+        extra = {} if flag is None else {"add_special_tokens": flag}
+        assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, **extra}).status_code == 200
+    assert calls == [True, False, True]  # vLLM's default: on
+
+
 def test_dead_engine_health_503_and_requests_503(
     fake: tuple[ServerThread, FakeAsyncLLM], http: httpx.Client
 ) -> None:

@@ -115,6 +115,43 @@ def test_chat_prefill_and_template_fields(
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(
+    client: openai.OpenAI, real_server: ServerThread, reference: Any
+) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the model reads only the prompt's last k tokens (the same
+    as sending those ids), echo shows them, and k over max_model_len is 400."""
+    ids = reference.tokenizer(PROMPT)["input_ids"]
+    assert len(ids) > 3
+    want = client.completions.create(model="alpha", prompt=ids[-3:], max_tokens=6, temperature=0)
+    got = client.completions.create(
+        model="alpha", prompt=PROMPT, max_tokens=6, temperature=0, echo=True,
+        extra_body={"truncate_prompt_tokens": 3},
+    )  # fmt: skip
+    assert got.usage.prompt_tokens == 3
+    assert got.choices[0].text == reference.tokenizer.decode(ids[-3:]) + want.choices[0].text
+    whole = client.completions.create(
+        model="alpha", prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"truncate_prompt_tokens": -1}
+    )
+    assert whole.usage.prompt_tokens == len(ids)  # -1: the last max_model_len, here all of it
+    chat = client.chat.completions.create(
+        model="alpha",
+        messages=MESSAGES,
+        max_tokens=2,
+        temperature=0,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert chat.usage.prompt_tokens == 5
+    for route, body in [
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ]:
+        for k in (0, -2, 257):
+            r = httpx.post(
+                real_server.url + route, json={"model": "alpha", "truncate_prompt_tokens": k, **body}
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def test_adapters_change_the_output(client: openai.OpenAI) -> None:
     texts = {
         m: client.completions.create(model=m, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text

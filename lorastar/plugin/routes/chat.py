@@ -30,8 +30,10 @@ from lorastar.plugin.routes.common import (
     prompt_logprobs_of,
     random_id,
     ranked,
+    refuse_unsupported,
     sampling_params,
     stream_usage,
+    truncate_prompt,
     usage_of,
 )
 from lorastar.plugin.schemas import (
@@ -151,11 +153,13 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        refuse_unsupported(data)
         messages, prompt_ids = await render_messages(
             engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
             continue_final_message=data.continue_final_message,
             chat_template_kwargs=data.chat_template_kwargs, chat_template=data.chat_template,
         )  # fmt: skip
+        prompt_ids = truncate_prompt(prompt_ids, data.truncate_prompt_tokens, int(engine.max_model_len))
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
         if requested is not None and requested < 1:
             field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"

@@ -50,6 +50,51 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Set values of these are 400s: vLLM features lorastar does not implement (schemas.py).
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "structured output (guided decoding) is not supported",
+    ),
+    "allowed_token_ids": "is not supported (logit_bias can favour or exclude tokens)",
+    "bad_words": "is not supported (logit_bias can exclude single tokens)",
+    "logits_processors": "is not supported",
+    "cache_salt": "is not supported: the prefix cache is shared by the requests of one adapter",
+    "priority": "is not supported: requests are served first come, first served (priority 0)",
+    "return_tokens_as_token_ids": "is not supported",
+    "kv_transfer_params": "is not supported (no disaggregated serving)",
+    "vllm_xargs": "is not supported",
+    "prompt_embeds": "is not supported: send text or token ids",
+}
+
+
+def refuse_unsupported(req: Any) -> None:
+    """400 naming the first vLLM field the request sets that lorastar does not implement (``None``,
+    empty, false and 0 count as unset: vLLM's own defaults)."""
+    for name, why in UNSUPPORTED_FIELDS.items():
+        if getattr(req, name, None):
+            message = f"{name}: {why}." if why.startswith("structured") else f"{name} {why}."
+            raise APIError(message, param=name)
+
+
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the last ``k`` tokens (``-1``: the last ``max_model_len``)."""
+    if k is None:
+        return ids
+    if k == -1:
+        k = max_model_len
+    if not isinstance(k, int) or k < 1:
+        raise APIError(
+            f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k}.", param="truncate_prompt_tokens"
+        )
+    if k > max_model_len:
+        raise APIError(
+            f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_model_len}).",
+            param="truncate_prompt_tokens",
+        )
+    return ids[-k:]
+
+
 def sampling_params(
     req: Any,
     *,
@@ -191,9 +236,9 @@ async def in_thread(fn: Any, *args: Any) -> Any:
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-def tokenize(engine: EngineClient, prompt: str) -> list[int]:
+def tokenize(engine: EngineClient, prompt: str, add_special_tokens: bool = True) -> list[int]:
     """The prompt's token ids, as the engine counts them (for vLLM's length checks)."""
-    return list(engine.tokenize(prompt))
+    return list(engine.tokenize(prompt, add_special_tokens))
 
 
 def vocab_size(tokenizer: Any) -> int | None:

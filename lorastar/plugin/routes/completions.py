@@ -28,9 +28,11 @@ from lorastar.plugin.routes.common import (
     prompt_logprobs_of,
     random_id,
     ranked,
+    refuse_unsupported,
     sampling_params,
     stream_usage,
     tokenize,
+    truncate_prompt,
     usage_of,
     vocab_size,
 )
@@ -172,6 +174,9 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             raise APIError("suffix is not supported.", param="suffix")
         if data.best_of is not None and data.best_of != data.n:
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
+        if data.response_format and data.response_format.get("type", "text") != "text":
+            raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
+        refuse_unsupported(data)
         tokenizer = engine.tokenizer
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         limit = engine.max_waiting
@@ -197,7 +202,17 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                 raise APIError("max_tokens 0 (echo the prompt alone) needs n = 1.", param="n")
             max_tokens = 1
         # Tokenized once, off the event loop (the engine refuses text over max_prompt_bytes first).
-        token_ids = [p if isinstance(p, list) else await in_thread(tokenize, engine, p) for p in prompts]
+        token_ids = [
+            p if isinstance(p, list) else await in_thread(tokenize, engine, p, data.add_special_tokens)
+            for p in prompts
+        ]
+        if data.truncate_prompt_tokens is not None:
+            cut = [truncate_prompt(ids, data.truncate_prompt_tokens, max_model_len) for ids in token_ids]
+            # a cut prompt is echoed as the model read it
+            prompts = [
+                c if len(c) < len(ids) else p for p, ids, c in zip(prompts, token_ids, cut, strict=True)
+            ]
+            token_ids = cut
         if max_tokens is None:  # the default 16, shortened when a prompt leaves less room
             max_tokens = max(1, min([16, *(max_model_len - len(ids) for ids in token_ids)]))
         for ids in token_ids:
