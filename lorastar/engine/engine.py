@@ -378,6 +378,10 @@ class LLMEngine:
                 "logit_bias",
                 f"logit_bias names token {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
             )
+        if len(params.logit_bias or ()) > cfg.max_logit_bias:
+            raise LimitExceededError(
+                "logit_bias", f"logit_bias may hold at most {cfg.max_logit_bias} tokens (max_logit_bias)."
+            )
         if len(params.stop_token_ids or []) > cfg.max_stop_token_ids:
             raise LimitExceededError(
                 "stop_token_ids", f"stop_token_ids may hold at most {cfg.max_stop_token_ids} ids."

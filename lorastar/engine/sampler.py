@@ -522,21 +522,38 @@ def _logprob_dicts(
     return out
 
 
+def _bias_arrays(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """``params.logit_bias`` as (token ids int64, biases float32), built at the request's first
+    step and kept on its parameters (they never change once submitted; not a field, so neither
+    compared nor sent to a core process)."""
+    cached = params.__dict__.get("_logit_bias_arrays")
+    if cached is None:
+        bias = params.logit_bias or {}
+        cached = (
+            np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
+            np.fromiter(bias.values(), dtype=np.float32, count=len(bias)),
+        )
+        params.__dict__["_logit_bias_arrays"] = cached
+    return cached
+
+
 def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
-    """x[row, token] += bias for the logit_bias of rows ``idx`` (one scatter for the batch)."""
-    r_idx: list[int] = []
-    t_idx: list[int] = []
-    values: list[float] = []
-    for i in idx:
-        for tok, bias in (rows[i].params.logit_bias or {}).items():
-            if tok < vocab:
-                r_idx.append(i)
-                t_idx.append(tok)
-                values.append(bias)
-    if r_idx:
+    """x[row, token] += bias for the logit_bias of rows ``idx`` (one scatter for the batch; each
+    request's bias as arrays built once, so a step's host work is per row, not per entry)."""
+    if not idx:
+        return
+    arrays = [_bias_arrays(rows[i].params) for i in idx]
+    counts = np.fromiter((len(t) for t, _ in arrays), dtype=np.int64, count=len(arrays))
+    toks = np.concatenate([t for t, _ in arrays])
+    values = np.concatenate([v for _, v in arrays])
+    r_idx = np.repeat(np.asarray(idx, dtype=np.int64), counts)
+    if len(toks) and toks.max() >= vocab:  # the engine refuses these; a cheap guarantee
+        keep = toks < vocab
+        toks, values, r_idx = toks[keep], values[keep], r_idx[keep]
+    if len(toks):
         dev = x.device
         x.index_put_(
-            (to_device(r_idx, dev), to_device(t_idx, dev)),
+            (to_device(r_idx, dev), to_device(toks, dev)),
             to_device(values, dev, x.dtype),
             accumulate=True,
         )

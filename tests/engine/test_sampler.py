@@ -378,6 +378,30 @@ def test_logit_bias_is_added_before_sampling_and_clamped() -> None:
         SamplingParams(logit_bias={"1": 2.0})  # type: ignore[dict-item]
 
 
+def test_logit_bias_of_many_rows_equals_a_dense_add() -> None:
+    """The batch's biases as one scatter (arrays kept per request): greedy picks equal
+    ``argmax(logits + dense bias)`` row by row, with one request's params shared by several rows (n > 1)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 64
+    logits = torch.randn(7, vocab, generator=g)  # [R, V]
+    shared = SamplingParams(
+        temperature=0, logit_bias={int(t): 4.0 for t in torch.randperm(vocab, generator=g)[:20]}
+    )
+    own = [
+        SamplingParams(temperature=0, logit_bias={int(t): float(v) for t, v in zip(toks, vals, strict=True)})
+        for toks, vals in (
+            (torch.randperm(vocab, generator=g)[:k], torch.randn(k, generator=g) * 3) for k in (1, 9, 40)
+        )
+    ]
+    params = [shared, own[0], shared, SamplingParams(temperature=0), own[1], shared, own[2]]
+    dense = torch.zeros(7, vocab)  # [R, V]
+    for i, p in enumerate(params):
+        for t, v in (p.logit_bias or {}).items():
+            dense[i, t] = v
+    out = Sampler()(logits, [_row(p) for p in params])
+    assert out.token_ids == (logits + dense).argmax(-1).tolist()
+
+
 def test_top_p_windows_equal_the_full_sort() -> None:
     """top-p finds its cut among the best 256 tokens, then 4096, then sorts the row: whichever
     tier a row needs, its mask is the full sort's (rows with nuclei of ~3, ~1000 and ~20000

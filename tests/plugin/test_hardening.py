@@ -82,6 +82,14 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("r5", CMPL, {"prompt": "hello", "stop": ["a" * 200] * 10000}, 400, "stop"),
     ("r5", CMPL, {"prompt": "hello", "stop": ["a" * 1000]}, 400, "stop"),
     ("r5", CMPL, {"prompt": "hello", "stop_token_ids": list(range(5000))}, 400, "stop_token_ids"),
+    # a whole-vocabulary bias with n = 128 made every step of the server take ~10x longer
+    (
+        "r5",
+        CMPL,
+        {"prompt": "hi", "n": 128, "logit_bias": {str(i): 0.5 for i in range(5000)}},
+        400,
+        "logit_bias",
+    ),
     ("r6", CHAT, {"messages": [{"role": ["user"], "content": "hi"}]}, 400, "messages"),
     ("r6", CHAT, {"messages": [{"role": {"a": 1}, "content": "hi"}]}, 400, "messages"),
     ("r6", CHAT, b'{"messages":' + b"[" * 10000 + b"]" * 10000 + b"}", 400, None),
@@ -93,6 +101,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("r9", CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("r9", CMPL, b'{"prompt":"hi","temperature":1e999}', 400, "temperature"),
     ("ok", CMPL, {"prompt": "hello", "n": 3, "max_tokens": 3}, 200, None),
+    (
+        "ok",
+        CMPL,
+        {"prompt": "hi", "n": 4, "max_tokens": 3, "logit_bias": {str(i): 0.5 for i in range(1024)}},
+        200,
+        None,
+    ),
     ("ok", CMPL, {"prompt": "hello", "max_tokens": 3, "use_beam_search": True, "n": 3}, 200, None),
 ]
 
