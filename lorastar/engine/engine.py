@@ -378,6 +378,12 @@ class LLMEngine:
                 "logit_bias",
                 f"logit_bias names token {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
             )
+        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise InvalidParamError(
+                "allowed_token_ids",
+                f"allowed_token_ids names token {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
+            )
         if len(params.logit_bias or ()) > cfg.max_logit_bias:
             raise LimitExceededError(
                 "logit_bias", f"logit_bias may hold at most {cfg.max_logit_bias} tokens (max_logit_bias)."

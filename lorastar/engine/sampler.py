@@ -142,6 +142,7 @@ _COLUMNS: tuple[tuple[str, Callable[[SamplingParams], object], type], ...] = (
     ("min_tokens", lambda p: p.min_tokens, np.int64),
     ("logprobs", lambda p: -1 if p.logprobs is None else p.logprobs, np.int64),
     ("logit_bias", lambda p: bool(p.logit_bias), np.bool_),
+    ("allowed", lambda p: p.allowed_token_ids is not None, np.bool_),
 )
 
 
@@ -163,6 +164,7 @@ class SamplingMetadata:
     min_tokens: np.ndarray  # [R] int64
     logprobs: np.ndarray  # [R] int64: -1 not asked
     logit_bias: np.ndarray  # [R] bool: the row has a logit_bias (its dict is on its params)
+    allowed: np.ndarray  # [R] bool: the row has allowed_token_ids (on its params)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
@@ -263,6 +265,7 @@ class Sampler:
         writes = bool(
             min_tok_rows
             or meta.logit_bias.any()
+            or meta.allowed.any()
             or (meta.repetition != 1.0).any()
             or (meta.frequency != 0.0).any()
             or (meta.presence != 0.0).any()
@@ -279,6 +282,7 @@ class Sampler:
                 torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
             )
 
+        _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
@@ -535,6 +539,31 @@ def _bias_arrays(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
         )
         params.__dict__["_logit_bias_arrays"] = cached
     return cached
+
+
+def _allowed_array(params: SamplingParams) -> np.ndarray:
+    """``params.allowed_token_ids`` as an int64 array, built once and kept like ``_bias_arrays``."""
+    cached = params.__dict__.get("_allowed_array")
+    if cached is None:
+        cached = np.asarray(params.allowed_token_ids or [], dtype=np.int64)
+        params.__dict__["_allowed_array"] = cached
+    return cached
+
+
+def _apply_allowed(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
+    """Rows ``idx`` keep only their allowed_token_ids' logits; every other one becomes -inf."""
+    if not idx:
+        return
+    arrays = [_allowed_array(rows[i].params) for i in idx]
+    counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    toks = np.concatenate(arrays)
+    r_idx = np.repeat(np.asarray(idx, dtype=np.int64), counts)
+    keep = toks < vocab  # the engine refuses others; a cheap guarantee
+    dev = x.device
+    r, t = to_device(r_idx[keep], dev), to_device(toks[keep], dev)
+    kept = x[r, t]
+    x[to_device(idx, dev)] = _NEG_INF
+    x[r, t] = kept
 
 
 def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:

@@ -96,6 +96,9 @@ class SamplingParams:
     # {token_id: bias} added to the logits before penalties and sampling (OpenAI's logit_bias;
     # values clamped to [-100, 100] as OpenAI documents). Logprobs stay those of the raw logits.
     logit_bias: dict[int, float] | None = None
+    # Only these token ids can be sampled (vLLM's allowed_token_ids: every other logit is -inf
+    # before sampling; logprobs stay those of the raw logits). Not with beam search.
+    allowed_token_ids: list[int] | None = None
     # Which outputs the engine builds for the request (no per-step copy for DELTA / FINAL_ONLY).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -187,6 +190,22 @@ class SamplingParams:
                 bias[tok] = min(max(float(value), -100.0), 100.0)
             self.logit_bias = bias or None
 
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
+                raise InvalidParamError(
+                    "allowed_token_ids", "allowed_token_ids must be a list of non-negative token ids."
+                )
+            if not allowed:
+                raise InvalidParamError(
+                    "allowed_token_ids", "allowed_token_ids must hold at least one token id."
+                )
+            if self.use_beam_search:
+                raise InvalidParamError(
+                    "allowed_token_ids", "allowed_token_ids is not supported with use_beam_search."
+                )
+            self.allowed_token_ids = list(dict.fromkeys(allowed))
+
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -232,4 +251,5 @@ class SamplingParams:
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
         )

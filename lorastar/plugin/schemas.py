@@ -49,6 +49,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's extension: top-k logprobs of every prompt position after the first (non-streaming).
     prompt_logprobs: int | None = None
     adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids can be sampled
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = None
     # vLLM fields lorastar does not implement. Each changes what comes back, so a set value is a
@@ -58,7 +59,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
     cache_salt: Any = None

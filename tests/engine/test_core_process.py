@@ -83,8 +83,11 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
         SamplingParams(temperature=0.0, max_tokens=30, stop=["e"], ignore_eos=True),
         SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8, seed=2, max_tokens=8, allowed_token_ids=[13, 28, 30, 253, 314], ignore_eos=True
+        ),
     ],
-    ids=["greedy", "logprobs", "n3-seeded", "stop-string", "beam", "prompt-logprobs"],
+    ids=["greedy", "logprobs", "n3-seeded", "stop-string", "beam", "prompt-logprobs", "allowed-ids"],
 )
 async def test_outputs_equal_the_in_process_engine(
     client: AsyncCoreClient, llm: LLM, sp: SamplingParams

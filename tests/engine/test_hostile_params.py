@@ -113,6 +113,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=3)),
     "ignore_eos": st.booleans(),
     "use_beam_search": st.booleans(),
+    "allowed_token_ids": st.one_of(
+        st.none(), st.lists(st.one_of(st.integers(0, 60), EXTREME_INTS), max_size=3)
+    ),
 }
 
 
@@ -135,6 +138,8 @@ def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, 
         vocab = llm.engine.vocab_size
         for c in outs[0].outputs:
             assert all(0 <= t < vocab for t in c.token_ids)
+            if params.allowed_token_ids and not params.min_tokens:  # min_tokens may mask all of them
+                assert set(c.token_ids) <= set(params.allowed_token_ids)
             for step in c.logprobs or []:
                 assert all(math.isfinite(lp.logprob) for lp in step.values())
     llm.engine.check_invariants()

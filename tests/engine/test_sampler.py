@@ -378,6 +378,35 @@ def test_logit_bias_is_added_before_sampling_and_clamped() -> None:
         SamplingParams(logit_bias={"1": 2.0})  # type: ignore[dict-item]
 
 
+def test_allowed_token_ids_keep_only_those_ids() -> None:
+    """vLLM's allowed_token_ids: greedy picks the best allowed id, draws stay in the set, a bias
+    applies among the allowed ids, other rows are untouched, and logprobs stay the raw ones."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 32, generator=g)  # [R, V]
+    allowed = [3, 7, 9, 31]
+    rows = [
+        _row(SamplingParams(temperature=0, allowed_token_ids=allowed, logprobs=2)),
+        _row(SamplingParams(temperature=1.5, seed=1, allowed_token_ids=[1, 2, 1])),
+        _row(SamplingParams(temperature=0)),
+        _row(SamplingParams(temperature=0, allowed_token_ids=allowed, logit_bias={7: 100.0, 5: 100.0})),
+        _row(SamplingParams(temperature=2.0, top_k=3, allowed_token_ids=allowed)),
+    ]
+    assert rows[1].params.allowed_token_ids == [1, 2]  # duplicates dropped
+    sampler = Sampler(seed=0)
+    draws = [sampler(x.clone(), rows).token_ids for _ in range(40)]
+    out = sampler(x.clone(), rows)
+    assert out.token_ids[0] == max(allowed, key=lambda t: x[0, t].item())
+    assert out.token_ids[2] == int(x[2].argmax())
+    assert out.token_ids[3] == 7  # +100 on 5 does not make a disallowed id possible
+    assert {d[1] for d in draws} == {1, 2} and {d[4] for d in draws} <= set(allowed)
+    _check_logprobs(x, out, {0: 2})
+    for bad in ([], [-1], [1.5], "12"):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[1], use_beam_search=True, n=2)
+
+
 def test_logit_bias_of_many_rows_equals_a_dense_add() -> None:
     """The batch's biases as one scatter (arrays kept per request): greedy picks equal
     ``argmax(logits + dense bias)`` row by row, with one request's params shared by several rows (n > 1)."""

@@ -196,6 +196,24 @@ def test_logit_bias_applies_and_names_bad_ids(client: Any) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
+def test_allowed_token_ids_limit_the_output_and_name_bad_ids(client: Any) -> None:
+    """vLLM's allowed_token_ids on both routes: every generated id is one of them; an id outside
+    the vocabulary or an empty list is a 400 naming the field."""
+    allowed = [28, 30, 253, 314, 1345]
+    body = {"prompt": "hello there", "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3, "logprobs": 0}
+    r = client.post(CMPL, json={**body, "allowed_token_ids": allowed}).json()
+    tokenizer = client.plugin.engine.tokenizer
+    words = {tokenizer.decode([t]) for t in allowed}
+    assert all(set(c["logprobs"]["tokens"]) <= words for c in r["choices"]), r
+    chat = {"messages": HI, "max_tokens": 4, "temperature": 0, "logprobs": True, "allowed_token_ids": allowed}
+    content = client.post(CHAT, json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert {c["token"] for c in content} <= words
+    vocab = client.plugin.engine.engine.vocab_size
+    for bad in ([vocab], [], [-1]):
+        r = client.post(CMPL, json={**body, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
 def test_adapter_id_selects_an_adapter_like_model(client: Any) -> None:
     """LoRAX's adapter_id picks the adapter as `model` does; unknown is 404, a contradiction 400."""
     base = {"prompt": "hello there", "max_tokens": 6, "temperature": 0}

@@ -229,7 +229,6 @@ def test_a_batch_larger_than_the_queue_is_400_not_503(
         ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'a'"),
         ("structured_outputs", {"json": {}}),
-        ("allowed_token_ids", [1, 2]),
         ("bad_words", ["x"]),
         ("logits_processors", ["m.P"]),
         ("cache_salt", "s3cret"),
