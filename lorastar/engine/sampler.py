@@ -526,41 +526,44 @@ def _logprob_dicts(
     return out
 
 
-def _bias_arrays(params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """``params.logit_bias`` as (token ids int64, biases float32), built at the request's first
-    step and kept on its parameters (they never change once submitted; not a field, so neither
-    compared nor sent to a core process)."""
-    cached = params.__dict__.get("_logit_bias_arrays")
+def _token_arrays(params: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``params.logit_bias`` as (token ids int64, biases float32) and ``params.allowed_token_ids``
+    as int64 ids, built at the request's first step and kept on its parameters (they never change
+    once submitted; not a field, so neither compared nor sent to a core process)."""
+    cached = params.__dict__.get("_token_arrays")
     if cached is None:
         bias = params.logit_bias or {}
         cached = (
             np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)),
             np.fromiter(bias.values(), dtype=np.float32, count=len(bias)),
+            np.asarray(params.allowed_token_ids or [], dtype=np.int64),
         )
-        params.__dict__["_logit_bias_arrays"] = cached
+        params.__dict__["_token_arrays"] = cached
     return cached
 
 
-def _allowed_array(params: SamplingParams) -> np.ndarray:
-    """``params.allowed_token_ids`` as an int64 array, built once and kept like ``_bias_arrays``."""
-    cached = params.__dict__.get("_allowed_array")
-    if cached is None:
-        cached = np.asarray(params.allowed_token_ids or [], dtype=np.int64)
-        params.__dict__["_allowed_array"] = cached
-    return cached
+def _batch_entries(
+    idx: list[int], per_row: list[np.ndarray], vocab: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Rows ``idx``'s token arrays as one batch: (row of each entry, its token, the positions kept
+    in the concatenation or None for all): entries at or past ``vocab`` are dropped (the engine
+    refuses them; a cheap guarantee)."""
+    counts = np.fromiter((len(a) for a in per_row), dtype=np.int64, count=len(per_row))
+    toks = np.concatenate(per_row)
+    r_idx = np.repeat(np.asarray(idx, dtype=np.int64), counts)
+    if not len(toks) or toks.max() < vocab:
+        return r_idx, toks, None
+    pos = np.flatnonzero(toks < vocab)
+    return r_idx[pos], toks[pos], pos
 
 
 def _apply_allowed(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
     """Rows ``idx`` keep only their allowed_token_ids' logits; every other one becomes -inf."""
     if not idx:
         return
-    arrays = [_allowed_array(rows[i].params) for i in idx]
-    counts = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-    toks = np.concatenate(arrays)
-    r_idx = np.repeat(np.asarray(idx, dtype=np.int64), counts)
-    keep = toks < vocab  # the engine refuses others; a cheap guarantee
+    r_idx, toks, _ = _batch_entries(idx, [_token_arrays(rows[i].params)[2] for i in idx], vocab)
     dev = x.device
-    r, t = to_device(r_idx[keep], dev), to_device(toks[keep], dev)
+    r, t = to_device(r_idx, dev), to_device(toks, dev)
     kept = x[r, t]
     x[to_device(idx, dev)] = _NEG_INF
     x[r, t] = kept
@@ -571,16 +574,12 @@ def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: l
     request's bias as arrays built once, so a step's host work is per row, not per entry)."""
     if not idx:
         return
-    arrays = [_bias_arrays(rows[i].params) for i in idx]
-    counts = np.fromiter((len(t) for t, _ in arrays), dtype=np.int64, count=len(arrays))
-    toks = np.concatenate([t for t, _ in arrays])
-    values = np.concatenate([v for _, v in arrays])
-    r_idx = np.repeat(np.asarray(idx, dtype=np.int64), counts)
-    if len(toks) and toks.max() >= vocab:  # the engine refuses these; a cheap guarantee
-        keep = toks < vocab
-        toks, values, r_idx = toks[keep], values[keep], r_idx[keep]
+    arrays = [_token_arrays(rows[i].params) for i in idx]
+    r_idx, toks, pos = _batch_entries(idx, [a[0] for a in arrays], vocab)
     if len(toks):
         dev = x.device
+        values = np.concatenate([a[1] for a in arrays])
+        values = values if pos is None else values[pos]
         x.index_put_(
             (to_device(r_idx, dev), to_device(toks, dev)),
             to_device(values, dev, x.dtype),
