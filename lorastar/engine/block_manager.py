@@ -99,6 +99,12 @@ class BlockManager:
             toks = seq.token_ids[i * bs : (i + 1) * bs]
             h = hashlib.blake2b(digest_size=16)
             h.update(hashes[-1] if hashes else self._salt)
+            if not hashes and (cache_salt := seq.request.params.cache_salt):
+                # The request's own salt, in its first block (every later block chains from it):
+                # only requests with the same salt share blocks. The tag keeps it apart from the
+                # adapter key's 4-byte length that follows unsalted model salts.
+                salt = cache_salt.encode()
+                h.update(b"\xffSALT" + struct.pack("<I", len(salt)) + salt)
             h.update(extra)
             h.update(struct.pack(f"<{len(toks)}q", *toks))
             hashes.append(h.digest())
@@ -106,7 +112,8 @@ class BlockManager:
 
     def hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix-cache keys of ``seq``'s first ``num_blocks`` full blocks (each one hashes
-        the model salt, the adapter and every token up to the block's end)."""
+        the model salt, the request's ``cache_salt`` if any, the adapter and every token up to the
+        block's end)."""
         return self._hashes(seq, num_blocks)[:num_blocks]
 
     def lookup(self, seq: Sequence) -> list[int]:

@@ -21,6 +21,7 @@ from lorastar.errors import InvalidParamError
 _SAMPLING_EPS = 1e-5
 # vLLM's OpenAI server caps top-logprobs at 20.
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64)
 
 
 # Finite ranges of the float fields. vLLM's where it has one (top_p, min_p, presence and
@@ -99,6 +100,9 @@ class SamplingParams:
     # Only these token ids can be sampled (vLLM's allowed_token_ids: every other logit is -inf
     # before sampling; logprobs stay those of the raw logits). Not with beam search.
     allowed_token_ids: list[int] | None = None
+    # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
+    # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
+    cache_salt: str | None = None
     # Which outputs the engine builds for the request (no per-step copy for DELTA / FINAL_ONLY).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -205,6 +209,13 @@ class SamplingParams:
                     "allowed_token_ids", "allowed_token_ids is not supported with use_beam_search."
                 )
             self.allowed_token_ids = list(dict.fromkeys(allowed))
+
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
+        ):
+            raise InvalidParamError(
+                "cache_salt", f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters."
+            )
 
         if not isinstance(self.output_kind, RequestOutputKind):
             try:

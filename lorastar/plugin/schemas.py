@@ -50,6 +50,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
     adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
     allowed_token_ids: list[int] | None = None  # vLLM's: only these ids can be sampled
+    cache_salt: str | None = None  # vLLM's: prompt blocks shared only with requests of the same salt
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
     truncate_prompt_tokens: int | None = None
     # vLLM fields lorastar does not implement. Each changes what comes back, so a set value is a
@@ -61,7 +62,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     structured_outputs: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    cache_salt: Any = None
     priority: Any = None
     return_tokens_as_token_ids: Any = None
     kv_transfer_params: Any = None

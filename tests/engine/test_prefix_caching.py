@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lorastar import LLM, SamplingParams
 from tests.conftest import make_peft_adapter
 
@@ -62,6 +64,30 @@ def test_reloaded_adapter_never_hits_old_blocks(tiny_model_dir, tmp_path: Path) 
     llm.load_adapter("y", p1)
     again = llm.generate(prompt, GREEDY, adapter="y")[0]
     assert again.num_cached_tokens == 96 and again.outputs[0].token_ids == v1.outputs[0].token_ids
+
+
+def test_cache_salt_shares_blocks_only_within_a_salt(tiny_model_dir) -> None:
+    """vLLM's cache_salt: a salted request never hits blocks of an unsalted one or of another
+    salt, hits its own salt's, and gets the same tokens either way."""
+    llm = LLM(tiny_model_dir("llama-gqa"), num_kv_blocks=256)
+    prompt = [SYSTEM + [7, 8, 9]]
+
+    def run(salt: str | None) -> tuple[list[int], int]:
+        sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, cache_salt=salt)
+        out = llm.generate(prompt, sp)[0]
+        return out.outputs[0].token_ids, out.num_cached_tokens
+
+    want, _ = run(None)
+    runs = [run(s) for s in ("tenant-a", "tenant-a", "tenant-b", None, "tenant-b")]
+    assert [hits for _, hits in runs] == [0, 96, 0, 96, 96]
+    assert all(tokens == want for tokens, _ in runs)
+    sp = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=6, ignore_eos=True, cache_salt="tenant-c")
+    assert llm.generate(prompt, sp)[0].num_cached_tokens == 0
+    llm.engine.check_invariants()
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
+    for bad in ("", 7, "x" * 1025):
+        with pytest.raises(ValueError, match="cache_salt"):
+            SamplingParams(cache_salt=bad)  # type: ignore[arg-type]
 
 
 def test_parallel_samples_share_prompt_blocks(tiny_model_dir) -> None:

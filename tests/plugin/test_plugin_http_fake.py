@@ -231,7 +231,6 @@ def test_a_batch_larger_than_the_queue_is_400_not_503(
         ("structured_outputs", {"json": {}}),
         ("bad_words", ["x"]),
         ("logits_processors", ["m.P"]),
-        ("cache_salt", "s3cret"),
         ("priority", 1),
         ("return_tokens_as_token_ids", True),
         ("kv_transfer_params", {"a": 1}),

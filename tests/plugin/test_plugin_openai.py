@@ -152,6 +152,24 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
+def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(real_server: ServerThread) -> None:
+    """vLLM's cache_salt: ``cached_tokens`` shows hits only between requests of the same salt; an
+    empty salt is a 400 naming it."""
+    ids = list(range(2000, 2040))  # two full blocks of 16 no other test sends
+
+    def cached(salt: str | None, route: str = "/v1/completions") -> int:
+        body: dict[str, Any] = {"model": "tiny", "prompt": ids, "max_tokens": 1, "cache_salt": salt}
+        r = httpx.post(real_server.url + route, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert [cached(s) for s in ("s1", "s1", "s2", None, None, "s2")] == [0, 32, 0, 0, 32, 32]
+    r = httpx.post(
+        real_server.url + "/v1/completions", json={"model": "tiny", "prompt": ids, "cache_salt": ""}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
 def test_adapters_change_the_output(client: openai.OpenAI) -> None:
     texts = {
         m: client.completions.create(model=m, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
