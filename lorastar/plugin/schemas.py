@@ -7,12 +7,29 @@ unions may hold only one array type; its list forms are checked in the route.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
 # --------------------------------------------------------------------------- requests
+
+# Why each refused vLLM field is refused: the message of the 400 that names it.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "structured output (guided decoding) is not supported",
+    ),
+    "bad_words": "is not supported (logit_bias or allowed_token_ids can exclude single tokens)",
+    "logits_processors": "is not supported",
+    "priority": "is not supported: requests are served first come, first served (priority 0)",
+    "return_tokens_as_token_ids": "is not supported",
+    "kv_transfer_params": "is not supported (no disaggregated serving)",
+    "vllm_xargs": "is not supported",
+    "prompt_embeds": "is not supported: send text or token ids",
+    "chat_template": "in a request is not supported: the server's template is set at start "
+    "(lorastar serve --chat-template)",
+}
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -49,23 +66,28 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's extension: top-k logprobs of every prompt position after the first (non-streaming).
     prompt_logprobs: int | None = None
     adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
-    allowed_token_ids: list[int] | None = None  # vLLM's: only these ids can be sampled
-    cache_salt: str | None = None  # vLLM's: prompt blocks shared only with requests of the same salt
-    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len).
-    truncate_prompt_tokens: int | None = None
-    # vLLM fields lorastar does not implement. Each changes what comes back, so a set value is a
-    # 400 naming it (routes/common.refuse_unsupported), never silently ignored.
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
-    bad_words: Any = None
-    logits_processors: Any = None
-    priority: Any = None
-    return_tokens_as_token_ids: Any = None
-    kv_transfer_params: Any = None
-    vllm_xargs: Any = None
+    # vLLM's: only these ids can be sampled
+    allowed_token_ids: (
+        Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)] | None
+    ) = None
+    # vLLM's: prompt blocks shared only with requests of the same salt
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; 0 is refused).
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    # vLLM fields lorastar does not implement (UNSUPPORTED_FIELDS). Each changes what comes back,
+    # so they are typed to take only their unset values (null; vLLM's defaults 0 and []): anything
+    # else fails validation, a 400 naming the field (plugin/errors.py), never silently ignored.
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    structured_outputs: None = None
+    bad_words: Annotated[list[str], msgspec.Meta(max_length=0)] | None = None
+    logits_processors: None = None
+    priority: Literal[0] | None = None
+    return_tokens_as_token_ids: Literal[False] | None = None
+    kv_transfer_params: None = None
+    vllm_xargs: None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -76,7 +98,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on text prompts
     response_format: dict[str, Any] | None = None  # only {"type": "text"}, as on the chat route
-    prompt_embeds: Any = None  # refused (refuse_unsupported)
+    prompt_embeds: None = None  # refused (UNSUPPORTED_FIELDS)
 
 
 ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
@@ -108,7 +130,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking)
-    chat_template: str | None = None  # refused: the server's template is its operator's choice
+    chat_template: None = None  # refused (UNSUPPORTED_FIELDS): the server's template is its operator's
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

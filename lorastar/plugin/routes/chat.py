@@ -30,7 +30,6 @@ from lorastar.plugin.routes.common import (
     prompt_logprobs_of,
     random_id,
     ranked,
-    refuse_unsupported,
     sampling_params,
     stream_usage,
     truncate_prompt,
@@ -86,18 +85,12 @@ async def render_messages(
     *,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
-    chat_template: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The messages as the template takes them and their token ids, rendered on a worker thread.
     A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
-    naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400. A request's own
-    ``chat_template`` is refused (vLLM refuses it too unless its operator trusts clients')."""
-    if chat_template is not None:
-        raise APIError(
-            "chat_template in a request is not supported; the server's template is set at start "
-            "(lorastar serve --chat-template).",
-            param="chat_template",
-        )
+    naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400. (A request's
+    own ``chat_template`` never gets here: the schemas refuse it, as vLLM does unless its operator
+    trusts clients' templates.)"""
     normalized = _normalize_messages(messages)
     ids = await in_thread(
         partial(
@@ -153,11 +146,10 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        refuse_unsupported(data)
         messages, prompt_ids = await render_messages(
             engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
             continue_final_message=data.continue_final_message,
-            chat_template_kwargs=data.chat_template_kwargs, chat_template=data.chat_template,
+            chat_template_kwargs=data.chat_template_kwargs,
         )  # fmt: skip
         prompt_ids = truncate_prompt(prompt_ids, data.truncate_prompt_tokens, int(engine.max_model_len))
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens

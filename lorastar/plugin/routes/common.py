@@ -52,31 +52,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# Set values of these are 400s: vLLM features lorastar does not implement (schemas.py).
-UNSUPPORTED_FIELDS: dict[str, str] = {
-    **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        "structured output (guided decoding) is not supported",
-    ),
-    "bad_words": "is not supported (logit_bias can exclude single tokens)",
-    "logits_processors": "is not supported",
-    "priority": "is not supported: requests are served first come, first served (priority 0)",
-    "return_tokens_as_token_ids": "is not supported",
-    "kv_transfer_params": "is not supported (no disaggregated serving)",
-    "vllm_xargs": "is not supported",
-    "prompt_embeds": "is not supported: send text or token ids",
-}
-
-
-def refuse_unsupported(req: Any) -> None:
-    """400 naming the first vLLM field the request sets that lorastar does not implement (``None``,
-    empty, false and 0 count as unset: vLLM's own defaults)."""
-    for name, why in UNSUPPORTED_FIELDS.items():
-        if getattr(req, name, None):
-            message = f"{name}: {why}." if why.startswith("structured") else f"{name} {why}."
-            raise APIError(message, param=name)
-
-
 def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the last ``k`` tokens (``-1``: the last ``max_model_len``)."""
     if k is None:

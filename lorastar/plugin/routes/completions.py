@@ -28,7 +28,6 @@ from lorastar.plugin.routes.common import (
     prompt_logprobs_of,
     random_id,
     ranked,
-    refuse_unsupported,
     sampling_params,
     stream_usage,
     tokenize,
@@ -176,7 +175,6 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
         if data.response_format and data.response_format.get("type", "text") != "text":
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
-        refuse_unsupported(data)
         tokenizer = engine.tokenizer
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         limit = engine.max_waiting
