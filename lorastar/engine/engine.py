@@ -372,22 +372,16 @@ class LLMEngine:
             raise LimitExceededError(
                 "stop", f"stop strings must be at most {cfg.max_stop_string_length} characters long."
             )
-        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
-        if bad:
-            raise InvalidParamError(
-                "logit_bias",
-                f"logit_bias names token {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
-            )
-        bad = [t for t in params.allowed_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise InvalidParamError(
-                "allowed_token_ids",
-                f"allowed_token_ids names token {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
-            )
         if len(params.logit_bias or ()) > cfg.max_logit_bias:
             raise LimitExceededError(
                 "logit_bias", f"logit_bias may hold at most {cfg.max_logit_bias} tokens (max_logit_bias)."
             )
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in ids or () if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidParamError(
+                    name, f"{name} names token {bad}, outside the vocabulary [0, {self.vocab_size})."
+                )
         if len(params.stop_token_ids or []) > cfg.max_stop_token_ids:
             raise LimitExceededError(
                 "stop_token_ids", f"stop_token_ids may hold at most {cfg.max_stop_token_ids} ids."

@@ -118,7 +118,7 @@ def _validation_param(exc: ValidationException, body: bytes | None = None) -> tu
         if key:
             field = re.split(r"[.\[]", str(key), maxsplit=1)[0]  # param: the top-level field
             if (why := UNSUPPORTED_FIELDS.get(field)) is not None:  # a vLLM feature lorastar lacks
-                return (f"{field}: {why}." if why.startswith("structured") else f"{field} {why}."), field
+                return f"{field}{why}", field
             return f"{msg} (field '{key}')" if key not in str(msg) else str(msg), field
         if msg in ("'data'", "data", ""):  # no body, or not a JSON object at all
             return "The request body must be a JSON object.", None

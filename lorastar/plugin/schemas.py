@@ -1,8 +1,9 @@
 """Wire types of the OpenAI routes (msgspec Structs, field names and shapes as in vLLM's server).
 
 Requests ignore unknown fields (as vLLM does); vLLM's own fields that lorastar does not implement
-are declared and refused when set (a 400 naming the field), since each changes the result. ``prompt`` is ``str | list`` because msgspec
-unions may hold only one array type; its list forms are checked in the route.
+are declared and refused when set (a 400 naming the field), since each changes the result.
+``prompt`` is ``str | list`` because msgspec unions may hold only one array type; its list forms
+are checked in the route.
 """
 
 from __future__ import annotations
@@ -12,23 +13,25 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
+from lorastar.engine.sampling import MAX_CACHE_SALT
+
 # --------------------------------------------------------------------------- requests
 
-# Why each refused vLLM field is refused: the message of the 400 that names it.
+# Why each refused vLLM field is refused: the 400 that names it says f"{field}{why}".
 UNSUPPORTED_FIELDS: dict[str, str] = {
     **dict.fromkeys(
         ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        "structured output (guided decoding) is not supported",
+        ": structured output (guided decoding) is not supported.",
     ),
-    "bad_words": "is not supported (logit_bias or allowed_token_ids can exclude single tokens)",
-    "logits_processors": "is not supported",
-    "priority": "is not supported: requests are served first come, first served (priority 0)",
-    "return_tokens_as_token_ids": "is not supported",
-    "kv_transfer_params": "is not supported (no disaggregated serving)",
-    "vllm_xargs": "is not supported",
-    "prompt_embeds": "is not supported: send text or token ids",
-    "chat_template": "in a request is not supported: the server's template is set at start "
-    "(lorastar serve --chat-template)",
+    "bad_words": " is not supported (logit_bias or allowed_token_ids can exclude single tokens).",
+    "logits_processors": " is not supported.",
+    "priority": " is not supported: requests are served first come, first served (priority 0).",
+    "return_tokens_as_token_ids": " is not supported.",
+    "kv_transfer_params": " is not supported (no disaggregated serving).",
+    "vllm_xargs": " is not supported.",
+    "prompt_embeds": " is not supported: send text or token ids.",
+    "chat_template": " in a request is not supported: the server's template is set at start "
+    "(lorastar serve --chat-template).",
 }
 
 
@@ -71,7 +74,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)] | None
     ) = None
     # vLLM's: prompt blocks shared only with requests of the same salt
-    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; 0 is refused).
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     # vLLM fields lorastar does not implement (UNSUPPORTED_FIELDS). Each changes what comes back,

@@ -58,7 +58,7 @@ def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[i
         return ids
     if k == -1:
         k = max_model_len
-    if not isinstance(k, int) or k < 1:
+    if k < 1:  # the schema allows -1 and up
         raise APIError(
             f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k}.", param="truncate_prompt_tokens"
         )
