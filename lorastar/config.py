@@ -45,7 +45,8 @@ class EngineConfig:
     """KV blocks to allocate. ``None``: sized from ``kv_cache_memory`` / GPU free memory."""
 
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache when ``num_kv_blocks`` is unset. ``None``: 1 GiB on CPU, 80% of free on GPU."""
+    """Bytes for the KV cache when ``num_kv_blocks`` is unset. ``None``: 1 GiB on CPU; on GPU 80% of
+    the free memory, torch's cached-but-unused bytes counted as free (at most the driver's free)."""
 
     kv_cache_dtype: str = "auto"
     """``"auto"`` (the model dtype), ``"fp8"`` (e4m3) or ``"fp8_e5m2"``. FP8 uses the checkpoint's

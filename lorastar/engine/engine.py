@@ -306,8 +306,14 @@ class LLMEngine:
         mem = self.config.kv_cache_memory
         if mem is None:
             if self.device.type == "cuda":
+                # Free memory includes torch's cached-but-unused bytes (mem_get_info counts them as
+                # used): stacking (layers/lora.py) frees weight copies into segments that a live
+                # tensor shares, so empty_cache cannot return them; on an H100 run of a 230 MB
+                # model ~100 MB stayed so. The runtime's activations reuse them; the cache itself
+                # is one allocation from the driver, hence at most the driver's free bytes.
                 free, _ = torch.cuda.mem_get_info(self.device)
-                mem = int(free * 0.8)
+                cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+                mem = min(int((free + cached) * 0.8), free)
             else:
                 mem = 1 << 30
         return max(1, mem // spec.bytes_per_block)

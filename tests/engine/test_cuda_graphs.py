@@ -230,35 +230,37 @@ def test_auto_sized_kv_cache_sees_no_cached_weight_copies(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stacking the slots' A rows under the base weights (layers/lora.py) copies every stacked
-    linear's weight; the replaced copies must be back with the driver when the KV cache sizes itself
-    on ``mem_get_info``'s free memory, which counts torch's cache as used (else an auto-sized cache
-    loses about the stacked weights' size). A model whose stacked weights (~230 MB in fp32) dwarf
+    linear's weight; the replaced copies must not shrink an auto-sized KV cache, which takes 80% of
+    the memory left after the live weights. ``mem_get_info`` counts torch's cache as used, and
+    empty_cache cannot return freed bytes in segments a live tensor shares (on an H100, ~100 MB of a
+    230 MB model's copies stayed so): the cache counts them free. Measured from outside: what the
+    KV cache misses of 80% of (free memory before the engine - its live tensors), or takes over it,
+    is under a quarter of the stacked weights. A model whose stacked weights (~230 MB in fp32) dwarf
     the allocator's leftovers."""
+    import gc
+
     import torch
 
-    from lorastar.engine.engine import LLMEngine
     from tests import conftest
 
     wide = dict(arch="llama", hidden_size=1024, intermediate_size=4096, num_hidden_layers=4,
                 num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
     monkeypatch.setitem(conftest.TINY_CONFIGS, "llama-wide", wide)
     path = conftest.make_tiny_model(tmp_path / "m", "llama-wide")
-    seen: list[int] = []
-    sizing = LLMEngine._auto_num_blocks
-
-    def spy(self: LLMEngine, spec):  # noqa: ANN001, ANN202
-        seen.append(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
-        return sizing(self, spec)
-
-    monkeypatch.setattr(LLMEngine, "_auto_num_blocks", spy)
-    torch.cuda.empty_cache()  # what earlier tests left cached between live tensors stays out of it
-    leftover = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    free0 = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - before
     llm = LLM(path, device="cuda", dtype="float32", max_loras=2, max_lora_rank=8, max_num_seqs=4,
               enforce_eager=True)  # fmt: skip
     stacked = [lora.stacked for _, lora in llm.engine.lora_state.slots if lora.stacked is not None]
     assert len(stacked) == len(llm.engine.lora_state.slots) > 0
     stacked_bytes = sum(t.numel() * t.element_size() for t in stacked)
     assert stacked_bytes > 200 << 20, stacked_bytes
-    assert len(seen) == 1 and seen[0] - leftover < stacked_bytes / 4, (seen, leftover, stacked_bytes)
+    spec = llm.engine.kv_spec
+    kv_bytes = spec.num_blocks * spec.bytes_per_block
+    live = torch.cuda.memory_allocated() - before - kv_bytes  # weights, stacked slots, buffers
+    missed = 0.8 * (free0 - live) - kv_bytes
+    assert abs(missed) < stacked_bytes / 4, (missed, kv_bytes, live, stacked_bytes)  # neither side
     out = llm.generate([[5] * 9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4

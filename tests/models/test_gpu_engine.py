@@ -122,3 +122,51 @@ def test_cuda_bf16_and_fp8_kv_run(tiny_model_dir) -> None:
             if diverged:
                 top = sorted((lp.logprob for lp in a.logprobs[diverged[0]].values()), reverse=True)
                 assert top[0] - top[1] < 0.25, f"{kv}: diverged at a clear choice ({top[0] - top[1]:.3f})"
+
+
+def test_cuda_sampling_controls_match_hf(tiny_model_dir) -> None:
+    """The sampler's per-request controls on CUDA, in one batch with async scheduling: greedy
+    decoding under ``allowed_token_ids``, ``logit_bias`` and ``repetition_penalty`` equal HF's
+    ``generate`` with ``suppress_tokens``, ``sequence_bias`` and ``repetition_penalty`` on the same
+    GPU; seeded draws stay inside the allowed set; a plain row beside them equals plain greedy."""
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    vocab = hf.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    allowed = sorted(torch.randperm(vocab, generator=g)[:64].tolist())
+    prompt = [11, 250, 3071, 9, 40000, 17, 17, 600]
+    ids = torch.tensor([prompt], device="cuda")
+
+    def hf_greedy(**kw: object) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, pad_token_id=0, **kw)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    want_plain = hf_greedy()
+    want_allowed = hf_greedy(suppress_tokens=sorted(set(range(vocab)) - set(allowed)))
+    # Banned: plain greedy's first picks; raised a little: random ids (a random model's logits are
+    # close together, so a large raise would win every step and test nothing after the first).
+    bias = {t: -100.0 for t in want_plain[:4]} | {
+        int(i): 0.05 for i in torch.randperm(vocab, generator=g)[:32]
+    }
+    want_bias = hf_greedy(sequence_bias={(i,): b for i, b in bias.items()})
+    want_penalty = hf_greedy(repetition_penalty=0.5)  # below one: seen tokens are favoured
+    assert len({tuple(want_allowed), tuple(want_bias), tuple(want_penalty), tuple(want_plain)}) == 4
+
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128)
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [
+        SamplingParams(**base, allowed_token_ids=allowed),
+        SamplingParams(**base, logit_bias=bias),
+        SamplingParams(**base, repetition_penalty=0.5),
+        SamplingParams(**base),
+        SamplingParams(
+            temperature=1.0, seed=7, n=8, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed
+        ),
+    ]
+    outs = llm.generate([prompt] * len(params), params)
+    assert [o.outputs[0].token_ids for o in outs[:4]] == [want_allowed, want_bias, want_penalty, want_plain]
+    assert all(set(c.token_ids) <= set(allowed) for c in outs[4].outputs)
+    llm.engine.check_invariants()
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
