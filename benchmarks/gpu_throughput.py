@@ -9,7 +9,9 @@ B requests of 128 prompt tokens + 64 new tokens (greedy, ignore_eos), measured s
 lorastar runs with its CUDA default, async scheduling; --sync adds one-step-at-a-time columns.
 The single-request figure is set against the weight-read roof: one decode step must read every
 weight but the embedding table once, so tokens/s cannot exceed (device copy bandwidth, measured
-here as bytes read + written by a large device-to-device copy) / (those weights' bytes).
+here as bytes read + written by a large device-to-device copy) / (those weights' bytes). The
+LoRA tax (tokens/s with adapters over without) is set against its own roof, the same bytes
+argument with the adapters' weights added (``lora_tax_roof``).
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR] [--batches 1,16,64] [--no-peft] [--sync]
 Writes gpu_throughput.md, .json and .png under --out.
 """
@@ -76,6 +78,39 @@ def step_weight_bytes(path: Path) -> int:
                         n *= d
                     total += n * 2  # bf16
     return total
+
+
+def _tensor_bytes(path: Path, part: str) -> int:
+    """bf16 bytes of the tensors of ``path``'s safetensors whose names contain ``part``."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                if part in k:
+                    n = 1
+                    for d in st.get_slice(k).get_shape():
+                        n *= d
+                    total += n * 2
+    return total
+
+
+def step_kv_bytes(path: Path, requests: int, ctx: int) -> int:
+    """bf16 bytes of K and V a decode step reads for ``requests`` sequences of ``ctx`` tokens."""
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2 * requests * ctx
+
+
+def lora_tax_roof(base_bytes: int, adapter: Path, active: int, slots: int, stacked: bool) -> float:
+    """The LoRA tax a memory-bound decode step cannot beat: bytes the base step reads (weights and
+    KV, ``base_bytes``) over those plus the adapters' (bf16, as served). Each active adapter's B is
+    read; A of every one of ``slots`` slots when it sits stacked under the base weights (the GEMM
+    reads all its rows, layers/lora.py), else the active adapters' A only."""
+    a, b = _tensor_bytes(adapter, "lora_A"), _tensor_bytes(adapter, "lora_B")
+    lora = (slots if stacked else active) * a + active * b
+    return base_bytes / (base_bytes + lora)
 
 
 def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
@@ -219,8 +254,13 @@ def main() -> None:
         lora_eager = run_lorastar(path, prompts, adapters[: min(16, b)], eager=True)
         hf = run_hf(path, prompts)
         peft = float("nan") if args.no_peft else run_peft_mixed(path, prompts, adapters[: min(16, b)])
+        # Mean context over the decode: the prompt plus half the new tokens.
+        base_bytes = weight_bytes + step_kv_bytes(path, b, 128 + 64 // 2)
+        roof_kw = dict(adapter=adapters[0], active=min(16, b), slots=16)
         rows.append({"batch": b, "lorastar": base, "lorastar_eager": eager, "lorastar_16_lora": lora,
-                     "lorastar_16_lora_eager": lora_eager, "hf_static": hf, "peft_mixed": peft})  # fmt: skip
+                     "lorastar_16_lora_eager": lora_eager, "hf_static": hf, "peft_mixed": peft,
+                     "lora_roof": lora_tax_roof(base_bytes, stacked=True, **roof_kw),
+                     "lora_roof_unstacked": lora_tax_roof(base_bytes, stacked=False, **roof_kw)})  # fmt: skip
         if args.unstacked:
             import lorastar.layers.lora as lora_layers
 
@@ -246,13 +286,19 @@ def main() -> None:
              f"({single / roof:.2f} of the roof).", "",
              "| requests | lorastar tok/s | eager steps | lorastar, 16 adapters (r=16) | eager steps | "
              "HF generate static batch | PEFT mixed batch, same adapters | lorastar / HF | "
-             "CUDA graphs / eager | LoRA tax | lorastar / PEFT mixed (adapters) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "CUDA graphs / eager | LoRA tax | LoRA tax roof | tax / roof | lorastar / PEFT mixed (adapters) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        tax = r["lorastar_16_lora"] / r["lorastar"]
         lines.append(f"| {r['batch']} | {r['lorastar']:.0f} | {r['lorastar_eager']:.0f} | {r['lorastar_16_lora']:.0f} | "
                      f"{r['lorastar_16_lora_eager']:.0f} | {r['hf_static']:.0f} | {r['peft_mixed']:.0f} | "
                      f"{r['lorastar'] / r['hf_static']:.2f}x | {r['lorastar'] / r['lorastar_eager']:.2f}x | "
-                     f"{r['lorastar_16_lora'] / r['lorastar']:.2f} | {r['lorastar_16_lora'] / r['peft_mixed']:.2f}x |")  # fmt: skip
+                     f"{tax:.2f} | {r['lora_roof']:.3f} | {tax / r['lora_roof']:.2f} | "
+                     f"{r['lorastar_16_lora'] / r['peft_mixed']:.2f}x |")  # fmt: skip
+    lines += ["", "LoRA tax roof: what a step bound by reading memory keeps with the adapters, base bytes "
+              "(weights but the embedding table, and KV at the mean context) over those plus the adapters' "
+              "(every active adapter's B, and A of all 16 slots: stacked under the base weights, the GEMM "
+              "reads them all)."]  # fmt: skip
     if args.sync:
         lines += ["", "One step at a time (`async_scheduling=False`; the columns above use the CUDA default, "
                   "async scheduling), same run:", "",
@@ -265,12 +311,14 @@ def main() -> None:
     if args.unstacked:
         lines += ["", "The shrink outside the base GEMM (`STACKED_MAX_BYTES = 0`: one shrink and one expand "
                   "launch per linear, as before the stacked layout), same run:", "",
-                  "| requests | 16 adapters, stacked tok/s | LoRA tax | shrink separate tok/s | LoRA tax | stacked / separate |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "| requests | 16 adapters, stacked tok/s | LoRA tax | roof | shrink separate tok/s | LoRA tax | "
+                  "roof (active A only) | stacked / separate |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in rows:
             u = r["lorastar_16_lora_unstacked"]
             lines.append(f"| {r['batch']} | {r['lorastar_16_lora']:.0f} | {r['lorastar_16_lora'] / r['lorastar']:.2f} | "
-                         f"{u:.0f} | {u / r['lorastar']:.2f} | {r['lorastar_16_lora'] / u:.2f}x |")  # fmt: skip
+                         f"{r['lora_roof']:.3f} | {u:.0f} | {u / r['lorastar']:.2f} | {r['lora_roof_unstacked']:.3f} | "
+                         f"{r['lorastar_16_lora'] / u:.2f}x |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
