@@ -13,6 +13,7 @@ here as bytes read + written by a large device-to-device copy) / (those weights'
 LoRA tax (tokens/s with adapters over without) is set against its own roof, the same bytes
 argument with the adapters' weights added (``lora_tax_roof``).
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR] [--batches 1,16,64] [--no-peft] [--sync]
+       [--unstacked] [--targets q_proj,k_proj,v_proj,o_proj]
 Writes gpu_throughput.md, .json and .png under --out.
 """
 
@@ -113,7 +114,12 @@ def lora_tax_roof(base_bytes: int, adapter: Path, active: int, slots: int, stack
     return base_bytes / (base_bytes + lora)
 
 
-def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapters(
+    base: Path, root: Path, n: int, rank: int, targets: tuple[str, ...] = ALL_TARGETS
+) -> list[Path]:
     from safetensors.torch import save_file
 
     cfg = json.loads((base / "config.json").read_text())
@@ -121,6 +127,7 @@ def make_adapters(base: Path, root: Path, n: int, rank: int) -> list[Path]:
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
     shapes = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
               "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
+    shapes = {k: v for k, v in shapes.items() if k in targets}
     out = []
     for i in range(n):
         g = torch.Generator().manual_seed(i)
@@ -226,6 +233,9 @@ def main() -> None:
         "--sync", action="store_true", help="also run with async_scheduling=False (two more columns)"
     )
     ap.add_argument(
+        "--targets", default=",".join(ALL_TARGETS), help="the adapters' target modules (default: all seven)"
+    )
+    ap.add_argument(
         "--unstacked", action="store_true",
         help="also run the adapters with the shrink outside the base GEMM (layers/lora.py STACKED_MAX_BYTES = 0)",
     )  # fmt: skip
@@ -237,14 +247,20 @@ def main() -> None:
     roof = bw / weight_bytes
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s, {weight_bytes / 1e9:.2f} GB of weights per step: "
           f"single-request roof {roof:.0f} tok/s", flush=True)  # fmt: skip
-    adapters = make_adapters(path, root, 16, 16)
+    targets = tuple(args.targets.split(","))
+    if not set(targets) <= set(ALL_TARGETS):
+        ap.error(f"--targets: each of {', '.join(ALL_TARGETS)}")
+    adapters = make_adapters(path, root, 16, 16, targets)
     g = torch.Generator().manual_seed(0)
     # The first engine of a process ran at a quarter of later ones' speed on one request (H200:
     # 115 vs 430 tok/s, whichever configuration came first), its own warm-up generate
-    # notwithstanding: one throwaway run keeps that out of the table.
-    run_lorastar(
-        path, torch.randint(3, 49152, (1, 128), generator=torch.Generator().manual_seed(1)).tolist(), None
-    )
+    # notwithstanding: one throwaway run keeps that out of the table. The first engine with adapters
+    # may pay the same (H100, adapters on q/k/v/o, batches 64,1: 16 adapters at 64 requests kept
+    # 0.34 of the base tokens/s when first, the separate-shrink run after them 0.85, and one request
+    # afterwards 0.97; order not yet swapped on a lease): a throwaway run with adapters as well.
+    warm = torch.randint(3, 49152, (1, 128), generator=torch.Generator().manual_seed(1)).tolist()
+    run_lorastar(path, warm, None)
+    run_lorastar(path, warm, adapters[:1])
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         prompts = torch.randint(3, 49152, (b, 128), generator=g).tolist()
@@ -280,7 +296,7 @@ def main() -> None:
               f"(eager {lora_eager:.0f}) tok/s | HF static {hf:.0f} | PEFT mixed {peft:.0f} tok/s", flush=True)  # fmt: skip
     single = next((r["lorastar"] for r in rows if r["batch"] == 1), float("nan"))
     lines = [f"GPU: {torch.cuda.get_device_name()}, random 1.1B Llama (TinyLlama shape), bf16, 128+64 tokens; "
-             f"torch {torch.__version__}", "",
+             f"torch {torch.__version__}; adapters (rank 16) on {', '.join(targets)}", "",
              f"Weight-read roof for one request: {bw / 1e9:.0f} GB/s copy bandwidth / {weight_bytes / 1e9:.2f} GB "
              f"read per step = {roof:.0f} tok/s; lorastar's single request reaches {single:.0f} tok/s "
              f"({single / roof:.2f} of the roof).", "",
