@@ -142,6 +142,10 @@ class EngineConfig:
     whole-vocabulary bias 2254-2285 ms while the bias was added entry by entry in Python, 254-277
     ms now that it is kept as arrays; with 1024 entries 236-238 ms."""
 
+    max_bad_words: int = 256
+    """Most ``bad_words`` in one request. Each is tokenized once; a step looks up only the words
+    that could end at a row's next token, so their number costs memory, not time per step."""
+
     max_prompt_bytes: int | None = None
     """Largest text prompt (UTF-8 bytes; chat: all message contents together), checked before
     tokenizing. ``None``: 64 bytes per token of ``max_model_len``, far above real text."""
@@ -191,6 +195,7 @@ class EngineConfig:
             "max_stop_string_length",
             "max_stop_token_ids",
             "max_logit_bias",
+            "max_bad_words",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -31,6 +31,7 @@ from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, scor
 from lorastar.engine.request import OutputIds, Request, SeqStatus, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
 from lorastar.engine.sampler import (
+    BadWords,
     PendingSample,
     PendingTokens,
     RowLogprobs,
@@ -39,7 +40,7 @@ from lorastar.engine.sampler import (
     SamplingRow,
     make_generator,
 )
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_words_token_ids
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.errors import (
     AdapterError,
@@ -69,12 +70,19 @@ class _InFlight:
     sample: PendingSample
 
 
-def _needs_sync(params: SamplingParams, forked: bool = False) -> bool:
+def _needs_sync(req: Request) -> bool:
     """Requests whose sampling reads the previous token on the host or forks sequences there
-    (beams; n > 1 until its samples have forked, after which they are n plain sequences), or
-    whose prompt logprobs go through the host: while one is live, async scheduling runs steps
-    one at a time. Penalties read the previous token on the device (``PendingTokens``)."""
-    return params.use_beam_search or (params.n > 1 and not forked) or params.prompt_logprobs is not None
+    (beams; n > 1 until its samples have forked, after which they are n plain sequences; a bad
+    word of several tokens), or whose prompt logprobs go through the host: while one is live,
+    async scheduling runs steps one at a time. Penalties read the previous token on the device
+    (``PendingTokens``)."""
+    params = req.params
+    return (
+        params.use_beam_search
+        or (params.n > 1 and not req.forked)
+        or params.prompt_logprobs is not None
+        or (req.bad_words is not None and bool(req.bad_words.multi))
+    )
 
 
 # The scheduler's and adapter registry's callbacks: module functions bound (functools.partial) to
@@ -388,6 +396,10 @@ class LLMEngine:
                 raise InvalidParamError(
                     name, f"{name} names token {bad}, outside the vocabulary [0, {self.vocab_size})."
                 )
+        if len(params.bad_words or ()) > cfg.max_bad_words:
+            raise LimitExceededError(
+                "bad_words", f"bad_words may hold at most {cfg.max_bad_words} words (max_bad_words)."
+            )
         if len(params.stop_token_ids or []) > cfg.max_stop_token_ids:
             raise LimitExceededError(
                 "stop_token_ids", f"stop_token_ids may hold at most {cfg.max_stop_token_ids} ids."
@@ -405,6 +417,21 @@ class LLMEngine:
                     f"beam search with n={params.n} needs up to {need} KV cache blocks for this prompt "
                     f"and max_tokens, but the cache has {self.kv_spec.num_blocks}: lower n or max_tokens.",
                 )
+
+    def _bad_words(self, params: SamplingParams) -> BadWords | None:
+        """``params.bad_words`` as the sampler applies them, tokenized as vLLM does."""
+        if not params.bad_words:
+            return None
+        words = bad_words_token_ids(
+            functools.partial(self.tokenizer.encode, add_special_tokens=False), params.bad_words
+        )
+        bad = next((t for w in words for t in w if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParamError(
+                "bad_words",
+                f"bad_words tokenize to token {bad}, outside the vocabulary [0, {self.vocab_size}).",
+            )
+        return BadWords.from_token_ids(words)
 
     def num_queued_requests(self) -> int:
         """Requests waiting for their first step (preempted sequences of started ones excluded)."""
@@ -450,6 +477,7 @@ class LLMEngine:
             raise InvalidParamError("stop", "stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
         self.check_limits(params, len(ids))
+        bad_words = self._bad_words(params)
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
@@ -473,7 +501,8 @@ class LLMEngine:
             if _frontend:
                 self.output_processor.add_request(rid, text, ids, params, adapter)
             self.requests[rid] = req
-            req.holds_sync = _needs_sync(params)
+            req.bad_words = bad_words
+            req.holds_sync = _needs_sync(req)
             self._num_sync_requests += req.holds_sync
             self.scheduler.add(seq)
             return req
@@ -820,7 +849,7 @@ class LLMEngine:
         the fork); the output ids are read in place."""
         req = seq.request
         return SamplingRow(req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
-                           generator, self.eos_token_ids)  # fmt: skip
+                           generator, self.eos_token_ids, bad_words=req.bad_words)  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None
@@ -979,7 +1008,7 @@ class LLMEngine:
 
     def _release_sync(self, req: Request) -> None:
         """``req`` no longer needs steps run one at a time (an n > 1 request once forked)."""
-        if req.holds_sync and not _needs_sync(req.params, req.forked):
+        if req.holds_sync and not _needs_sync(req):
             req.holds_sync = False
             self._num_sync_requests -= 1
 

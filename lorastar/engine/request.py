@@ -131,6 +131,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     aborted: bool = False
     beam: Any = None  # BeamState when params.use_beam_search
+    bad_words: Any = None  # sampler.BadWords: params.bad_words as token ids (None: none)
     # params.prompt_logprobs set: one entry per prompt position, None until its chunk has run
     # (position 0 stays None: nothing predicts it). Entries are PromptTokenLogprobs.
     prompt_logprobs: list[Any] | None = None

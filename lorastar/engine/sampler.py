@@ -1,8 +1,8 @@
 """Batched token sampling with per-request parameters and seeded generators.
 
 One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
-min_tokens mask -> logit_bias -> penalties -> greedy rows: argmax; other rows: temperature, top-k,
-top-p, min-p, then an inverse-CDF draw. A seeded row draws exactly one uniform from its
+allowed_token_ids and bad_words masks -> min_tokens mask -> logit_bias -> penalties -> greedy
+rows: argmax; other rows: temperature, top-k, top-p, min-p, then an inverse-CDF draw. A seeded row draws exactly one uniform from its
 own generator per step, and every op is row-wise, so its token does not depend on what
 else is in the batch.
 
@@ -33,6 +33,41 @@ _NEG_INF = float("-inf")
 RowLogprobs = dict[int, tuple[float, int]]
 
 
+@dataclass(slots=True, frozen=True)
+class BadWords:
+    """A request's ``bad_words`` as the sampler applies them (vLLM's semantics: the output so far,
+    not the prompt, must end with the tokens before a word's last one for that one to be banned).
+    Built once per request; a step looks up only the words whose next-to-last token is the row's
+    last output token, so its cost does not grow with the number of words."""
+
+    single: np.ndarray  # [k] int64: one-token words, banned at every step
+    # next-to-last token -> [(the tokens before it, the word's last token)]
+    multi: dict[int, list[tuple[tuple[int, ...], int]]]
+
+    @classmethod
+    def from_token_ids(cls, words: Sequence[Sequence[int]]) -> BadWords | None:
+        single = sorted({w[0] for w in words if len(w) == 1})
+        multi: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+        for w in words:
+            if len(w) > 1:
+                multi.setdefault(w[-2], []).append((tuple(w[:-2]), w[-1]))
+        if not single and not multi:
+            return None
+        return cls(np.asarray(single, dtype=np.int64), multi)
+
+    def banned(self, output: Sequence[int]) -> list[int]:
+        """The multi-token words' last tokens banned after ``output``."""
+        n = len(output)
+        if not n or not self.multi:
+            return []
+        out: list[int] = []
+        for rest, last in self.multi.get(output[-1], ()):
+            k = len(rest)
+            if not k or (n > k and tuple(output[n - 1 - k : n - 1]) == rest):
+                out.append(last)
+        return out
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one sequence for this step."""
@@ -48,6 +83,8 @@ class SamplingRow:
     # repetition penalty needs them: the prompt never changes, and re-reading a long one every
     # step cost more than the rest of sampling (see ``_apply_penalties``).
     prompt_ids: np.ndarray | None = None
+    # The request's bad_words as token ids (the engine tokenizes them once); None: none.
+    bad_words: BadWords | None = None
 
 
 @dataclass(slots=True)
@@ -143,6 +180,7 @@ _COLUMNS: tuple[tuple[str, Callable[[SamplingParams], object], type], ...] = (
     ("logprobs", lambda p: -1 if p.logprobs is None else p.logprobs, np.int64),
     ("logit_bias", lambda p: bool(p.logit_bias), np.bool_),
     ("allowed", lambda p: p.allowed_token_ids is not None, np.bool_),
+    ("bad_words", lambda p: bool(p.bad_words), np.bool_),
 )
 
 
@@ -165,6 +203,7 @@ class SamplingMetadata:
     logprobs: np.ndarray  # [R] int64: -1 not asked
     logit_bias: np.ndarray  # [R] bool: the row has a logit_bias (its dict is on its params)
     allowed: np.ndarray  # [R] bool: the row has allowed_token_ids (on its params)
+    bad_words: np.ndarray  # [R] bool: the row has bad_words (token ids on its SamplingRow)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
@@ -266,6 +305,7 @@ class Sampler:
             min_tok_rows
             or meta.logit_bias.any()
             or meta.allowed.any()
+            or meta.bad_words.any()
             or (meta.repetition != 1.0).any()
             or (meta.frequency != 0.0).any()
             or (meta.presence != 0.0).any()
@@ -283,6 +323,7 @@ class Sampler:
             )
 
         _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
+        _apply_bad_words(x, rows, vocab, np.flatnonzero(meta.bad_words).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
@@ -567,6 +608,26 @@ def _apply_allowed(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list
     kept = x[r, t]
     x[to_device(idx, dev)] = _NEG_INF
     x[r, t] = kept
+
+
+def _apply_bad_words(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
+    """Rows ``idx``: each bad word's last token is -inf where the row's output ends with the tokens
+    before it (one-token words at every step), one scatter for the batch. A row with a word of
+    several tokens reads its output on the host: its request holds steps synchronous
+    (engine ``_needs_sync``), so no such row is pending."""
+    per_row: list[np.ndarray] = []
+    kept: list[int] = []
+    for i in idx:
+        bw = rows[i].bad_words
+        if bw is None:
+            continue
+        extra = bw.banned(rows[i].output_token_ids)
+        per_row.append(np.concatenate([bw.single, np.asarray(extra, dtype=np.int64)]) if extra else bw.single)
+        kept.append(i)
+    if kept:
+        r_idx, toks, _ = _batch_entries(kept, per_row, vocab)
+        if len(toks):
+            x[to_device(r_idx, x.device), to_device(toks, x.device)] = _NEG_INF
 
 
 def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:

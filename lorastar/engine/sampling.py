@@ -11,7 +11,7 @@ import copy
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,10 @@ class SamplingParams:
     # Only these token ids can be sampled (vLLM's allowed_token_ids: every other logit is -inf
     # before sampling; logprobs stay those of the raw logits). Not with beam search.
     allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's bad_words): each word's token ids, with and without a leading
+    # space (``bad_words_token_ids``); a word's last token is banned whenever the output ends with
+    # the tokens before it (a one-token word: always). Not with beam search.
+    bad_words: list[str] | None = None
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -210,6 +214,16 @@ class SamplingParams:
                 )
             self.allowed_token_ids = list(dict.fromkeys(allowed))
 
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(
+                isinstance(w, str) and w.strip() for w in words
+            ):
+                raise InvalidParamError("bad_words", "bad_words must be a list of words (non-blank strings).")
+            if self.use_beam_search:
+                raise InvalidParamError("bad_words", "bad_words is not supported with use_beam_search.")
+            self.bad_words = list(dict.fromkeys(words)) or None
+
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
         ):
@@ -263,4 +277,19 @@ class SamplingParams:
             stop_token_ids=list(self.stop_token_ids or []),
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
+            bad_words=list(self.bad_words) if self.bad_words is not None else None,
         )
+
+
+def bad_words_token_ids(encode: Callable[[str], list[int]], words: Sequence[str]) -> list[list[int]]:
+    """vLLM's tokenization of ``bad_words`` (``SamplingParams.update_from_tokenizer``): each word
+    as it would start the text, then with a leading space where that is a different first token
+    and as many tokens (a word inside the text). ``encode``: text -> ids, no special tokens."""
+    out: list[list[int]] = []
+    for word in words:
+        bare, spaced = list(encode(word.lstrip())), list(encode(" " + word.lstrip()))
+        if bare:
+            out.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+    return out

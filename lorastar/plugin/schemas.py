@@ -23,7 +23,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
         ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
         ": structured output (guided decoding) is not supported.",
     ),
-    "bad_words": " is not supported (logit_bias or allowed_token_ids can exclude single tokens).",
     "logits_processors": " is not supported.",
     "priority": " is not supported: requests are served first come, first served (priority 0).",
     "return_tokens_as_token_ids": " is not supported.",
@@ -73,6 +72,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: (
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)] | None
     ) = None
+    # vLLM's: words never generated (with and without a leading space)
+    bad_words: list[str] | None = None
     # vLLM's: prompt blocks shared only with requests of the same salt
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; 0 is refused).
@@ -85,7 +86,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     guided_choice: None = None
     guided_grammar: None = None
     structured_outputs: None = None
-    bad_words: Annotated[list[str], msgspec.Meta(max_length=0)] | None = None
     logits_processors: None = None
     priority: Literal[0] | None = None
     return_tokens_as_token_ids: Literal[False] | None = None

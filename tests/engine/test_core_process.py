@@ -86,8 +86,20 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
         SamplingParams(
             temperature=0.8, seed=2, max_tokens=8, allowed_token_ids=[13, 28, 30, 253, 314], ignore_eos=True
         ),
+        SamplingParams(
+            temperature=0.0, max_tokens=20, bad_words=["Paris", "the", "four five"], ignore_eos=True
+        ),
     ],
-    ids=["greedy", "logprobs", "n3-seeded", "stop-string", "beam", "prompt-logprobs", "allowed-ids"],
+    ids=[
+        "greedy",
+        "logprobs",
+        "n3-seeded",
+        "stop-string",
+        "beam",
+        "prompt-logprobs",
+        "allowed-ids",
+        "bad-words",
+    ],
 )
 async def test_outputs_equal_the_in_process_engine(
     client: AsyncCoreClient, llm: LLM, sp: SamplingParams
@@ -134,6 +146,9 @@ async def test_errors_cross_the_boundary_with_their_type_and_param(client: Async
     with pytest.raises(LimitExceededError) as e:
         await _collect(client, "hi", SamplingParams(n=10_000))
     assert e.value.param == "n"
+    with pytest.raises(LimitExceededError) as e:  # the core's limit, checked where it tokenizes them
+        await _collect(client, "hi", SamplingParams(bad_words=[f"w{i}" for i in range(10_000)]))
+    assert e.value.param == "bad_words"
     with pytest.raises(AdapterNotFoundError, match="nope"):
         await _collect(client, "hi", SamplingParams(), adapter="nope")
     with pytest.raises(InvalidParamError) as e:  # checked in the frontend, never sent

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.sampler import Sampler, SamplingRow
+from lorastar.engine.sampling import bad_words_token_ids
 from lorastar.errors import InvalidParamError
 from tests.fuzzing import budget
 
@@ -116,6 +118,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "allowed_token_ids": st.one_of(
         st.none(), st.lists(st.one_of(st.integers(0, 60), EXTREME_INTS), max_size=3)
     ),
+    "bad_words": st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3)),
 }
 
 
@@ -136,10 +139,15 @@ def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, 
         pytest.fail(f"refused without a field: {exc!r}")
     else:
         vocab = llm.engine.vocab_size
+        encode = functools.partial(llm.engine.tokenizer.encode, add_special_tokens=False)
         for c in outs[0].outputs:
             assert all(0 <= t < vocab for t in c.token_ids)
             if params.allowed_token_ids and not params.min_tokens:  # min_tokens may mask all of them
                 assert set(c.token_ids) <= set(params.allowed_token_ids)
+            elif params.bad_words:  # (with allowed ids every one may be banned)
+                t = c.token_ids
+                for w in bad_words_token_ids(encode, params.bad_words):
+                    assert not any(t[i : i + len(w)] == w for i in range(len(t))), (w, t)
             for step in c.logprobs or []:
                 assert all(math.isfinite(lp.logprob) for lp in step.values())
     llm.engine.check_invariants()

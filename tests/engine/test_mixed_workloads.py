@@ -71,6 +71,7 @@ def params(draw: st.DrawFn) -> SamplingParams:
         min_tokens=draw(st.integers(0, max_tokens)),
         logit_bias=draw(st.one_of(st.none(), st.just({7: 5.0}))),
         allowed_token_ids=draw(st.one_of(st.none(), st.just([5, 7, 9, 11]))),
+        bad_words=draw(st.sampled_from([None, None, ["the"], ["a b"]])),  # one token; two (holds sync)
         cache_salt=draw(st.sampled_from([None, None, "s"])),  # salted prefixes share only with salted
         **kw,
     )

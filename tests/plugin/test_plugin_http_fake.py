@@ -229,7 +229,6 @@ def test_a_batch_larger_than_the_queue_is_400_not_503(
         ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'a'"),
         ("structured_outputs", {"json": {}}),
-        ("bad_words", ["x"]),
         ("logits_processors", ["m.P"]),
         ("priority", 1),
         ("return_tokens_as_token_ids", True),

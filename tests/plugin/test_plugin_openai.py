@@ -152,6 +152,34 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
+def test_bad_words_on_both_routes_equal_llm_generate(
+    client: openai.OpenAI, real_server: ServerThread, reference: Any
+) -> None:
+    """vLLM's ``bad_words``: the server's greedy text equals the offline engine's with the same
+    words, which differs from the text without them; a blank word is a 400 naming the field."""
+    free = reference.generate(PROMPT, greedy(), adapter="alpha")[0].outputs[0]
+    words = [reference.tokenizer.decode(free.token_ids[:1]).strip()]  # the first token's text
+    want = reference.generate(PROMPT, greedy(bad_words=words), adapter="alpha")[0].outputs[0]
+    assert want.text != free.text
+    got = client.completions.create(
+        model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"bad_words": words}
+    )
+    assert got.choices[0].text == want.text
+    chat_free = client.chat.completions.create(model="alpha", messages=MESSAGES, max_tokens=12, temperature=0)
+    text = chat_free.choices[0].message.content or ""
+    chat_words = [text.split()[0]] if text.split() else ["x"]
+    chat = client.chat.completions.create(
+        model="alpha", messages=MESSAGES, max_tokens=12, temperature=0, extra_body={"bad_words": chat_words}
+    )
+    assert chat.choices[0].message.content != text
+    for route, body in [
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ]:
+        r = httpx.post(real_server.url + route, json={"model": "alpha", "bad_words": ["ok", " "], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
 def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(real_server: ServerThread) -> None:
     """vLLM's cache_salt: ``cached_tokens`` shows hits only between requests of the same salt; an
     empty salt is a 400 naming it."""

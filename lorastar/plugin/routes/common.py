@@ -33,6 +33,7 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "stop_token_ids",
     "allowed_token_ids",
+    "bad_words",
     "cache_salt",
     "ignore_eos",
     "min_tokens",
