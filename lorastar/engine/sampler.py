@@ -2,9 +2,9 @@
 
 One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
 allowed_token_ids and bad_words masks -> min_tokens mask -> logit_bias -> penalties -> greedy
-rows: argmax; other rows: temperature, top-k, top-p, min-p, then an inverse-CDF draw. A seeded row draws exactly one uniform from its
-own generator per step, and every op is row-wise, so its token does not depend on what
-else is in the batch.
+rows: argmax; other rows: temperature, top-k, top-p, min-p, then an inverse-CDF draw. A seeded
+row draws exactly one uniform from its own generator per step, and every op is row-wise, so its
+token does not depend on what else is in the batch.
 
 Logprobs are taken from ``log_softmax`` of the raw logits (before penalties and
 temperature), as vLLM v1 does by default.
