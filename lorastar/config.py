@@ -146,6 +146,9 @@ class EngineConfig:
     """Most ``bad_words`` in one request. Each is tokenized once; a step looks up only the words
     that could end at a row's next token, so their number costs memory, not time per step."""
 
+    max_guided_choices: int = 256
+    """Most ``guided_choice`` strings in one request (each is tokenized when the request is added)."""
+
     max_prompt_bytes: int | None = None
     """Largest text prompt (UTF-8 bytes; chat: all message contents together), checked before
     tokenizing. ``None``: 64 bytes per token of ``max_model_len``, far above real text."""
@@ -196,6 +199,7 @@ class EngineConfig:
             "max_stop_token_ids",
             "max_logit_bias",
             "max_bad_words",
+            "max_guided_choices",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -32,6 +32,7 @@ from lorastar.engine.request import OutputIds, Request, SeqStatus, Sequence
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
 from lorastar.engine.sampler import (
     BadWords,
+    ChoicePaths,
     PendingSample,
     PendingTokens,
     RowLogprobs,
@@ -73,15 +74,16 @@ class _InFlight:
 def _needs_sync(req: Request) -> bool:
     """Requests whose sampling reads the previous token on the host or forks sequences there
     (beams; n > 1 until its samples have forked, after which they are n plain sequences; a bad
-    word of several tokens), or whose prompt logprobs go through the host: while one is live,
-    async scheduling runs steps one at a time. Penalties read the previous token on the device
-    (``PendingTokens``)."""
+    word of several tokens; guided_choice), or whose prompt logprobs go through the host: while
+    one is live, async scheduling runs steps one at a time. Penalties read the previous token on
+    the device (``PendingTokens``)."""
     params = req.params
     return (
         params.use_beam_search
         or (params.n > 1 and not req.forked)
         or params.prompt_logprobs is not None
         or (req.bad_words is not None and bool(req.bad_words.multi))
+        or req.choices is not None
     )
 
 
@@ -396,6 +398,11 @@ class LLMEngine:
                 raise InvalidParamError(
                     name, f"{name} names token {bad}, outside the vocabulary [0, {self.vocab_size})."
                 )
+        if len(params.guided_choice or ()) > cfg.max_guided_choices:
+            raise LimitExceededError(
+                "guided_choice",
+                f"guided_choice may hold at most {cfg.max_guided_choices} choices (max_guided_choices).",
+            )
         if len(params.bad_words or ()) > cfg.max_bad_words:
             raise LimitExceededError(
                 "bad_words", f"bad_words may hold at most {cfg.max_bad_words} words (max_bad_words)."
@@ -432,6 +439,23 @@ class LLMEngine:
                 f"bad_words tokenize to token {bad}, outside the vocabulary [0, {self.vocab_size}).",
             )
         return BadWords.from_token_ids(words)
+
+    def _choices(self, params: SamplingParams) -> ChoicePaths | None:
+        """``params.guided_choice`` as token paths, each choice its own tokenization."""
+        if params.guided_choice is None:
+            return None
+        paths = [self.tokenizer.encode(c, add_special_tokens=False) for c in params.guided_choice]
+        if not all(paths):
+            raise InvalidParamError(
+                "guided_choice", "guided_choice holds a choice that tokenizes to nothing."
+            )
+        bad = next((t for p in paths for t in p if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParamError(
+                "guided_choice",
+                f"guided_choice tokenizes to token {bad}, outside the vocabulary [0, {self.vocab_size}).",
+            )
+        return ChoicePaths.from_token_ids(paths, self.eos_token_ids)
 
     def num_queued_requests(self) -> int:
         """Requests waiting for their first step (preempted sequences of started ones excluded)."""
@@ -477,7 +501,7 @@ class LLMEngine:
             raise InvalidParamError("stop", "stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
         self.check_limits(params, len(ids))
-        bad_words = self._bad_words(params)
+        bad_words, choices = self._bad_words(params), self._choices(params)
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
@@ -501,7 +525,7 @@ class LLMEngine:
             if _frontend:
                 self.output_processor.add_request(rid, text, ids, params, adapter)
             self.requests[rid] = req
-            req.bad_words = bad_words
+            req.bad_words, req.choices = bad_words, choices
             req.holds_sync = _needs_sync(req)
             self._num_sync_requests += req.holds_sync
             self.scheduler.add(seq)
@@ -849,7 +873,7 @@ class LLMEngine:
         the fork); the output ids are read in place."""
         req = seq.request
         return SamplingRow(req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
-                           generator, self.eos_token_ids, bad_words=req.bad_words)  # fmt: skip
+                           generator, self.eos_token_ids, bad_words=req.bad_words, choices=req.choices)  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None

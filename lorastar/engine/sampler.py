@@ -1,10 +1,10 @@
 """Batched token sampling with per-request parameters and seeded generators.
 
 One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
-allowed_token_ids and bad_words masks -> min_tokens mask -> logit_bias -> penalties -> greedy
-rows: argmax; other rows: temperature, top-k, top-p, min-p, then an inverse-CDF draw. A seeded
-row draws exactly one uniform from its own generator per step, and every op is row-wise, so its
-token does not depend on what else is in the batch.
+allowed_token_ids, guided_choice and bad_words masks -> min_tokens mask -> logit_bias ->
+penalties -> greedy rows: argmax; other rows: temperature, top-k, top-p, min-p, then an
+inverse-CDF draw. A seeded row draws exactly one uniform from its own generator per step, and
+every op is row-wise, so its token does not depend on what else is in the batch.
 
 Logprobs are taken from ``log_softmax`` of the raw logits (before penalties and
 temperature), as vLLM v1 does by default.
@@ -68,6 +68,34 @@ class BadWords:
         return out
 
 
+@dataclass(slots=True, frozen=True)
+class ChoicePaths:
+    """A request's ``guided_choice`` as token paths: after an output ``o``, ``next[tuple(o)]`` holds
+    the tokens that continue some choice (and the EOS ids where ``o`` spells a whole choice). An
+    output on no path (EOS sampled under ignore_eos, a masked-out row's fallback) may take EOS only."""
+
+    next: dict[tuple[int, ...], np.ndarray]
+    eos: np.ndarray  # [k] int64
+    longest: int  # tokens of the longest choice: a longer output is on no path
+
+    @classmethod
+    def from_token_ids(cls, choices: Sequence[Sequence[int]], eos: Sequence[int]) -> ChoicePaths:
+        nxt: dict[tuple[int, ...], set[int]] = {}
+        for ids in choices:
+            for i, t in enumerate(ids):
+                nxt.setdefault(tuple(ids[:i]), set()).add(t)
+            nxt.setdefault(tuple(ids), set()).update(eos)
+        arrays = {k: np.asarray(sorted(v), dtype=np.int64) for k, v in nxt.items()}
+        longest = max((len(c) for c in choices), default=0)
+        return cls(arrays, np.asarray(sorted(set(eos)), dtype=np.int64), longest)
+
+    def allowed(self, output: Sequence[int]) -> np.ndarray:
+        if len(output) > self.longest:
+            return self.eos
+        got = self.next.get(tuple(output))
+        return self.eos if got is None else got
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """What the sampler needs to know about one sequence for this step."""
@@ -85,6 +113,8 @@ class SamplingRow:
     prompt_ids: np.ndarray | None = None
     # The request's bad_words as token ids (the engine tokenizes them once); None: none.
     bad_words: BadWords | None = None
+    # The request's guided_choice as token paths (the engine tokenizes them once); None: none.
+    choices: ChoicePaths | None = None
 
 
 @dataclass(slots=True)
@@ -181,6 +211,7 @@ _COLUMNS: tuple[tuple[str, Callable[[SamplingParams], object], type], ...] = (
     ("logit_bias", lambda p: bool(p.logit_bias), np.bool_),
     ("allowed", lambda p: p.allowed_token_ids is not None, np.bool_),
     ("bad_words", lambda p: bool(p.bad_words), np.bool_),
+    ("guided", lambda p: p.guided_choice is not None, np.bool_),
 )
 
 
@@ -204,6 +235,7 @@ class SamplingMetadata:
     logit_bias: np.ndarray  # [R] bool: the row has a logit_bias (its dict is on its params)
     allowed: np.ndarray  # [R] bool: the row has allowed_token_ids (on its params)
     bad_words: np.ndarray  # [R] bool: the row has bad_words (token ids on its SamplingRow)
+    guided: np.ndarray  # [R] bool: the row has guided_choice (token paths on its SamplingRow)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
@@ -306,6 +338,7 @@ class Sampler:
             or meta.logit_bias.any()
             or meta.allowed.any()
             or meta.bad_words.any()
+            or meta.guided.any()
             or (meta.repetition != 1.0).any()
             or (meta.frequency != 0.0).any()
             or (meta.presence != 0.0).any()
@@ -323,6 +356,7 @@ class Sampler:
             )
 
         _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
+        _apply_choices(x, rows, vocab, np.flatnonzero(meta.guided).tolist())
         _apply_bad_words(x, rows, vocab, np.flatnonzero(meta.bad_words).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
@@ -600,9 +634,22 @@ def _batch_entries(
 
 def _apply_allowed(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
     """Rows ``idx`` keep only their allowed_token_ids' logits; every other one becomes -inf."""
-    if not idx:
-        return
-    r_idx, toks, _ = _batch_entries(idx, [_token_arrays(rows[i].params)[2] for i in idx], vocab)
+    if idx:
+        _keep_only(x, idx, [_token_arrays(rows[i].params)[2] for i in idx], vocab)
+
+
+def _apply_choices(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
+    """Rows ``idx`` keep only the tokens that continue their guided_choice paths (EOS where the
+    output spells a whole choice). Reads the output on the host: the request holds steps
+    synchronous (engine ``_needs_sync``)."""
+    kept = [i for i in idx if rows[i].choices is not None]
+    if kept:
+        _keep_only(x, kept, [rows[i].choices.allowed(rows[i].output_token_ids) for i in kept], vocab)  # type: ignore[union-attr]
+
+
+def _keep_only(x: Tensor, idx: list[int], per_row: list[np.ndarray], vocab: int) -> None:
+    """Rows ``idx`` keep only the logits of their ``per_row`` token ids; the rest become -inf."""
+    r_idx, toks, _ = _batch_entries(idx, per_row, vocab)
     dev = x.device
     r, t = to_device(r_idx, dev), to_device(toks, dev)
     kept = x[r, t]

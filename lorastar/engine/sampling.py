@@ -104,6 +104,11 @@ class SamplingParams:
     # space (``bad_words_token_ids``); a word's last token is banned whenever the output ends with
     # the tokens before it (a one-token word: always). Not with beam search.
     bad_words: list[str] | None = None
+    # The output is one of these strings (vLLM's guided_choice / structured_outputs choice): each
+    # step may take only a token that continues some choice's tokenization, then EOS once the
+    # output spells a whole choice. Each choice is its own tokenization (vLLM's grammar also takes
+    # other token splits of the same text). Not with beam search.
+    guided_choice: list[str] | None = None
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -224,6 +229,22 @@ class SamplingParams:
                 raise InvalidParamError("bad_words", "bad_words is not supported with use_beam_search.")
             self.bad_words = list(dict.fromkeys(words)) or None
 
+        if self.guided_choice is not None:
+            choices = self.guided_choice
+            if (
+                not isinstance(choices, (list, tuple))
+                or not choices
+                or not all(isinstance(c, str) and c for c in choices)
+            ):
+                raise InvalidParamError(
+                    "guided_choice", "guided_choice must be a non-empty list of non-empty strings."
+                )
+            if self.use_beam_search:
+                raise InvalidParamError(
+                    "guided_choice", "guided_choice is not supported with use_beam_search."
+                )
+            self.guided_choice = list(dict.fromkeys(choices))
+
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
         ):
@@ -278,6 +299,7 @@ class SamplingParams:
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids is not None else None,
             bad_words=list(self.bad_words) if self.bad_words is not None else None,
+            guided_choice=list(self.guided_choice) if self.guided_choice is not None else None,
         )
 
 

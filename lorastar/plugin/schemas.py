@@ -20,9 +20,10 @@ from lorastar.engine.sampling import MAX_CACHE_SALT
 # Why each refused vLLM field is refused: the 400 that names it says f"{field}{why}".
 UNSUPPORTED_FIELDS: dict[str, str] = {
     **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        ": structured output (guided decoding) is not supported.",
+        ("guided_json", "guided_regex", "guided_grammar"),
+        ": structured output other than a choice (guided_choice) is not supported.",
     ),
+    "structured_outputs": ': only {"choice": [strings]} is served; JSON schema, regex and grammar are not supported.',
     "logits_processors": " is not supported.",
     "priority": " is not supported: requests are served first come, first served (priority 0).",
     "return_tokens_as_token_ids": " is not supported.",
@@ -32,6 +33,12 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "chat_template": " in a request is not supported: the server's template is set at start "
     "(lorastar serve --chat-template).",
 }
+
+
+class StructuredOutputsParam(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs``: of its constraints only ``choice`` is served."""
+
+    choice: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -72,6 +79,11 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: (
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)] | None
     ) = None
+    # vLLM's: the output is one of these strings (structured_outputs' choice, the older name)
+    guided_choice: (
+        Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)] | None
+    ) = None
+    structured_outputs: StructuredOutputsParam | None = None
     # vLLM's: words never generated (with and without a leading space)
     bad_words: list[str] | None = None
     # vLLM's: prompt blocks shared only with requests of the same salt
@@ -83,9 +95,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # else fails validation, a 400 naming the field (plugin/errors.py), never silently ignored.
     guided_json: None = None
     guided_regex: None = None
-    guided_choice: None = None
     guided_grammar: None = None
-    structured_outputs: None = None
     logits_processors: None = None
     priority: Literal[0] | None = None
     return_tokens_as_token_ids: Literal[False] | None = None

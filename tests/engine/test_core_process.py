@@ -89,6 +89,7 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
         SamplingParams(
             temperature=0.0, max_tokens=20, bad_words=["Paris", "the", "four five"], ignore_eos=True
         ),
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, guided_choice=["Paris", "a city", "a"]),
     ],
     ids=[
         "greedy",
@@ -99,6 +100,7 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
         "prompt-logprobs",
         "allowed-ids",
         "bad-words",
+        "choice",
     ],
 )
 async def test_outputs_equal_the_in_process_engine(

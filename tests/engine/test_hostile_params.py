@@ -119,6 +119,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
         st.none(), st.lists(st.one_of(st.integers(0, 60), EXTREME_INTS), max_size=3)
     ),
     "bad_words": st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3)),
+    "guided_choice": st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3)),
 }
 
 
@@ -144,6 +145,12 @@ def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, 
             assert all(0 <= t < vocab for t in c.token_ids)
             if params.allowed_token_ids and not params.min_tokens:  # min_tokens may mask all of them
                 assert set(c.token_ids) <= set(params.allowed_token_ids)
+            elif params.guided_choice and not (params.min_tokens or params.bad_words):  # (each may mask all)
+                paths = [encode(ch) for ch in params.guided_choice]
+                t = list(c.token_ids)
+                while t and t[-1] in llm.engine.eos_token_ids:  # EOS after a whole choice (ignore_eos: again)
+                    t.pop()
+                assert any(p[: len(t)] == t for p in paths), (t, paths)
             elif params.bad_words:  # (with allowed ids every one may be banned)
                 t = c.token_ids
                 for w in bad_words_token_ids(encode, params.bad_words):

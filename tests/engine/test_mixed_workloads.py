@@ -72,6 +72,7 @@ def params(draw: st.DrawFn) -> SamplingParams:
         logit_bias=draw(st.one_of(st.none(), st.just({7: 5.0}))),
         allowed_token_ids=draw(st.one_of(st.none(), st.just([5, 7, 9, 11]))),
         bad_words=draw(st.sampled_from([None, None, ["the"], ["a b"]])),  # one token; two (holds sync)
+        guided_choice=draw(st.sampled_from([None, None, None, ["yes", "no way"]])),
         cache_salt=draw(st.sampled_from([None, None, "s"])),  # salted prefixes share only with salted
         **kw,
     )

@@ -226,7 +226,6 @@ def test_a_batch_larger_than_the_queue_is_400_not_503(
     [
         ("guided_json", {"type": "object"}),
         ("guided_regex", "a+"),
-        ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'a'"),
         ("structured_outputs", {"json": {}}),
         ("logits_processors", ["m.P"]),

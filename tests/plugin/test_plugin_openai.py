@@ -180,6 +180,36 @@ def test_bad_words_on_both_routes_equal_llm_generate(
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
 
 
+def test_guided_choice_on_both_routes_equals_llm_generate(
+    client: openai.OpenAI, real_server: ServerThread, reference: Any
+) -> None:
+    """vLLM's ``guided_choice`` (and ``structured_outputs: {"choice": ...}``): the answer is one of
+    the choices, the offline engine's; other structured outputs and both fields at once are 400s."""
+    choices = ["red", "green", "blue sky", "blue"]
+    want = reference.generate(PROMPT, greedy(guided_choice=choices), adapter="alpha")[0].outputs[0]
+    assert want.text in choices and want.finish_reason == "stop"
+    got = client.completions.create(
+        model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"guided_choice": choices}
+    )
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == "stop"
+    for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        chat = client.chat.completions.create(
+            model="alpha", messages=MESSAGES, max_tokens=12, temperature=1.0, seed=1, n=4, extra_body=body
+        )
+        assert all(c.message.content in choices for c in chat.choices), chat
+    for route, body in [
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ]:
+        for extra, param in [
+            ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+            ({"guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, "guided_choice"),
+            ({"guided_choice": []}, "guided_choice"),
+        ]:
+            r = httpx.post(real_server.url + route, json={"model": "alpha", **body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(real_server: ServerThread) -> None:
     """vLLM's cache_salt: ``cached_tokens`` shows hits only between requests of the same salt; an
     empty salt is a 400 naming it."""

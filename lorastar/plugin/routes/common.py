@@ -99,6 +99,15 @@ def sampling_params(
     }
     for name in SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
+    if req.structured_outputs is not None:
+        if req.guided_choice is not None:
+            raise APIError(
+                "guided_choice and structured_outputs both set: send the choice in one of them.",
+                param="guided_choice",
+            )
+        kw["guided_choice"] = req.structured_outputs.choice
+    else:
+        kw["guided_choice"] = req.guided_choice
     if req.logit_bias:
         try:  # OpenAI sends token ids as strings
             kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
