@@ -213,10 +213,6 @@ class SamplingParams:
                 raise InvalidParamError(
                     "allowed_token_ids", "allowed_token_ids must hold at least one token id."
                 )
-            if self.use_beam_search:
-                raise InvalidParamError(
-                    "allowed_token_ids", "allowed_token_ids is not supported with use_beam_search."
-                )
             self.allowed_token_ids = list(dict.fromkeys(allowed))
 
         if self.bad_words is not None:
@@ -225,8 +221,6 @@ class SamplingParams:
                 isinstance(w, str) and w.strip() for w in words
             ):
                 raise InvalidParamError("bad_words", "bad_words must be a list of words (non-blank strings).")
-            if self.use_beam_search:
-                raise InvalidParamError("bad_words", "bad_words is not supported with use_beam_search.")
             self.bad_words = list(dict.fromkeys(words)) or None
 
         if self.guided_choice is not None:
@@ -239,11 +233,11 @@ class SamplingParams:
                 raise InvalidParamError(
                     "guided_choice", "guided_choice must be a non-empty list of non-empty strings."
                 )
-            if self.use_beam_search:
-                raise InvalidParamError(
-                    "guided_choice", "guided_choice is not supported with use_beam_search."
-                )
             self.guided_choice = list(dict.fromkeys(choices))
+        if self.use_beam_search:  # beam proposals read the raw logits: no mask reaches them
+            for name in ("allowed_token_ids", "bad_words", "guided_choice"):
+                if getattr(self, name):
+                    raise InvalidParamError(name, f"{name} is not supported with use_beam_search.")
 
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
