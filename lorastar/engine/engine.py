@@ -8,7 +8,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from pathlib import Path
@@ -392,12 +392,8 @@ class LLMEngine:
             raise LimitExceededError(
                 "logit_bias", f"logit_bias may hold at most {cfg.max_logit_bias} tokens (max_logit_bias)."
             )
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
-            bad = next((t for t in ids or () if t >= self.vocab_size), None)
-            if bad is not None:
-                raise InvalidParamError(
-                    name, f"{name} names token {bad}, outside the vocabulary [0, {self.vocab_size})."
-                )
+        self._check_vocab("logit_bias", params.logit_bias or ())
+        self._check_vocab("allowed_token_ids", params.allowed_token_ids or ())
         if len(params.guided_choice or ()) > cfg.max_guided_choices:
             raise LimitExceededError(
                 "guided_choice",
@@ -425,36 +421,39 @@ class LLMEngine:
                     f"and max_tokens, but the cache has {self.kv_spec.num_blocks}: lower n or max_tokens.",
                 )
 
+    def _check_vocab(self, name: str, ids: Iterable[int]) -> None:
+        """The sampling field ``name``'s token ids (given, or its text's) all inside the vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParamError(
+                name, f"{name} holds token {bad}, outside the vocabulary [0, {self.vocab_size})."
+            )
+
+    def _encoder(self, name: str, texts: Sequence_[str]) -> Callable[[str], list[int]]:
+        """Text -> ids without special tokens, for the strings of sampling field ``name``, once they
+        pass the prompt's byte bound (``max_prompt_bytes``) together."""
+        self.inputs.check_prompt_size(texts, name)
+        return functools.partial(self.tokenizer.encode, add_special_tokens=False)
+
     def _bad_words(self, params: SamplingParams) -> BadWords | None:
         """``params.bad_words`` as the sampler applies them, tokenized as vLLM does."""
         if not params.bad_words:
             return None
-        words = bad_words_token_ids(
-            functools.partial(self.tokenizer.encode, add_special_tokens=False), params.bad_words
-        )
-        bad = next((t for w in words for t in w if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidParamError(
-                "bad_words",
-                f"bad_words tokenize to token {bad}, outside the vocabulary [0, {self.vocab_size}).",
-            )
+        words = bad_words_token_ids(self._encoder("bad_words", params.bad_words), params.bad_words)
+        self._check_vocab("bad_words", itertools.chain.from_iterable(words))
         return BadWords.from_token_ids(words)
 
     def _choices(self, params: SamplingParams) -> ChoicePaths | None:
         """``params.guided_choice`` as token paths, each choice its own tokenization."""
         if params.guided_choice is None:
             return None
-        paths = [self.tokenizer.encode(c, add_special_tokens=False) for c in params.guided_choice]
+        encode = self._encoder("guided_choice", params.guided_choice)
+        paths = [encode(c) for c in params.guided_choice]
         if not all(paths):
             raise InvalidParamError(
                 "guided_choice", "guided_choice holds a choice that tokenizes to nothing."
             )
-        bad = next((t for p in paths for t in p if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidParamError(
-                "guided_choice",
-                f"guided_choice tokenizes to token {bad}, outside the vocabulary [0, {self.vocab_size}).",
-            )
+        self._check_vocab("guided_choice", itertools.chain.from_iterable(paths))
         return ChoicePaths.from_token_ids(paths, self.eos_token_ids)
 
     def num_queued_requests(self) -> int:

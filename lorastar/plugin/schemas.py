@@ -35,10 +35,14 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 
 
+# guided_choice's strings: at least one, none empty
+Choices = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+
+
 class StructuredOutputsParam(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``structured_outputs``: of its constraints only ``choice`` is served."""
 
-    choice: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
+    choice: Choices
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -80,9 +84,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=1)] | None
     ) = None
     # vLLM's: the output is one of these strings (structured_outputs' choice, the older name)
-    guided_choice: (
-        Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)] | None
-    ) = None
+    guided_choice: Choices | None = None
     structured_outputs: StructuredOutputsParam | None = None
     # vLLM's: words never generated (with and without a leading space)
     bad_words: list[str] | None = None
