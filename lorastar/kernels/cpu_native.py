@@ -8,17 +8,18 @@ extension builder (semantics in each source file and in ``reference.py``):
   (slot, rows) segments reading each adapter's A and B once per linear at its true rank; the torch
   form (``bmm`` over a slot grid) read every slot at the step's largest rank.
 
-The build (g++ and ninja, the latter from the ``ninja`` wheel where the system has none; ~20 s,
+The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s,
 cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) happens on the first
 ``load()``; where it cannot build, ``load()`` returns ``None`` and callers keep the torch path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -49,6 +50,31 @@ def clear_stale_lock(build_dir: Path, max_age: float = STALE_LOCK_SECONDS) -> bo
     return False
 
 
+@contextlib.contextmanager
+def _one_ninja() -> Iterator[None]:
+    """Builds run the ``ninja`` wheel's binary (a dependency) whatever else ``PATH`` holds; ``PATH``
+    is restored afterwards.
+
+    ninja 1.12 changed the command hash in ``.ninja_log``, so a machine with a system ninja 1.11
+    (Debian's ``ninja-build``) rebuilt the op (~30 s) each time a process with the venv's ``bin/``
+    on ``PATH`` (``lorastar serve``) and one without it (``.venv/bin/python``) took turns: the test
+    suite paid three rebuilds per run. Only without the wheel does the system's ninja build."""
+    try:
+        import ninja
+    except ImportError:
+        yield
+        return
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + (old or "")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
+
 def load() -> ModuleType | None:
     """The compiled ops (built on first call, then cached), or ``None`` if they cannot build."""
     if "ext" in _state:
@@ -59,24 +85,21 @@ def load() -> ModuleType | None:
 
         clear_stale_lock(Path(_get_build_directory("lorastar_cpu_ops", verbose=False)))
 
-        if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) when no system ninja
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
         # -fopenmp: at::parallel_for is an inline `omp parallel` (torch's backend here is OpenMP); the
         # op links libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
         flags = ["-O3", "-fopenmp"]
         if os.environ.get("LORASTAR_CPU_NATIVE", "1") != "0":
             flags.append("-march=native")
-        ext = load_inline(
-            "lorastar_cpu_ops",
-            cpp_sources=[src.read_text() for src in _SOURCES],
-            functions=["paged_decode", "lora_segments"],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(_CSRC)],
-            verbose=False,
-        )
+        with _one_ninja():
+            ext = load_inline(
+                "lorastar_cpu_ops",
+                cpp_sources=[src.read_text() for src in _SOURCES],
+                functions=["paged_decode", "lora_segments"],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(_CSRC)],
+                verbose=False,
+            )
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path
         log.warning("the CPU ops did not build (%s); using the torch paths", e)
     _state["ext"] = ext

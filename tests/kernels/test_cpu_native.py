@@ -138,3 +138,33 @@ def test_a_stale_build_lock_is_cleared(tmp_path) -> None:  # noqa: ANN001
     os.utime(lock, (old, old))
     assert cpu_native.clear_stale_lock(tmp_path) and not lock.exists()
     assert not cpu_native.clear_stale_lock(tmp_path)  # nothing to remove
+
+
+def test_the_build_runs_the_wheels_ninja_whatever_path_holds(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """ninja 1.11 and 1.12+ hash commands differently in ``.ninja_log``: a system ninja used by one
+    process and the wheel's by another rebuilt the op (~30 s) at every switch. The build sees the
+    wheel's ninja first on ``PATH`` even when another one comes first, and ``PATH`` comes back."""
+    import os
+    import shutil
+
+    import ninja
+    import torch.utils.cpp_extension as cpp
+
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.11.1\n")
+    other.chmod(0o755)
+    path = str(tmp_path) + os.pathsep + os.environ["PATH"]
+    monkeypatch.setenv("PATH", path)
+    seen: list[str | None] = []
+    sentinel = object()
+
+    def fake_load_inline(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(shutil.which("ninja"))
+        return sentinel
+
+    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
+    monkeypatch.setattr(cpu_native, "_state", {})
+    assert shutil.which("ninja") == str(other)
+    assert cpu_native.load() is sentinel
+    assert seen and seen[0] is not None and os.path.samefile(os.path.dirname(seen[0]), ninja.BIN_DIR)
+    assert os.environ["PATH"] == path
