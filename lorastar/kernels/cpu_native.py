@@ -90,6 +90,7 @@ def load() -> ModuleType | None:
         flags = ["-O3", "-fopenmp"]
         if os.environ.get("LORASTAR_CPU_NATIVE", "1") != "0":
             flags.append("-march=native")
+        t0 = time.perf_counter()
         with _one_ninja():
             ext = load_inline(
                 "lorastar_cpu_ops",
@@ -100,6 +101,8 @@ def load() -> ModuleType | None:
                 extra_include_paths=[str(_CSRC)],
                 verbose=False,
             )
+        if (took := time.perf_counter() - t0) > 2.0:  # a build, not a load from the cache
+            log.info("built the CPU ops in %.0f s (cached for later starts)", took)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, no headers: keep the torch path
         log.warning("the CPU ops did not build (%s); using the torch paths", e)
     _state["ext"] = ext
