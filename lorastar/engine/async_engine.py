@@ -372,6 +372,7 @@ def rebuild_engine(
         for r in old.requests.values():
             (started if r.first_scheduled_time is not None or r.forked else queued).append(r)
         adapters = [(a.name, a.path) for a in old.list_adapters()]
+    tokenizer = old.tokenizer_loader  # same config, same folder
     failure = RequestFailedError(
         "The engine failed while running this request and is restarting; retry the request."
     )
@@ -382,7 +383,12 @@ def rebuild_engine(
     gc.collect()
     while not stop.is_set():
         try:
-            new = LLMEngine(config)
+            # a core's engine: its (lazily) loaded tokenizer again (EngineCoreProc)
+            new = (
+                LLMEngine(config, lazy_tokenizer=True, tokenizer=tokenizer)
+                if core_only
+                else LLMEngine(config)
+            )
             for name, path in adapters:
                 try:
                     new.load_adapter(name, path)

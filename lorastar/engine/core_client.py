@@ -120,7 +120,11 @@ class AsyncCoreClient:
         try:
             if self._owns_core:
                 self._spawn()
+            # transformers' import (~1 s) while the core loads, not after its Ready
+            threading.Thread(target=_import_tokenizer_modules, name="lorastar-import", daemon=True).start()
             ready = self._hello_and_wait()
+            # The core loads its own lazily (TokenizerLoader): a folder it cannot load fails here.
+            self._tokenizer = load_tokenizer(Path(ready.tokenizer_dir), ready.chat_template)
         except BaseException:
             self._close_sockets()
             raise
@@ -129,7 +133,6 @@ class AsyncCoreClient:
         self.vocab_size = ready.vocab_size
         self.max_waiting = ready.max_waiting
         self.summary = ready.summary
-        self._tokenizer = load_tokenizer(Path(ready.tokenizer_dir), ready.chat_template)
         # Text, stop strings and RequestOutputs from the core's deltas, in this process.
         self._processor = OutputProcessor(self._tokenizer)
         self.inputs = InputProcessor(
@@ -478,3 +481,11 @@ class AsyncCoreClient:
     def core_pid(self) -> int | None:
         """The spawned core's process id (``None`` for a shared core)."""
         return self._proc.pid if self._proc is not None else None
+
+
+def _import_tokenizer_modules() -> None:
+    """What ``load_tokenizer`` imports, so a frontend waiting for its core has it ready."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+    except Exception:  # noqa: BLE001 - load_tokenizer raises it again where it matters
+        pass

@@ -86,7 +86,9 @@ class EngineCoreProc:
         self.num_restarts = 0
         self._state_sent = 0.0
         try:
-            self.engine = LLMEngine(config)
+            # Its frontend tokenizes: the tokenizer loads while the core already serves (TokenizerLoader).
+            self.engine = LLMEngine(config, lazy_tokenizer=True)
+            self.engine.tokenizer_loader.load_in_background()
         except BaseException as exc:
             if report_to is not None:
                 sock = self._connect(report_to)

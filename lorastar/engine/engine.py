@@ -22,7 +22,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.host_memory import keep_freed_memory
-from lorastar.engine.input_processor import InputProcessor, load_tokenizer
+from lorastar.engine.input_processor import InputProcessor, TokenizerLoader
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
@@ -136,7 +136,12 @@ def resolve_dtype(dtype: Any, device: torch.device, cfg: dict[str, Any]) -> torc
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, lazy_tokenizer: bool = False, tokenizer: TokenizerLoader | None = None
+    ) -> None:
+        """``lazy_tokenizer``: load the tokenizer when first needed, not here (an engine core in its
+        own process, whose frontend tokenizes: ``TokenizerLoader``). ``tokenizer``: reuse a loader
+        (a rebuilt engine of the same config)."""
         self.config = config
         if config.model is None:
             from lorastar.models.default import default_model_dir
@@ -210,8 +215,10 @@ class LLMEngine:
             elif config.cpu_kernels == "native":
                 raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")
         self.tokenizer_dir = Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
-        self.tokenizer = load_tokenizer(self.tokenizer_dir, config.chat_template)
-        self.eos_token_ids = _eos_ids(self.model_dir, self.tokenizer)
+        self.tokenizer_loader = tokenizer or TokenizerLoader(self.tokenizer_dir, config.chat_template)
+        if not lazy_tokenizer:
+            self.tokenizer_loader.get()
+        self.eos_token_ids = _eos_ids(self.model_dir, lambda: self.tokenizer.eos_token_id)
         self.vocab_size = self.model.vocab_size
 
         # Adapter slots before the KV cache takes what memory is left (stacked A rows, layers/lora.py).
@@ -265,7 +272,7 @@ class LLMEngine:
         )
         self.max_prompt_bytes = config.max_prompt_bytes or 64 * self.max_model_len
         self.inputs = InputProcessor(
-            self.tokenizer,
+            self.tokenizer_loader,
             model_name=self.model_name,
             max_model_len=self.max_model_len,
             max_prompt_bytes=self.max_prompt_bytes,
@@ -300,7 +307,7 @@ class LLMEngine:
         self.lock = threading.RLock()  # AsyncLLM adds/aborts from other threads
         # The in-process frontend: text, stop strings and outputs from the core's deltas (a
         # frontend of the core process keeps its own; this one then stays empty).
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer_loader)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.adapter_tokens: dict[str, int] = {}
@@ -354,6 +361,11 @@ class LLMEngine:
         return self.registry.list()
 
     # ---- requests -------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The model's transformers tokenizer (loaded now if ``lazy_tokenizer`` left it unloaded)."""
+        return self.tokenizer_loader.get()
+
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         return self.inputs.tokenize(prompt, add_special_tokens)
 
@@ -1132,7 +1144,8 @@ def _metrics(req: Request) -> RequestMetrics:
     )
 
 
-def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+def _eos_ids(model_dir: Path, tokenizer_eos: Callable[[], int | None]) -> tuple[int, ...]:
+    """``generation_config.json``'s EOS ids, else the tokenizer's (``tokenizer_eos``, called only then)."""
     import json
 
     ids: list[int] = []
@@ -1140,6 +1153,6 @@ def _eos_ids(model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
     if gen.is_file():
         e = json.loads(gen.read_text()).get("eos_token_id")
         ids.extend(e if isinstance(e, list) else [e] if e is not None else [])
-    if not ids and tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
+    if not ids and (eos := tokenizer_eos()) is not None:
+        ids.append(eos)
     return tuple(dict.fromkeys(int(i) for i in ids))

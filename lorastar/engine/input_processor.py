@@ -7,6 +7,8 @@ in the frontend, and the core only checks the ids it receives.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,53 @@ def load_tokenizer(folder: Path, chat_template: str | None = None) -> Any:
     return tok
 
 
+class TokenizerLoader:
+    """``load_tokenizer(folder, chat_template)`` once, on the first ``get()``; thread-safe.
+
+    An engine core in a process of its own tokenizes no prompt (its frontend sends ids): it needs
+    the tokenizer only for ``bad_words`` and ``guided_choice`` texts (and, at start, KV-scale
+    calibration or an EOS id that no ``generation_config.json`` names). Importing transformers and
+    loading the tokenizer took 5.6 of the core's 6.9 s start (SmolLM2 on this 2-core CPU, cProfile),
+    so that core starts without it and loads it in the background (``load_in_background``)."""
+
+    def __init__(self, folder: Path, chat_template: str | None = None) -> None:
+        self.folder = folder
+        self.chat_template = chat_template
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._tokenizer is not None
+
+    def get(self) -> Any:
+        tok = self._tokenizer
+        if tok is None:
+            with self._lock:
+                if self._tokenizer is None:
+                    self._tokenizer = load_tokenizer(self.folder, self.chat_template)
+                tok = self._tokenizer
+        return tok
+
+    def load_in_background(self) -> threading.Thread:
+        """Start loading on a daemon thread (a failure is logged; the next ``get()`` tries again)."""
+
+        def run() -> None:
+            try:
+                self.get()
+            except Exception:  # noqa: BLE001 - get() raises it again where it is needed
+                logging.getLogger("lorastar").exception("lorastar: loading the tokenizer failed")
+
+        t = threading.Thread(target=run, name="lorastar-tokenizer-load", daemon=True)
+        t.start()
+        return t
+
+
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer itself, loaded first where ``tokenizer`` is a ``TokenizerLoader``."""
+    return tokenizer.get() if isinstance(tokenizer, TokenizerLoader) else tokenizer
+
+
 def _template_parameters(tokenizer: Any) -> set[str]:
     """The named parameters of ``tokenizer.apply_chat_template`` (its ``**kwargs`` excluded), and the
     names the rendering itself passes (transformers' ``render_jinja_template``: ``conversations``,
@@ -39,16 +88,21 @@ def _template_parameters(tokenizer: Any) -> set[str]:
 
 class InputProcessor:
     """Validates and tokenizes prompts for one model. Stateless apart from its limits; thread-safe
-    as far as the tokenizer is (transformers' fast tokenizers are)."""
+    as far as the tokenizer is (transformers' fast tokenizers are). ``tokenizer``: the tokenizer, or
+    a ``TokenizerLoader`` (loaded when text first needs it: checking token ids does not)."""
 
     def __init__(
         self, tokenizer: Any, *, model_name: str, max_model_len: int, max_prompt_bytes: int, vocab_size: int
     ) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.max_prompt_bytes = max_prompt_bytes
         self.vocab_size = vocab_size
+
+    @property
+    def tokenizer(self) -> Any:
+        return resolve_tokenizer(self._tokenizer)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self.check_prompt_size(prompt)

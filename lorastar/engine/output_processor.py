@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lorastar.engine.detokenizer import IncrementalDetokenizer, find_stop, hold_back
+from lorastar.engine.input_processor import resolve_tokenizer
 from lorastar.engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
@@ -69,9 +70,13 @@ class OutputProcessor:
     """Turns core deltas into ``RequestOutput``s of each request's ``output_kind``."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer  # or a TokenizerLoader: loaded when the first output needs it
         self.requests: dict[str, _RequestState] = {}
         self._names: dict[int, str] = {}  # token id -> its text alone (logprobs' decoded_token)
+
+    @property
+    def tokenizer(self) -> Any:
+        return resolve_tokenizer(self._tokenizer)
 
     def _name(self, token_id: int) -> str:
         name = self._names.get(token_id)

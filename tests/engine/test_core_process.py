@@ -369,3 +369,59 @@ async def test_a_failed_step_in_the_core_fails_its_requests_and_the_core_rebuild
         core.stop.set()
         await asyncio.to_thread(thread.join, 10)
     assert not thread.is_alive()
+
+
+def _core_tokens(engine: Any, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """Greedy ids of one request run through ``step_core`` alone (what a core process does)."""
+    req = engine.add_core_request(prompt, sp)
+    ids: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step_core():
+            if out.request_id == req.request_id:
+                ids += out.samples[0].token_ids
+    return ids
+
+
+def test_a_core_loads_no_tokenizer_until_words_need_one(llm: LLM) -> None:
+    """A core's engine starts without its tokenizer (``lazy_tokenizer``, the core process's mode:
+    transformers' import and the tokenizer took most of its start) and serves token ids without
+    it; the first ``bad_words`` request loads it, and its tokens equal the eager engine's."""
+    from lorastar.engine.engine import LLMEngine
+
+    engine = LLMEngine(_config(), lazy_tokenizer=True)
+    try:
+        assert not engine.tokenizer_loader.loaded
+        assert engine.eos_token_ids == llm.engine.eos_token_ids  # from generation_config.json
+        prompt = llm.engine.tokenize("The capital of France is")
+        plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        assert _core_tokens(engine, prompt, plain) == _core_tokens(llm.engine, prompt, plain)
+        assert not engine.tokenizer_loader.loaded
+        banned = _core_tokens(llm.engine, prompt, plain)[0]
+        words = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                               bad_words=[llm.engine.tokenizer.decode([banned]).strip()])  # fmt: skip
+        got = _core_tokens(engine, prompt, words)
+        assert engine.tokenizer_loader.loaded
+        assert got == _core_tokens(llm.engine, prompt, words) and got[0] != banned
+    finally:
+        engine.close()
+
+
+def test_a_tokenizer_the_frontend_cannot_load_fails_the_start_and_ends_the_core(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spawned core starts without a tokenizer, so a folder holding none fails in the
+    frontend's load, which raises from the client's start and leaves no core process behind."""
+    from lorastar.engine import core_client
+
+    spawned: list[subprocess.Popen[bytes]] = []
+    popen = subprocess.Popen
+
+    def record(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        spawned.append(popen(*args, **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(core_client.subprocess, "Popen", record)
+    with pytest.raises((OSError, ValueError)):
+        AsyncCoreClient(_config(tokenizer=str(tmp_path)))
+    assert len(spawned) == 1
+    assert spawned[0].wait(timeout=30) is not None
