@@ -9,13 +9,15 @@ extension builder (semantics in each source file and in ``reference.py``):
   form (``bmm`` over a slot grid) read every slot at the step's largest rank.
 
 The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s,
-cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``) happens on the first
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
+``build_name``) happens on the first
 ``load()``; where it cannot build, ``load()`` returns ``None`` and callers keep the torch path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -75,6 +77,16 @@ def _one_ninja() -> Iterator[None]:
             os.environ["PATH"] = old
 
 
+def build_name(sources: list[str], flags: list[str]) -> str:
+    """The build's name (and so its folder): ``lorastar_cpu_ops_`` and a digest of the sources, the
+    flags and the include folder. torch keeps one folder per name and rebuilds (~30 s) whenever the
+    sources or the command differ from its last build there, so two checkouts or two versions of
+    lorastar (a benchmark's ``--other``, two venvs) or ``LORASTAR_CPU_NATIVE`` on and off shared
+    one folder and rebuilt at every switch; now each builds once."""
+    h = hashlib.sha256("\0".join([*sources, *flags, str(_CSRC)]).encode())
+    return f"lorastar_cpu_ops_{h.hexdigest()[:16]}"
+
+
 def load() -> ModuleType | None:
     """The compiled ops (built on first call, then cached), or ``None`` if they cannot build."""
     if "ext" in _state:
@@ -83,18 +95,19 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-        clear_stale_lock(Path(_get_build_directory("lorastar_cpu_ops", verbose=False)))
-
         # -fopenmp: at::parallel_for is an inline `omp parallel` (torch's backend here is OpenMP); the
         # op links libgomp.so.1, which resolves to the copy torch already loaded: one thread pool.
         flags = ["-O3", "-fopenmp"]
         if os.environ.get("LORASTAR_CPU_NATIVE", "1") != "0":
             flags.append("-march=native")
+        sources = [src.read_text() for src in _SOURCES]
+        name = build_name(sources, flags)
+        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
         t0 = time.perf_counter()
         with _one_ninja():
             ext = load_inline(
-                "lorastar_cpu_ops",
-                cpp_sources=[src.read_text() for src in _SOURCES],
+                name,
+                cpp_sources=sources,
                 functions=["paged_decode", "lora_segments"],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],

@@ -155,6 +155,7 @@ def test_the_build_runs_the_wheels_ninja_whatever_path_holds(tmp_path, monkeypat
     other.chmod(0o755)
     path = str(tmp_path) + os.pathsep + os.environ["PATH"]
     monkeypatch.setenv("PATH", path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     seen: list[str | None] = []
     sentinel = object()
 
@@ -168,3 +169,28 @@ def test_the_build_runs_the_wheels_ninja_whatever_path_holds(tmp_path, monkeypat
     assert cpu_native.load() is sentinel
     assert seen and seen[0] is not None and os.path.samefile(os.path.dirname(seen[0]), ninja.BIN_DIR)
     assert os.environ["PATH"] == path
+
+
+def test_each_source_and_flag_set_builds_in_its_own_folder(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """torch rebuilds (~30 s) when a name's sources or command change, so two lorastar versions,
+    two checkouts, or ``LORASTAR_CPU_NATIVE`` on and off took turns rebuilding one folder; each
+    combination now has its own name."""
+    import torch.utils.cpp_extension as cpp
+
+    names: list[str] = []
+
+    def fake_load_inline(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        names.append(name)
+        return object()
+
+    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the folders it names, not the user's
+    for native in ("1", "0", "1"):
+        monkeypatch.setenv("LORASTAR_CPU_NATIVE", native)
+        monkeypatch.setattr(cpu_native, "_state", {})
+        cpu_native.load()
+    assert names[0] == names[2] != names[1]
+    assert all(n.startswith("lorastar_cpu_ops_") and n.isidentifier() for n in names)
+    base = cpu_native.build_name(["src"], ["-O3"])
+    assert base == cpu_native.build_name(["src"], ["-O3"])
+    assert len({base, cpu_native.build_name(["src2"], ["-O3"]), cpu_native.build_name(["src"], ["-O2"])}) == 3
