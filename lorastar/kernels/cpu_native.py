@@ -8,10 +8,10 @@ extension builder (semantics in each source file and in ``reference.py``):
   (slot, rows) segments reading each adapter's A and B once per linear at its true rank; the torch
   form (``bmm`` over a slot grid) read every slot at the step's largest rank.
 
-The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s,
-cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
-``build_name``) happens on the first
-``load()``; where it cannot build, ``load()`` returns ``None`` and callers keep the torch path.
+The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s, cached
+under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
+``build_name``) happens on the first ``load()``; where it cannot build, ``load()`` returns ``None``
+and callers keep the torch path.
 """
 
 from __future__ import annotations
