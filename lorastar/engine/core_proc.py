@@ -86,8 +86,10 @@ class EngineCoreProc:
         self.num_restarts = 0
         self._state_sent = 0.0
         try:
-            # Its frontend tokenizes: the tokenizer loads while the core already serves (TokenizerLoader).
-            self.engine = LLMEngine(config, lazy_tokenizer=True)
+            # Its frontends tokenize: a spawned core loads the tokenizer while it already serves
+            # (TokenizerLoader); a shared one (`lorastar engine`) loads it first, so a folder without
+            # one fails its start instead of every client's.
+            self.engine = LLMEngine(config, lazy_tokenizer=report_to is not None)
             self.engine.tokenizer_loader.load_in_background()
         except BaseException as exc:
             if report_to is not None:

@@ -425,3 +425,12 @@ def test_a_tokenizer_the_frontend_cannot_load_fails_the_start_and_ends_the_core(
         AsyncCoreClient(_config(tokenizer=str(tmp_path)))
     assert len(spawned) == 1
     assert spawned[0].wait(timeout=30) is not None
+
+
+def test_a_shared_core_loads_its_tokenizer_before_serving(tmp_path: Any) -> None:
+    """``lorastar engine`` (no parent to report to) fails its own start on a tokenizer folder it
+    cannot load, rather than starting and failing every client's."""
+    from lorastar.engine.core_proc import EngineCoreProc
+
+    with pytest.raises((OSError, ValueError)):
+        EngineCoreProc(_config(tokenizer=str(tmp_path)), f"ipc://{tmp_path}/core")
