@@ -58,3 +58,15 @@ def test_client_commands_do_not_import_torch() -> None:
         "print(sorted(k for k in ('torch', 'transformers', 'lorastar.plugin.plugin') if k in sys.modules))"
     )
     assert _run(code, {}).splitlines()[-1] == "[]"
+
+
+def test_the_plugin_and_the_core_client_import_without_torch() -> None:
+    """A server whose core runs in its own process imports torch only through transformers'
+    tokenizer, on the thread that warms it while the core starts (``core_client.py``): importing
+    the plugin and the client first took ~1 s before the core was even spawned."""
+    code = (
+        "import sys\n"
+        "import lorastar.plugin.plugin, lorastar.engine.core_client, lorastar.plugin.routes.admin\n"
+        "print('torch' in sys.modules)"
+    )
+    assert _run(code, {}).splitlines()[-1] == "False"

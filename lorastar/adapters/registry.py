@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorastar.adapters.info import AdapterInfo
 from lorastar.adapters.peft import LoRAWeights
 from lorastar.errors import AdapterError, AdapterNotFoundError
 
@@ -51,20 +52,6 @@ class AdapterEntry:
         if self.slot is not None:
             return "device"
         return "cpu" if self.weights is not None else "disk"
-
-
-@dataclass(frozen=True)
-class AdapterInfo:
-    """One registered name, as ``list()`` reports it (the admin route and ``/v1/models`` use this)."""
-
-    name: str
-    path: str
-    rank: int
-    content_hash: str
-    target_modules: tuple[str, ...]
-    tier: str  # "device" | "cpu" | "disk"
-    slot: int | None
-    in_flight: int
 
 
 def _check_name(name: object) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import threading
@@ -26,12 +25,13 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
-from lorastar.adapters.registry import AdapterInfo
+from lorastar.adapters.info import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.streams import Stream, deliver, stream_outputs
 from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
 from lorastar.errors import (
     EngineDeadError,
@@ -40,8 +40,6 @@ from lorastar.errors import (
 )
 
 logger = logging.getLogger("lorastar")
-
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
 
 class AsyncLLM:
@@ -66,7 +64,7 @@ class AsyncLLM:
         self._restarting = False
         self._retry_after = self.restart_backoff[0]
         self.num_restarts = 0
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._streams_lock = threading.Lock()
         self._aborts: deque[str] = deque()
         self._wake = threading.Event()
@@ -200,7 +198,7 @@ class AsyncLLM:
             self._put(stream, exc)
 
     @staticmethod
-    def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    def _put(stream: Stream, item: RequestOutput | BaseException) -> None:
         loop, q = stream
         try:
             loop.call_soon_threadsafe(q.put_nowait, item)
@@ -411,76 +409,3 @@ def rebuild_engine(
             except Exception as exc:
                 fail(req.request_id, exc)
     return new
-
-
-async def stream_outputs(
-    q: asyncio.Queue[RequestOutput | BaseException], delta: bool, abandon: Callable[[], None]
-) -> AsyncIterator[RequestOutput]:
-    """A request's outputs from its queue until the finished one. Several waiting are handed out
-    as one (DELTA: joined; otherwise the newest); an exception in the queue is raised. Left before
-    the end (closed, cancelled), it calls ``abandon`` (drop the stream, abort the request)."""
-    finished = False
-    try:
-        while not finished:
-            item = await q.get()
-            while not q.empty():  # several outputs waiting: hand out one that covers them
-                nxt = q.get_nowait()
-                if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
-                    item = merge_deltas(item, nxt) if delta else nxt  # cumulative: the newest
-                else:
-                    item = nxt if isinstance(nxt, BaseException) else item
-                    break
-            if isinstance(item, BaseException):
-                finished = True
-                raise item
-            finished = item.finished
-            yield item
-    finally:
-        if not finished:
-            abandon()
-
-
-def deliver(streams: dict[str, _Stream], lock: threading.Lock, outs: list[RequestOutput]) -> None:
-    """Hand a step's outputs to their streams (a finished one's stream is dropped) with ONE wake-up
-    per event loop, not one per output: with 64 streams a per-output ``call_soon_threadsafe``
-    costs 64 self-pipe writes and event-loop wake-ups per step, contending for the GIL with the
-    step loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
-    with lock:
-        for out in outs:
-            stream = streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del streams[out.request_id]
-            by_loop.setdefault(stream[0], []).append((stream[1], out))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
-
-
-def _put_all(items: list[tuple[Any, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
-
-
-def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One DELTA output covering ``a`` then ``b`` (same request): texts, ids and logprobs joined;
-    finish state, cumulative logprob and metrics from ``b``; prompt logprobs from the first."""
-    mine = {o.index: o for o in a.outputs}
-    outs = []
-    for o in b.outputs:
-        p = mine.pop(o.index, None)
-        if p is not None:
-            o = dataclasses.replace(
-                o,
-                text=p.text + o.text,
-                token_ids=p.token_ids + o.token_ids,
-                logprobs=None if o.logprobs is None else (p.logprobs or []) + o.logprobs,
-            )
-        outs.append(o)
-    outs.extend(mine.values())
-    outs.sort(key=lambda o: o.index)
-    return dataclasses.replace(b, outputs=outs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)

@@ -38,9 +38,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from lorastar.adapters.registry import AdapterInfo
+from lorastar.adapters.info import AdapterInfo
 from lorastar.config import EngineConfig
-from lorastar.engine.async_engine import _Stream, deliver, stream_outputs
 from lorastar.engine.input_processor import InputProcessor, load_tokenizer
 from lorastar.engine.messages import (
     Abort,
@@ -63,6 +62,7 @@ from lorastar.engine.metrics import EngineStats
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.streams import Stream, deliver, stream_outputs
 from lorastar.errors import EngineDeadError, EngineUnavailableError, RequestFailedError
 
 logger = logging.getLogger("lorastar")
@@ -102,7 +102,7 @@ class AsyncCoreClient:
         self._send_lock = threading.Lock()
         self._enc = encoder()
         self._dec = output_decoder()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._streams_lock = threading.Lock()
         self._outputs_lock = threading.Lock()  # the output processor: receiver thread vs callers
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from lorastar.adapters.registry import AdapterInfo
+from lorastar.adapters.info import AdapterInfo
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import EngineCoreOutput
 from lorastar.engine.sampling import SamplingParams

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from lorastar.adapters.registry import AdapterInfo
+from lorastar.adapters.info import AdapterInfo
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import SamplingParams

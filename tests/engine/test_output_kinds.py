@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from lorastar import AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
-from lorastar.engine.async_engine import merge_deltas
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.outputs import CompletionOutput
+from lorastar.engine.streams import merge_deltas
 from lorastar.errors import InvalidParamError
 
 KINDS = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY)

@@ -1,0 +1,91 @@
+"""A request's outputs from the step loop's thread to its asyncio caller: ``deliver`` hands a
+step's outputs to their streams, ``stream_outputs`` reads one stream. Shared by ``AsyncLLM`` (engine
+in a thread) and ``AsyncCoreClient`` (engine core in a process). Torch-free, as ``AsyncCoreClient``'s
+imports are: a server whose core runs in a process of its own imports torch (through transformers'
+tokenizer) on the thread that warms it up while the core starts, not before it spawns the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from lorastar.engine.outputs import RequestOutput
+
+Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+async def stream_outputs(
+    q: asyncio.Queue[RequestOutput | BaseException], delta: bool, abandon: Callable[[], None]
+) -> AsyncIterator[RequestOutput]:
+    """A request's outputs from its queue until the finished one. Several waiting are handed out
+    as one (DELTA: joined; otherwise the newest); an exception in the queue is raised. Left before
+    the end (closed, cancelled), it calls ``abandon`` (drop the stream, abort the request)."""
+    finished = False
+    try:
+        while not finished:
+            item = await q.get()
+            while not q.empty():  # several outputs waiting: hand out one that covers them
+                nxt = q.get_nowait()
+                if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
+                    item = merge_deltas(item, nxt) if delta else nxt  # cumulative: the newest
+                else:
+                    item = nxt if isinstance(nxt, BaseException) else item
+                    break
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abandon()
+
+
+def deliver(streams: dict[str, Stream], lock: threading.Lock, outs: list[RequestOutput]) -> None:
+    """Hand a step's outputs to their streams (a finished one's stream is dropped) with ONE wake-up
+    per event loop, not one per output: with 64 streams a per-output ``call_soon_threadsafe``
+    costs 64 self-pipe writes and event-loop wake-ups per step, contending for the GIL with the
+    step loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, RequestOutput]]] = {}
+    with lock:
+        for out in outs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            by_loop.setdefault(stream[0], []).append((stream[1], out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+
+def _put_all(items: list[tuple[Any, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One DELTA output covering ``a`` then ``b`` (same request): texts, ids and logprobs joined;
+    finish state, cumulative logprob and metrics from ``b``; prompt logprobs from the first."""
+    mine = {o.index: o for o in a.outputs}
+    outs = []
+    for o in b.outputs:
+        p = mine.pop(o.index, None)
+        if p is not None:
+            o = dataclasses.replace(
+                o,
+                text=p.text + o.text,
+                token_ids=p.token_ids + o.token_ids,
+                logprobs=None if o.logprobs is None else (p.logprobs or []) + o.logprobs,
+            )
+        outs.append(o)
+    outs.extend(mine.values())
+    outs.sort(key=lambda o: o.index)
+    return dataclasses.replace(b, outputs=outs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
