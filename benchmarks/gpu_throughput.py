@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,34 +68,19 @@ def copy_bandwidth() -> float:
 
 def step_weight_bytes(path: Path) -> int:
     """Bytes of every weight a decode step reads: all but the embedding table (rows only)."""
+    return _tensor_bytes(path, lambda name: "embed_tokens" not in name)
+
+
+def _tensor_bytes(path: Path, keep: Callable[[str], bool]) -> int:
+    """bf16 bytes of the tensors of ``path``'s safetensors whose names ``keep`` accepts."""
     from safetensors import safe_open
 
     total = 0
     for f in path.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             for k in st.keys():
-                if "embed_tokens" not in k:
-                    t = st.get_slice(k)
-                    n = 1
-                    for d in t.get_shape():
-                        n *= d
-                    total += n * 2  # bf16
-    return total
-
-
-def _tensor_bytes(path: Path, part: str) -> int:
-    """bf16 bytes of the tensors of ``path``'s safetensors whose names contain ``part``."""
-    from safetensors import safe_open
-
-    total = 0
-    for f in path.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                if part in k:
-                    n = 1
-                    for d in st.get_slice(k).get_shape():
-                        n *= d
-                    total += n * 2
+                if keep(k):
+                    total += math.prod(st.get_slice(k).get_shape()) * 2
     return total
 
 
@@ -109,7 +96,8 @@ def lora_tax_roof(base_bytes: int, adapter: Path, active: int, slots: int, stack
     KV, ``base_bytes``) over those plus the adapters' (bf16, as served). Each active adapter's B is
     read; A of every one of ``slots`` slots when it sits stacked under the base weights (the GEMM
     reads all its rows, layers/lora.py), else the active adapters' A only."""
-    a, b = _tensor_bytes(adapter, "lora_A"), _tensor_bytes(adapter, "lora_B")
+    a = _tensor_bytes(adapter, lambda name: "lora_A" in name)
+    b = _tensor_bytes(adapter, lambda name: "lora_B" in name)
     lora = (slots if stacked else active) * a + active * b
     return base_bytes / (base_bytes + lora)
 

@@ -89,8 +89,10 @@ class EngineCoreProc:
             # Its frontends tokenize: a spawned core loads the tokenizer while it already serves
             # (TokenizerLoader); a shared one (`lorastar engine`) loads it first, so a folder without
             # one fails its start instead of every client's.
-            self.engine = LLMEngine(config, lazy_tokenizer=report_to is not None)
-            self.engine.tokenizer_loader.load_in_background()
+            lazy = report_to is not None
+            self.engine = LLMEngine(config, lazy_tokenizer=lazy)
+            if lazy:
+                self.engine.tokenizer_loader.load_in_background()
         except BaseException as exc:
             if report_to is not None:
                 sock = self._connect(report_to)
