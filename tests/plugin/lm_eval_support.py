@@ -7,6 +7,7 @@ path); ``run`` evaluates them through lm-eval against either lorastar's server
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -105,16 +106,25 @@ def write_tasks(folder: Path, extra: int = 0) -> Path:
     return folder
 
 
+@functools.cache
+def task_manager(include_path: Path) -> Any:
+    """lm-eval's index of the tasks under ``include_path`` alone, built once per folder: indexing
+    lm-eval's own few thousand task files as well took 8.5-11 s per ``TaskManager`` here, 2/3 of
+    each test's time when every run built one."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(include_path), include_defaults=False)
+
+
 def run(model: str, model_args: dict[str, Any], include_path: Path, **kw: Any) -> dict[str, Any]:
     """lm-eval's ``simple_evaluate`` on the three tasks, samples logged."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
         model=model,
         model_args=model_args,
         tasks=TASKS,
-        task_manager=TaskManager(include_path=str(include_path)),
+        task_manager=task_manager(include_path),
         log_samples=True,
         **kw,
     )
