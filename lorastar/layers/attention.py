@@ -37,22 +37,33 @@ class TorchPlan:
     batched SDPA. Prefill chunks run one SDPA each over their visible blocks. Blocks before every
     row's window are never gathered (the block manager may have freed them: ``-1`` entries)."""
 
+    block_size: int = 16
     decode_rows: torch.Tensor | None = None  # [Bd] int64 row index in the flat batch
     decode_gather: torch.Tensor | None = None  # [Bd, nblk] int64 block ids
-    decode_mask: torch.Tensor | None = None  # [Bd, 1, 1, nblk * block_size] bool, True = attend
     decode_lo: torch.Tensor | None = None  # [Bd] int64 first key position seen (the native op's form)
     decode_lens: torch.Tensor | None = None  # [Bd] int64 context length
+    # The SDPA path's mask, made on its first use in a step (the native op needs none):
+    # [Bd, 1, 1, nblk * block_size] bool, True = attend.
+    decode_mask: torch.Tensor | None = None
     # The same mask as 0 / -inf in the query dtype, made once per step: SDPA converts a bool mask on
     # every call (30 layers), and the additive form runs 184 vs 211 us (20 rows of SmolLM2).
     decode_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
 
+    def mask(self) -> torch.Tensor:
+        """The decode rows' bool mask over their gathered key positions, made once."""
+        if self.decode_mask is None:
+            assert self.decode_gather is not None and self.decode_lo is not None
+            assert self.decode_lens is not None
+            lo, lens, bs = self.decode_lo, self.decode_lens, self.block_size
+            p = (lo // bs)[:, None] * bs + torch.arange(self.decode_gather.shape[1] * bs)[None, :]
+            self.decode_mask = ((p < lens[:, None]) & (p >= lo[:, None]))[:, None, None, :]
+        return self.decode_mask
+
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         got = self.decode_bias.get(dtype)
         if got is None:
-            assert self.decode_mask is not None
-            got = torch.zeros(self.decode_mask.shape, dtype=dtype).masked_fill_(
-                ~self.decode_mask, float("-inf")
-            )
+            mask = self.mask()
+            got = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
             self.decode_bias[dtype] = got
         return got
 
@@ -82,24 +93,26 @@ class TorchAttentionMetadata(AttentionMetadata):
 def _build_plan(md: TorchAttentionMetadata, window: int) -> TorchPlan:
     bs = md.block_size
     tables = md.block_tables  # [B, max_blocks] int32, host
-    plan = TorchPlan()
+    plan = TorchPlan(block_size=bs)
     qsl = md.query_start_loc.numpy().astype(np.int64)  # [B + 1] (host tensors on this backend)
     seq_lens = md.seq_lens.numpy().astype(np.int64)  # [B]
-    qlens = np.diff(qsl)  # [B]
-    dec = np.flatnonzero(qlens == 1)
+    qlens = qsl[1:] - qsl[:-1]  # [B]
+    is_dec = qlens == 1
+    dec = np.flatnonzero(is_dec)
     if dec.size:
-        lens = torch.from_numpy(seq_lens[dec])  # [Bd] int64
-        lo = (lens - window).clamp(min=0) if window > 0 else torch.zeros_like(lens)  # first key seen
+        # In numpy, and the SDPA path's mask only when it runs: as a dozen tiny torch ops this plan
+        # took 0.14-0.16 ms per step at one sequence (host_overhead's 1-layer model), now 0.06-0.10.
+        lens = seq_lens[dec]  # [Bd] int64
+        lo = np.maximum(lens - window, 0) if window > 0 else np.zeros_like(lens)  # first key seen
         first = lo // bs  # [Bd] first block read
         nblk = int(((lens + bs - 1) // bs - first).max())
-        idx = (first[:, None] + torch.arange(nblk)[None, :]).clamp(max=tables.shape[1] - 1)
-        plan.decode_rows = torch.from_numpy(qsl[dec])  # [Bd] int64
+        idx = np.minimum(first[:, None] + np.arange(nblk), tables.shape[1] - 1)  # [Bd, nblk]
         # Whole blocks: one contiguous [BS, Hkv, D] row per gathered index (holes/padding masked).
-        plan.decode_gather = tables[torch.from_numpy(dec)].long().gather(1, idx).clamp(min=0)  # [Bd, nblk]
-        p = first[:, None] * bs + torch.arange(nblk * bs)[None, :]  # absolute key positions
-        plan.decode_mask = ((p < lens[:, None]) & (p >= lo[:, None]))[:, None, None, :]
-        plan.decode_lo, plan.decode_lens = lo, lens
-    for i in np.flatnonzero(qlens != 1).tolist():
+        gather = tables.numpy()[dec[:, None], idx].astype(np.int64)  # [Bd, nblk]
+        plan.decode_gather = torch.from_numpy(np.maximum(gather, 0, out=gather))
+        plan.decode_rows = torch.from_numpy(qsl[dec])  # [Bd] int64
+        plan.decode_lo, plan.decode_lens = torch.from_numpy(lo), torch.from_numpy(lens)
+    for i in np.flatnonzero(~is_dec).tolist():
         row0, q, L = int(qsl[i]), int(qlens[i]), int(seq_lens[i])
         if L == q:  # the whole sequence is in this chunk: K/V are the fresh tensors
             plan.prefill_seqs.append((row0, q, L, 0, None))
@@ -229,7 +242,7 @@ def attention_forward(
         kd = _read_blocks(k_cache, plan.decode_gather, ks, q.dtype)  # [Bd, nblk * BS, Hkv, D]
         vd = _read_blocks(v_cache, plan.decode_gather, vs, q.dtype)
         qd = q[rows].unsqueeze(2)  # [Bd, Hq, 1, D]
-        mask = plan.decode_mask if softcap > 0 else plan.bias(q.dtype)  # the softcap path takes bool
+        mask = plan.mask() if softcap > 0 else plan.bias(q.dtype)  # the softcap path takes bool
         od = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), mask, scale, softcap)
         out[rows] = od.squeeze(2)  # [Bd, Hq, D]
     for start, qlen, L, k0, ctx_blocks in plan.prefill_seqs:
