@@ -22,7 +22,8 @@ def _case(
     ctx_lens: list[int], hq: int, hkv: int, d: int, bs: int, window: int, seed: int = 0
 ) -> tuple[torch.Tensor, ...]:
     """Decode rows (one new token each) over shuffled blocks of a NaN-poisoned cache; blocks wholly
-    before every row's window are -1 in the table (freed) and never read."""
+    before every row's window are -1 in the table (freed) and never read, and slots past a row's
+    context in its last block are NaN."""
     gen = torch.Generator().manual_seed(seed)
     nb = sum(-(-n // bs) for n in ctx_lens) + 3
     k_cache = torch.full((nb, bs, hkv, d), float("nan"))
@@ -37,6 +38,9 @@ def _case(
             tables[b, j] = blk
             k_cache[blk] = torch.randn(bs, hkv, d, generator=gen)
             v_cache[blk] = torch.randn(bs, hkv, d, generator=gen)
+        if n % bs:  # the last block's slots past the context: never written, so never read
+            k_cache[tables[b, n // bs], n % bs :] = float("nan")
+            v_cache[tables[b, n // bs], n % bs :] = float("nan")
         for j in range(lo // bs):  # freed by the block manager: poisoned and unmapped
             k_cache[tables[b, j]] = float("nan")
             v_cache[tables[b, j]] = float("nan")
@@ -50,13 +54,18 @@ def _case(
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("bs", [1, 4, 16])
-@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("bs", [1, 4, 16, 32])
+@pytest.mark.parametrize("d", [64, 128, 24])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (0, 5.0), (20, 5.0)])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "generic"])
 def test_paged_decode_matches_reference(
-    hq: int, hkv: int, bs: int, d: int, window: int, softcap: float
+    hq: int, hkv: int, bs: int, d: int, window: int, softcap: float, tiled: bool
 ) -> None:
+    """Both forms of the op (the tiled one where this build has it and d, bs allow: 64 and 128
+    with blocks of 16 or 32; the generic one everywhere)."""
     _op()
+    if tiled and not cpu_native.decode_tiled():
+        pytest.skip("this build has no tiled form (built without AVX-512)")
     ctx_lens = [1, 5, 16, 17, 40, 3, 33]
     q, k_cache, v_cache, tables, rows = _case(ctx_lens, hq, hkv, d, bs, window)
     lens = torch.tensor(ctx_lens, dtype=torch.int64)
@@ -66,7 +75,9 @@ def test_paged_decode_matches_reference(
     idx = (first[:, None] + torch.arange(nblk)[None, :]).clamp(max=tables.shape[1] - 1)
     gather = tables.long().gather(1, idx).clamp(min=0).contiguous()
     out = torch.full((q.shape[0], hq, d), 7.0)
-    cpu_native.paged_decode(q, k_cache, v_cache, rows, gather, lo, lens, out, scale=d**-0.5, softcap=softcap)
+    cpu_native.paged_decode(
+        q, k_cache, v_cache, rows, gather, lo, lens, out, scale=d**-0.5, softcap=softcap, tiled=tiled
+    )
     assert torch.equal(out[1], torch.full((hq, d), 7.0))  # a row not in `rows` is left alone
     qd = q[rows]
     ref = ref_paged_attention(
