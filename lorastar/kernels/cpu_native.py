@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
+import platform
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,13 +79,33 @@ def _one_ninja() -> Iterator[None]:
             os.environ["PATH"] = old
 
 
+def cpu_identity() -> str:
+    """This CPU's model name and feature flags (``/proc/cpuinfo``'s first processor; elsewhere what
+    ``platform`` knows): what a ``-march=native`` build was compiled for."""
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")  # x86, aarch64
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            first = itertools.takewhile(lambda ln: ln.strip(), f)  # the first processor's block
+            keep = [ln.strip() for ln in first if ln.startswith(keys)]
+        if keep:
+            return "\n".join(keep)
+    return f"{platform.machine()} {platform.processor()}"
+
+
 def build_name(sources: list[str], flags: list[str]) -> str:
     """The build's name (and so its folder): ``lorastar_cpu_ops_`` and a digest of the sources, the
-    flags and the include folder. torch keeps one folder per name and rebuilds (~30 s) whenever the
-    sources or the command differ from its last build there, so two checkouts or two versions of
-    lorastar (a benchmark's ``--other``, two venvs) or ``LORASTAR_CPU_NATIVE`` on and off shared
-    one folder and rebuilt at every switch; now each builds once."""
-    h = hashlib.sha256("\0".join([*sources, *flags, str(_CSRC)]).encode())
+    flags and the include folder, and for a ``-march=native`` build the CPU (``cpu_identity``).
+    torch keeps one folder per name and rebuilds (~30 s) whenever the sources or the command differ
+    from its last build there, so two checkouts or two versions of lorastar (a benchmark's
+    ``--other``, two venvs) or ``LORASTAR_CPU_NATIVE`` on and off shared one folder and rebuilt at
+    every switch; now each builds once. The command does not change with the CPU, so a cache folder
+    shared by different machines (a home folder on NFS, a container image built elsewhere) loaded
+    code compiled for another CPU, which can die on an instruction this one lacks (SIGILL); now each
+    CPU builds its own."""
+    parts = [*sources, *flags, str(_CSRC)]
+    if "-march=native" in flags:
+        parts.append(cpu_identity())
+    h = hashlib.sha256("\0".join(parts).encode())
     return f"lorastar_cpu_ops_{h.hexdigest()[:16]}"
 
 

@@ -205,3 +205,16 @@ def test_each_source_and_flag_set_builds_in_its_own_folder(tmp_path, monkeypatch
     base = cpu_native.build_name(["src"], ["-O3"])
     assert base == cpu_native.build_name(["src"], ["-O3"])
     assert len({base, cpu_native.build_name(["src2"], ["-O3"]), cpu_native.build_name(["src"], ["-O2"])}) == 3
+
+
+def test_a_native_build_is_named_for_its_cpu(monkeypatch) -> None:  # noqa: ANN001
+    """A ``-march=native`` build runs only on CPUs with the features it was compiled for; a cache
+    folder shared by two machines (home on NFS, an image built elsewhere) must not hand one CPU's
+    build to the other."""
+    assert cpu_native.cpu_identity().strip()  # something to tell CPUs apart
+    native = ["-O3", "-march=native"]
+    monkeypatch.setattr(cpu_native, "cpu_identity", lambda: "model name : A\nflags : avx512f")
+    a_native, a_plain = cpu_native.build_name(["src"], native), cpu_native.build_name(["src"], ["-O3"])
+    monkeypatch.setattr(cpu_native, "cpu_identity", lambda: "model name : B\nflags : avx2")
+    assert cpu_native.build_name(["src"], native) != a_native
+    assert cpu_native.build_name(["src"], ["-O3"]) == a_plain  # a portable build is shared
