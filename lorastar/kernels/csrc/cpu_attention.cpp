@@ -75,9 +75,9 @@ inline vf16 load16(const float* p) {
 }
 inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 
-// Lane l of the result is the sum of v[l]'s 16 lanes... in the order kTreeLane: the tree leaves the
-// sum of v[i] in lane kTreeLane[i] (an involution), so callers feed v[kTreeLane[t]] = key t's
-// products and read key t's score in lane t. 4 levels, 30 shuffles and 15 adds for 16 sums.
+// The lane sums of 16 vectors at once: the sum of v[i]'s lanes lands in lane kTreeLane[i] (an
+// involution), so callers put key t's products in v[kTreeLane[t]] and read its score in lane t.
+// Every add joins lanes of one vector only. 4 levels, 30 shuffles and 15 adds for 16 sums.
 constexpr int kTreeLane[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 inline vf16 sum16(const vf16* v) {
   const vi16 q01 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
