@@ -63,7 +63,8 @@ inline void prefetch_block(const float* p, int64_t floats) {
   for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-#if defined(__AVX512F__)
+// GCC's vector extensions (__builtin_shuffle): other compilers build the generic form only.
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #define LORASTAR_TILED_DECODE 1
 // 16 floats in one register (GCC vector extensions: one zmm here).
 typedef float vf16 __attribute__((vector_size(64)));
