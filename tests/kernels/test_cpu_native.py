@@ -55,14 +55,14 @@ def _case(
 
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("bs", [1, 4, 16, 32])
-@pytest.mark.parametrize("d", [64, 128, 24, 96, 256])
+@pytest.mark.parametrize("d", [64, 128, 24, 96, 112, 256])
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (7, 0.0), (0, 5.0), (20, 5.0)])
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "generic"])
 def test_paged_decode_matches_reference(
     hq: int, hkv: int, bs: int, d: int, window: int, softcap: float, tiled: bool
 ) -> None:
-    """Both forms of the op (the tiled one where this build has it and d, bs allow: d 64, 96, 128
-    and 256 with blocks of 16 or 32; the generic one everywhere)."""
+    """Both forms of the op (the tiled one where this build has it and d, bs allow: d 64, 96, 128,
+    112 and 256 with blocks of 16 or 32; the generic one everywhere)."""
     _op()
     if tiled and not cpu_native.decode_tiled():
         pytest.skip("this build has no tiled form (built without AVX-512)")
