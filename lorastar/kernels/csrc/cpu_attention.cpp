@@ -63,16 +63,16 @@ inline void prefetch_block(const float* p, int64_t floats) {
   for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
-// x[0:n] = softmax(x[0:n]) in place (n > 0).
-inline void softmax_inplace(float* x, int64_t n) {
+// x[i0:i1] = softmax(x[i0:i1]) in place (i1 > i0).
+inline void softmax_inplace(float* x, int64_t i0, int64_t i1) {
   float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
 #pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  for (int64_t i = i0; i < i1; ++i) m = std::max(m, x[i]);
 #pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += (x[i] = exp_nonpos(x[i] - m));
+  for (int64_t i = i0; i < i1; ++i) sum += (x[i] = exp_nonpos(x[i] - m));
   const float inv = 1.f / sum;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+  for (int64_t i = i0; i < i1; ++i) x[i] *= inv;
 }
 
 // GCC's vector extensions (__builtin_shuffle): other compilers build the generic form only.
@@ -146,7 +146,7 @@ void decode_row_tiled(const float* qr, const float* kp, const float* vp, const i
     float* sh = s.data() + h * W;
     if (cap > 0.f)
       for (int64_t j = j0; j < j1; ++j) sh[j] = cap * std::tanh(sh[j] / cap);
-    softmax_inplace(sh + j0, j1 - j0);
+    softmax_inplace(sh, j0, j1);
   }
   for (int64_t hk = 0; hk < Hkv; ++hk)
     for (int64_t g0 = 0; g0 < G; g0 += GC) {
@@ -282,7 +282,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
             }
         }
       }
-      for (int64_t h = 0; h < Hq; ++h) softmax_inplace(s.data() + h * n, n);
+      for (int64_t h = 0; h < Hq; ++h) softmax_inplace(s.data() + h * n, 0, n);
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t c = 0, i = 0; c < ncols; ++c) {
         int64_t t0, t1;
