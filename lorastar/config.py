@@ -64,11 +64,12 @@ class EngineConfig:
     or ``"auto"``: both timed at load on the model's largest linear, the faster one kept."""
 
     cpu_kernels: str = "auto"
-    """Decode attention and decode-row LoRA of fp32 models on CPU: ``"native"`` (two small C++ ops,
-    built once per machine with g++ and ninja, ~20 s, then cached: attention reads K/V straight from
-    the paged cache, LoRA reads each adapter at its true rank; ``kernels/cpu_native.py``),
-    ``"torch"`` (blocks gathered then SDPA; LoRA as bmm over a slot grid), or ``"auto"``: native
-    where it builds, torch otherwise."""
+    """Decode attention, decode-row LoRA, RMSNorm, the gated activation and rotary of fp32 models on
+    CPU: ``"native"`` (small C++ ops, built once per machine with g++ and ninja, ~30 s, then cached:
+    attention reads K/V straight from the paged cache, LoRA reads each adapter at its true rank, the
+    elementwise steps are one pass each; ``kernels/cpu_native.py``), ``"torch"`` (blocks gathered
+    then SDPA; LoRA as bmm over a slot grid; torch's composite norm, activation and rotary), or
+    ``"auto"``: native where it builds, torch otherwise."""
 
     tune_malloc: bool = True
     """On CPU (Linux, glibc): ask malloc to keep freed memory for reuse (``mallopt`` mmap and trim

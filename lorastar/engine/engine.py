@@ -212,6 +212,7 @@ class LLMEngine:
 
             if cpu_native.load() is not None:
                 self.cpu_kernels = "native"
+                self.model.use_native_cpu_ops()
             elif config.cpu_kernels == "native":
                 raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")
         self.tokenizer_dir = Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir

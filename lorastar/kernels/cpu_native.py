@@ -1,5 +1,5 @@
-"""Two small C++ ops for the CPU's decode steps, built together once per machine with torch's
-extension builder (semantics in each source file and in ``reference.py``):
+"""Small C++ ops for the CPU's steps, built together once per machine with torch's extension
+builder (semantics in each source file and in ``reference.py``):
 
 * ``paged_decode`` (``csrc/cpu_attention.cpp``, ``ref_paged_attention``): the torch path gathers
   every decode row's blocks into a new tensor per layer and step (``index_select``) and SDPA reads
@@ -7,6 +7,9 @@ extension builder (semantics in each source file and in ``reference.py``):
 * ``lora_segments`` (``csrc/cpu_lora.cpp``, ``ref_lora_shrink``/``ref_lora_expand``): SGMV over
   (slot, rows) segments reading each adapter's A and B once per linear at its true rank; the torch
   form (``bmm`` over a slot grid) read every slot at the step's largest rank.
+* ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/cpu_elementwise.cpp``,
+  ``ref_rms_norm``/``ref_silu_and_mul``/``ref_rotary``): one pass each where torch's composite forms
+  dispatch 3-8 ops; at a decode step's sizes the dispatch is most of their cost.
 
 The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
@@ -37,7 +40,7 @@ STALE_LOCK_SECONDS = 300.0
 
 _CSRC = Path(__file__).with_name("csrc")
 # The header first: its text is then part of the sources torch hashes (a header edit rebuilds).
-_SOURCES = [_CSRC / f for f in ("cpu_vec.h", "cpu_attention.cpp", "cpu_lora.cpp")]
+_SOURCES = [_CSRC / f for f in ("cpu_vec.h", "cpu_attention.cpp", "cpu_lora.cpp", "cpu_elementwise.cpp")]
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -130,7 +133,15 @@ def load() -> ModuleType | None:
             ext = load_inline(
                 name,
                 cpp_sources=sources,
-                functions=["paged_decode", "paged_decode_tiled", "lora_segments"],
+                functions=[
+                    "paged_decode",
+                    "paged_decode_tiled",
+                    "lora_segments",
+                    "rms_norm",
+                    "add_rms_norm",
+                    "silu_and_mul",
+                    "rotary",
+                ],  # fmt: skip
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 extra_include_paths=[str(_CSRC)],
@@ -192,3 +203,30 @@ def lora_segments(
     """Semantics: ``for slot, s, e in segs: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T)
     @ Bt_i[slot, :r]`` with ``r = ranks[slot]`` (see ``csrc/cpu_lora.cpp``)."""
     _ops().lora_segments(x, y, a, b, offsets, segs, ranks, shared)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Semantics: ``weight * (x * rsqrt(mean(x**2, -1) + eps))``; x ``[N, D]`` fp32 with contiguous
+    rows -> a new ``[N, D]`` (``csrc/cpu_elementwise.cpp``; ``ref_rms_norm``)."""
+    return _ops().rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: ``s = x + h; return s, rms_norm(s, weight, eps)``, one pass (a residual add and the
+    next norm); x, h ``[N, D]`` fp32 with contiguous rows."""
+    return _ops().add_rms_norm(x, h, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: ``silu(gate_up[:, :I]) * gate_up[:, I:]``; gate_up ``[N, 2I]`` fp32 with contiguous
+    rows -> ``[N, I]`` (``ref_silu_and_mul``)."""
+    return _ops().silu_and_mul(gate_up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Semantics: ``x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin`` per head; x ``[T, H, D]`` fp32
+    with contiguous heads (a view of the fused qkv output), cos/sin ``[T, D]`` (any ``[T, 1, D]`` view
+    of them) -> a new contiguous ``[T, H, D]`` (``ref_rotary``)."""
+    return _ops().rotary(x, cos, sin)

@@ -364,3 +364,11 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def ref_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``apply_rotary_pos_emb`` over ``x [T, H, D]`` with ``cos``/``sin [T, D]``
+    (the rotate-half form, full head width)."""
+    h = x.shape[-1] // 2
+    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]

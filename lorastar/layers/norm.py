@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lorastar.kernels import cpu_native
 from lorastar.kernels._triton import HAS_TRITON
 from lorastar.kernels.norm import MAX_ROW, rms_norm
 
@@ -17,9 +18,34 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        # fp32 CPU rows through the C++ op (kernels/cpu_native.py), set by use_native_cpu_ops: one
+        # pass where torch's CPU rms_norm is six ops, 5.8 vs 34 us at 64 rows of SmolLM2, 1.9 vs 14 at 1.
+        self.native_cpu = False
+
+    def use_native_cpu_ops(self) -> None:
+        self.native_cpu = True
+
+    def _native_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` as the C++ op's ``[N, D]`` rows, or None where it does not apply."""
+        if not (self.native_cpu and x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"):
+            return None
+        if x.dim() == 2 and x.stride(1) == 1:
+            return x
+        return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+
+    def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + h, self(x + h))``: a residual add and the norm after it, one pass on the C++ path."""
+        rows, hrows = self._native_rows(x), self._native_rows(h)
+        if rows is not None and hrows is not None and x.dim() == 2 and x.shape == h.shape:
+            return cpu_native.add_rms_norm(rows, hrows, self.weight, self.eps)
+        s = x + h
+        return s, self(s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        rows = self._native_rows(x)
+        if rows is not None:
+            return cpu_native.rms_norm(rows, self.weight, self.eps).view(x.shape)
         if dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One fused op, the same arithmetic (bit-identical here): 8.8 vs 12.4 us at 10 rows.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

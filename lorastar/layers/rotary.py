@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lorastar.forward_context import ForwardContext
+from lorastar.kernels import cpu_native
 
 SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope")
 
@@ -91,6 +92,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_pos, rotary_dim]
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # fp32 CPU heads through the C++ op (kernels/cpu_native.py), set by use_native_cpu_ops: one
+        # pass where the torch form is five ops, 8.7 vs 75 us for SmolLM2's 12 heads at 64 rows.
+        self.native_cpu = False
+
+    def use_native_cpu_ops(self) -> None:
+        self.native_cpu = True
+
+    def _native(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+        return (
+            self.native_cpu and x.dtype == cos.dtype == torch.float32 and x.device.type == "cpu"
+            and x.dim() == 3 and x.stride(2) == 1 and self.rotary_dim == x.shape[-1] and cos.is_contiguous()
+        )  # fmt: skip
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(dtype)[:, None, :]  # [T, 1, D]
@@ -108,6 +121,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._step_cos_sin(positions, q.dtype, ctx)
+        if self._native(q, cos) and self._native(k, cos) and sin.is_contiguous():
+            return cpu_native.rotary(q, cos, sin), cpu_native.rotary(k, cos, sin)
         r = self.rotary_dim
         if r == q.shape[-1]:
             return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -121,6 +136,8 @@ class RotaryEmbedding(nn.Module):
         """Full-width rotary over ``x [T, H, D]`` (q and k heads side by side: one pass for both,
         10.9 vs 20.6 us for SmolLM2's 9 + 3 heads at 10 rows)."""
         cos, sin = self._step_cos_sin(positions, x.dtype, ctx)
+        if self._native(x, cos) and sin.is_contiguous():
+            return cpu_native.rotary(x, cos, sin)
         return x * cos + _rotate_half(x) * sin
 
 

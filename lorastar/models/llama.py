@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lorastar.forward_context import ForwardContext
-from lorastar.layers.activation import GATED_ACTIVATIONS
+from lorastar.layers.activation import GATED_ACTIVATIONS, NATIVE_CPU_ACTIVATIONS
 from lorastar.layers.attention import attention_forward
 from lorastar.layers.embedding import EmbeddingMethod, UnquantizedEmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, UnquantizedLinearMethod
@@ -134,6 +134,7 @@ class MLP(nn.Module):
         if act not in GATED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(GATED_ACTIVATIONS)}")
         self.act_and_mul = GATED_ACTIVATIONS[act]
+        self.act = act
         bias = bool(cfg.get("mlp_bias", False))
         self.gate_up_proj = Linear(
             hidden, [inter, inter], bias=bias, prefix=f"{prefix}.gate_up_proj",
@@ -144,6 +145,9 @@ class MLP(nn.Module):
             inter, [hidden], bias=bias, prefix=f"{prefix}.down_proj", slice_names=["down_proj"],
             params_dtype=dtype, quant_method=_linear_method(quant, f"{prefix}.down_proj"),
         )  # fmt: skip
+
+    def use_native_cpu_ops(self) -> None:
+        self.act_and_mul = NATIVE_CPU_ACTIVATIONS.get(self.act, self.act_and_mul)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, ctx)  # [T, 2 * inter]
@@ -168,8 +172,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, layer_idx, dtype, quant)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(positions, self.input_layernorm(x), ctx)
+        )
+        return x + self.mlp(h, ctx)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -271,6 +277,16 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(head.method, UnquantizedEmbeddingMethod):
             head.method.pack_for_cpu(head, keep_table=self.tie_word_embeddings)
         return n
+
+    def use_native_cpu_ops(self) -> int:
+        """Route fp32 CPU norms, the gated activation and rotary through the C++ ops
+        (``kernels/cpu_native.py``, loaded by the caller): every module with ``use_native_cpu_ops``.
+        Same semantics to a few ulp; each module keeps torch's form for inputs the op does not take.
+        Returns the modules switched."""
+        mods = [m for m in self.modules() if m is not self and hasattr(m, "use_native_cpu_ops")]
+        for m in mods:
+            m.use_native_cpu_ops()
+        return len(mods)
 
     def linears(self) -> dict[str, Linear]:
         return {m.prefix: m for m in self.modules() if isinstance(m, Linear)}

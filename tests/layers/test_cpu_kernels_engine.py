@@ -1,4 +1,5 @@
-"""``cpu_kernels``: the C++ decode op and the gather + SDPA path give HF's greedy tokens."""
+"""``cpu_kernels``: the C++ ops (decode attention, norms, activation, rotary) and the torch paths give
+HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from lorastar.config import EngineConfig
 from lorastar.kernels import cpu_native
 
 
-def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_dir) -> None:
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
+def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_dir, name: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
 
     if cpu_native.load() is None:
         pytest.skip("no C++ toolchain: the CPU attention op cannot build here")
-    path = tiny_model_dir("llama-gqa")
+    path = tiny_model_dir(name)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = mixed_prompts(12, [3, 40, 17, 70])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
@@ -25,6 +27,10 @@ def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_di
     for mode in ("torch", "native"):
         llm = LLM(path, num_kv_blocks=64, cpu_kernels=mode)
         assert llm.engine.cpu_kernels == mode
+        layer = llm.engine.model.layers[0]
+        native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
+        assert native == [mode == "native"] * 2
+        assert (layer.mlp.act_and_mul.__name__ == "native_cpu_silu_and_mul") == (mode == "native")
         outs[mode] = llm.generate(prompts, sp)
     for p, a, b in zip(prompts, outs["torch"], outs["native"]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf, p, 12)

@@ -1,4 +1,4 @@
-// Vector helpers shared by the CPU ops (cpu_attention.cpp, cpu_lora.cpp); plain loops that the
+// Vector helpers shared by the CPU ops (cpu_attention.cpp, cpu_lora.cpp, cpu_elementwise.cpp); plain loops that the
 // compiler vectorizes under `omp simd` (-fopenmp, -march=native).
 #ifndef LORASTAR_CPU_VEC_H_
 #define LORASTAR_CPU_VEC_H_
@@ -6,6 +6,22 @@
 #include <cstdint>
 
 namespace lorastar_vec {
+
+// sum(x[i]) (squares: sum(x[i]^2)) in 16 lanes by index, the lanes then added in a fixed tree: the
+// same rounding wherever x sits in memory and whatever the compiler's loop peeling (an `omp simd`
+// reduction may peel up to an aligned address, and its grouping then follows the address).
+template <bool kSquares = false>
+inline float lane_sum(const float* __restrict x, int64_t n) {
+  float lane[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lane[j] += kSquares ? x[i + j] * x[i + j] : x[i + j];
+  for (int j = 0; i < n; ++i, ++j) lane[j] += kSquares ? x[i] * x[i] : x[i];
+  for (int w = 8; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  return lane[0];
+}
 
 // y += w * x over n floats.
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
