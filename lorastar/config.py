@@ -61,7 +61,9 @@ class EngineConfig:
     cpu_gemm: str = "auto"
     """GEMM for 32-bit linears and the lm_head on CPU: ``"onednn"`` (weights prepacked once at load;
     2-3x torch's default on SmolLM2's shapes, see ``layers/cpu_gemm.py``), ``"torch"`` (``F.linear``),
-    or ``"auto"``: both timed at load on the model's largest linear, the faster one kept."""
+    or ``"auto"``: both timed at load on the model's largest linear, oneDNN kept unless torch's is
+    clearly faster (a margin, so the choice, and with it the logits' last bits, is the same on every
+    start)."""
 
     cpu_kernels: str = "auto"
     """Decode attention, decode-row LoRA, RMSNorm, the gated activation and rotary of fp32 models on

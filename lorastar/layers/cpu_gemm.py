@@ -47,9 +47,18 @@ def _time(fn, reps: int = 5) -> float:  # noqa: ANN001
     return time.perf_counter() - t
 
 
+# "auto" keeps oneDNN unless torch's GEMM is this much faster at both sizes. A plain "whichever is
+# faster" flipped from one engine to the next where the two are close (SmolLM2's lm_head at one row,
+# torch / oneDNN time 1.01-1.25 over five tries on an Xeon VM), and the two round differently, so
+# the same prompt's logits, and on a near tie its greedy tokens, changed between restarts.
+TORCH_MARGIN = 1.25
+
+
 def choose_backend(requested: str, weight: torch.Tensor | None) -> str:
     """``"torch"`` or ``"onednn"`` for 32-bit CPU linears. ``"auto"`` times both on ``weight``
-    (the model's largest linear) at 1 and 32 rows (a few ms) and picks oneDNN if it wins both."""
+    (the model's largest linear) at 1 and 32 rows (best of 3, a few ms) and keeps oneDNN unless
+    torch's GEMM is ``TORCH_MARGIN`` times faster at both: the same choice on every start of one
+    machine unless the two sit near that margin, where near-equal speeds tipped it either way."""
     if requested not in BACKENDS:
         raise ValueError(f"cpu_gemm must be one of {BACKENDS}, got {requested!r}")
     if requested == "torch" or weight is None or weight.dtype != torch.float32:
@@ -60,12 +69,19 @@ def choose_backend(requested: str, weight: torch.Tensor | None) -> str:
         return "torch"
     if requested == "onednn":
         return "onednn"
+    onednn_s, torch_s = [], []
     with torch.inference_mode():
         packed = pack(weight)
         for rows in (1, 32):
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            if _time(lambda x=x: packed_linear(x, packed)) >= _time(
-                lambda x=x: torch.nn.functional.linear(x, weight)
-            ):
-                return "torch"
-    return "onednn"
+            onednn_s.append(min(_time(lambda x=x: packed_linear(x, packed)) for _ in range(3)))
+            torch_s.append(min(_time(lambda x=x: torch.nn.functional.linear(x, weight)) for _ in range(3)))
+    return pick(onednn_s, torch_s)
+
+
+def pick(onednn_s: list[float], torch_s: list[float]) -> str:
+    """The rule behind ``auto``, from each backend's seconds at the same sizes."""
+    if len(onednn_s) != len(torch_s) or not onednn_s:
+        raise ValueError("pick: one time per size for each backend")
+    clearly_slower = all(o >= TORCH_MARGIN * t for o, t in zip(onednn_s, torch_s))
+    return "torch" if clearly_slower else "onednn"

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lorastar import LLM, SamplingParams
 from lorastar.config import EngineConfig
-from lorastar.layers.cpu_gemm import choose_backend, onednn_available, pack, packed_linear
+from lorastar.layers.cpu_gemm import choose_backend, onednn_available, pack, packed_linear, pick
 from lorastar.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -72,3 +72,22 @@ def test_choices_and_errors() -> None:
         choose_backend("mkl", w)
     with pytest.raises(ValueError, match="cpu_gemm must be one of"):
         EngineConfig(cpu_gemm="blas")
+
+
+@pytest.mark.parametrize(
+    ("onednn_s", "torch_s", "want"),
+    [
+        ([1.0, 1.0], [1.0, 1.0], "onednn"),  # level: the same choice every start
+        ([1.1, 1.2], [1.0, 1.0], "onednn"),  # torch a little faster (noise-sized): still oneDNN
+        ([1.0, 2.0], [1.0, 1.0], "onednn"),  # torch well ahead at 32 rows only
+        ([2.0, 1.3], [1.0, 1.0], "torch"),  # torch well ahead at both sizes
+    ],
+)
+def test_auto_keeps_onednn_unless_torch_wins_clearly(
+    onednn_s: list[float], torch_s: list[float], want: str
+) -> None:
+    """``auto``'s rule from (1 row, 32 rows) seconds per backend. It picked whichever was faster,
+    and where the two were close that flipped between starts (and with it the logits' last bits)."""
+    assert pick(onednn_s, torch_s) == want
+    with pytest.raises(ValueError):
+        pick([1.0], [1.0, 1.0])  # one time per size on each side
