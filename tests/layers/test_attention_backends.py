@@ -24,20 +24,27 @@ def padded_block_tables(tables: list[list[int]], fill: int = 0) -> torch.Tensor:
 BS, HQ, HKV, D = 4, 4, 2, 16
 
 
+def paged_layout(seqs: list[tuple[int, int]]) -> tuple[list[list[int]], list[int], list[int], list[int], int]:
+    """Blocks laid out in order for ``(context already cached, new tokens)`` per sequence: (block
+    tables, the new tokens' cache slots, query lengths, context lengths after the step, blocks used)."""
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    nxt = 0
+    for ctx, q in seqs:
+        n = -(-(ctx + q) // BS)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx, ctx + q)]
+    return tables, slots, [q for _, q in seqs], [c + q for c, q in seqs], nxt
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_torch_and_triton_backends_agree(kv_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     # (context already cached, new tokens): chunked prefill, decode, fresh prefill, decode. A fresh
     # prefill on CPU attends over this step's unquantized K/V, not the FP8 cache: left out for FP8.
     seqs = [(4, 3), (4, 1), (0, 5), (9, 1)] if kv_dtype == torch.float32 else [(4, 3), (4, 1), (9, 1)]
-    tables, slots, q_lens, seq_lens, nxt = [], [], [], [], 0
-    for ctx, q in seqs:
-        n = -(-(ctx + q) // BS)
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx, ctx + q)]
-        q_lens.append(q)
-        seq_lens.append(ctx + q)
+    tables, slots, q_lens, seq_lens, nxt = paged_layout(seqs)
     md = build_attention_metadata(
         slots, q_lens, seq_lens, padded_block_tables(tables), block_size=BS, device=torch.device("cpu")
     )
@@ -63,14 +70,7 @@ def test_windows_and_softcap_match_reference(window: int, softcap: float) -> Non
     gen = torch.Generator().manual_seed(1)
     # (context already cached, new tokens): decodes and chunks several windows long.
     seqs = [(13, 1), (0, 11), (9, 6), (2, 1), (17, 3), (0, 1)]
-    tables, slots, q_lens, seq_lens, nxt = [], [], [], [], 0
-    for ctx, q in seqs:
-        n = -(-(ctx + q) // BS)
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx, ctx + q)]
-        q_lens.append(q)
-        seq_lens.append(ctx + q)
+    tables, slots, q_lens, seq_lens, nxt = paged_layout(seqs)
     t = sum(q_lens)
     q, k, v = (torch.randn(t, h, D, generator=gen) * 3 for h in (HQ, HKV, HKV))
     cache = torch.randn(nxt, BS, HKV, D, generator=gen)
@@ -117,14 +117,7 @@ def test_cpu_prefill_chunks_run_the_fused_sdpa_kernel(window: int) -> None:
 
     gen = torch.Generator().manual_seed(2)
     seqs = [(0, 9), (6, 7)]  # (context already cached, new tokens)
-    tables, slots, q_lens, seq_lens, nxt = [], [], [], [], 0
-    for ctx, q in seqs:
-        n = -(-(ctx + q) // BS)
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-        slots += [tables[-1][p // BS] * BS + p % BS for p in range(ctx, ctx + q)]
-        q_lens.append(q)
-        seq_lens.append(ctx + q)
+    tables, slots, q_lens, seq_lens, nxt = paged_layout(seqs)
     md = build_attention_metadata(
         slots, q_lens, seq_lens, padded_block_tables(tables), block_size=BS, device=torch.device("cpu")
     )

@@ -32,29 +32,7 @@ namespace {
 
 using lorastar_vec::axpy;
 using lorastar_vec::dot_rows4;
-
-// exp(x) for x <= 0 (softmax after subtracting the max), vectorizable: 2^(x log2 e) as 2^n times a
-// degree-6 polynomial of the fraction on [-0.5, 0.5]; relative error < 2e-7. std::exp is a scalar
-// call per score: it took 60% of the op at 20 rows x 9 heads x 190 keys.
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick; vectorizes,
-                                                   // std::nearbyint was a libm call per score)
-  const float f = t - n;  // [-0.5, 0.5]
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  std::memcpy(&p, &bits, 4);
-  return p;
-}
+using lorastar_vec::exp_nonpos;
 
 // Blocks sit anywhere in the cache and one block of one layer spans 3 pages (16 tokens x 768 B):
 // the hardware prefetcher stops at each page, so the next block is prefetched by hand.
