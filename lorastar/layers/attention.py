@@ -185,17 +185,16 @@ def _sdpa(
 ) -> torch.Tensor:
     gqa = q.shape[-3] != k.shape[-3]
     if softcap <= 0:
-        if q.dim() == 3:
-            # Torch's fused CPU kernel (flash attention, GQA and masks included) takes only 4-D
-            # inputs; 3-D ones fall back to the math path, which materializes the scores and
-            # repeats K/V per group: a 256-token SmolLM2 prefill 1.35 vs 5.3 ms a layer, 2 threads.
+        # Torch's fused CPU kernel (flash attention, GQA and masks included) takes only 4-D inputs;
+        # 3-D ones fall back to the math path, which materializes the scores and repeats K/V per
+        # group: a 256-token SmolLM2 prefill 1.35 vs 5.3 ms a layer, 2 threads.
+        unbatched = q.dim() == 3
+        if unbatched:
             q, k, v = q[None], k[None], v[None]
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-            )[0]
-        return F.scaled_dot_product_attention(
+        o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
+        return o[0] if unbatched else o
     # Soft-capped logits (Gemma 2): SDPA has no hook between the scores and the softmax.
     if gqa:
         g = q.shape[-3] // k.shape[-3]

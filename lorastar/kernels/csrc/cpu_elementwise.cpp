@@ -34,6 +34,7 @@ inline float silu(float g) {
   const float e = lorastar_vec::exp_nonpos(-std::fabs(g));
   return g * ((g >= 0.f ? 1.f : e) / (1.f + e));
 }
+
 inline void norm_row(const float* __restrict x, const float* __restrict w, float* __restrict out, int64_t D,
                      float eps) {
   const float ss = lorastar_vec::lane_sum<true>(x, D);  // the same at any address
@@ -47,12 +48,16 @@ void check_rows(const at::Tensor& t, const char* what) {
               what, ": a 2-D fp32 CPU tensor with contiguous rows");
 }
 
+void check_weight(const at::Tensor& w, int64_t D, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == D, what, ": fp32 weight [D]");
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_rows(x, "rms_norm x");
   const int64_t N = x.size(0), D = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == D, "rms_norm: fp32 weight [D]");
+  check_weight(w, D, "rms_norm");
   at::Tensor out = at::empty({N, D}, x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -70,8 +75,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_rows(h, "add_rms_norm h");
   const int64_t N = x.size(0), D = x.size(1);
   TORCH_CHECK(h.size(0) == N && h.size(1) == D, "add_rms_norm: x and h of one shape");
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == D,
-              "add_rms_norm: fp32 weight [D]");
+  check_weight(w, D, "add_rms_norm");
   at::Tensor s = at::empty({N, D}, x.options()), out = at::empty({N, D}, x.options());
   const float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *wp = w.data_ptr<float>();
   float *sp = s.data_ptr<float>(), *op = out.data_ptr<float>();
