@@ -60,6 +60,8 @@ SYSTEMS = (
     "lorastar_int8",
     "lorastar_torch_gemm",
     "lorastar_torch_kernels",
+    "lorastar_bf16",
+    "lorastar_bf16_torch_gemm",
     "vllm_cpu",
     "llama_cpp",
     "hf_serial",
@@ -71,6 +73,8 @@ LABELS = {
     "lorastar_int8": "lorastar int8 W8A8 (quantization='int8')",
     "lorastar_torch_gemm": "lorastar, torch GEMM (cpu_gemm='torch')",
     "lorastar_torch_kernels": "lorastar, torch attention and LoRA (cpu_kernels='torch')",
+    "lorastar_bf16": "lorastar bf16 (dtype='bfloat16')",
+    "lorastar_bf16_torch_gemm": "lorastar bf16, torch GEMM",
     "vllm_cpu": "vLLM-cpu",
     "llama_cpp": "llama.cpp F32",
     "hf_serial": "HF generate, one at a time",
@@ -82,6 +86,8 @@ COLORS = {
     "lorastar_int8": "tab:cyan",
     "lorastar_torch_gemm": "tab:purple",
     "lorastar_torch_kernels": "tab:olive",
+    "lorastar_bf16": "tab:pink",
+    "lorastar_bf16_torch_gemm": "tab:gray",
     "vllm_cpu": "tab:brown",
     "llama_cpp": "tab:olive",
     "hf_serial": "tab:red",
@@ -185,12 +191,13 @@ class Lorastar:
         cpu_gemm: str = "auto",
         quantization: str | None = None,
         cpu_kernels: str = "auto",
+        dtype: str = "auto",
     ) -> None:
         from lorastar import LLM, SamplingParams
 
         self.llm = LLM(
             device="cpu", max_num_seqs=max_num_seqs, cpu_gemm=cpu_gemm, quantization=quantization,
-            cpu_kernels=cpu_kernels,
+            cpu_kernels=cpu_kernels, dtype=dtype,
         )  # fmt: skip
         self.SamplingParams = SamplingParams
 
@@ -307,6 +314,14 @@ def main() -> None:
         systems["lorastar_torch_gemm"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_gemm="torch")
     if "lorastar_torch_kernels" in a.sys:  # gather + SDPA decode attention (before the C++ op)
         systems["lorastar_torch_kernels"] = Lorastar(max_num_seqs=max(64, *a.conc), cpu_kernels="torch")
+    # bf16 weights and activations: linears on oneDNN's packed bf16 GEMM where the CPU has bf16
+    # arithmetic (AVX512-BF16 / AMX; layers/cpu_gemm.packable), elsewhere and in '_torch_gemm' F.linear.
+    if "lorastar_bf16" in a.sys:
+        systems["lorastar_bf16"] = Lorastar(max_num_seqs=max(64, *a.conc), dtype="bfloat16")
+    if "lorastar_bf16_torch_gemm" in a.sys:
+        systems["lorastar_bf16_torch_gemm"] = Lorastar(
+            max_num_seqs=max(64, *a.conc), dtype="bfloat16", cpu_gemm="torch"
+        )
     if {"hf_serial", "hf_static"} & set(a.sys):
         systems["hf"] = HF(cb=False)
     if "hf_cb" in a.sys:
@@ -324,7 +339,13 @@ def main() -> None:
     warm = text_prompts(tok, 2, 16, seed=99)
 
     # Warm up every system once (first-call allocations, lazy imports).
-    for name in ("lorastar", "lorastar_int8", "lorastar_torch_gemm"):
+    for name in (
+        "lorastar",
+        "lorastar_int8",
+        "lorastar_torch_gemm",
+        "lorastar_bf16",
+        "lorastar_bf16_torch_gemm",
+    ):
         if name in systems:
             systems[name].run(warm, 4)
     if "hf" in systems:
@@ -349,6 +370,8 @@ def main() -> None:
             ("lorastar_int8", lambda b: systems["lorastar_int8"].run(b, a.new_tokens)),
             ("lorastar_torch_gemm", lambda b: systems["lorastar_torch_gemm"].run(b, a.new_tokens)),
             ("lorastar_torch_kernels", lambda b: systems["lorastar_torch_kernels"].run(b, a.new_tokens)),
+            ("lorastar_bf16", lambda b: systems["lorastar_bf16"].run(b, a.new_tokens)),
+            ("lorastar_bf16_torch_gemm", lambda b: systems["lorastar_bf16_torch_gemm"].run(b, a.new_tokens)),
             ("hf_static", lambda b: systems["hf"].static(b, a.new_tokens)),
             ("hf_cb", lambda b: systems["hf_cb"].continuous(b, a.new_tokens)),
         ):
@@ -476,7 +499,9 @@ def main() -> None:
         "its CPU GEMM is oneDNN with prepacked weights where that measures faster at load (cpu_gemm='auto'); "
         "'torch GEMM' is the same engine with cpu_gemm='torch' (F.linear, MKL). 'int8 W8A8' is the same engine "
         "with quantization='int8' (per-channel int8 weights, per-token int8 activations, torch._int_mm; mean KL "
-        "0.035 to fp32 in benchmarks/quant.py): a quality trade, not an fp32 figure.",
+        "0.035 to fp32 in benchmarks/quant.py): a quality trade, not an fp32 figure. 'bf16' is the same engine "
+        "with dtype='bfloat16' (also a precision trade): its linears on oneDNN's packed bf16 GEMM where the CPU "
+        "has bf16 arithmetic (layers/cpu_gemm.packable), else and in 'bf16, torch GEMM' on F.linear.",
         "Peers, each in its own venv on the same prompt token ids (make bench-peers): vLLM-cpu 0.32 (fp32, its default "
         "torch.compile mode, benchmarks/peers/vllm_cpu.py); llama.cpp through llama-cpp-python 0.3.36 with SmolLM2 "
         "converted to an F32 GGUF, all sequences of a wave in one llama_batch per step (benchmarks/peers/llamacpp.py).",

@@ -59,8 +59,9 @@ class EngineConfig:
     1.4-1.7x the fp32 GEMM, a quarter of the weight bytes; ``quant/int8.py``)."""
 
     cpu_gemm: str = "auto"
-    """GEMM for 32-bit linears and the lm_head on CPU: ``"onednn"`` (weights prepacked once at load;
-    2-3x torch's default on SmolLM2's shapes, see ``layers/cpu_gemm.py``), ``"torch"`` (``F.linear``),
+    """GEMM for fp32 linears and the lm_head on CPU, and bf16 ones where the CPU has bf16 arithmetic
+    (AVX512-BF16, AMX): ``"onednn"`` (weights prepacked once at load; 2-3x torch's default on
+    SmolLM2's fp32 shapes, see ``layers/cpu_gemm.py``), ``"torch"`` (``F.linear``),
     or ``"auto"``: both timed at load on the model's largest linear, oneDNN kept unless torch's is
     clearly faster (a margin, so the choice, and with it the logits' last bits, is the same on every
     start)."""

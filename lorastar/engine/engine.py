@@ -191,7 +191,7 @@ class LLMEngine:
             max_positions=max_len,
             embedding_method=embedding_method(config.embedding_quantization),
         )
-        self.cpu_gemm = "torch"  # the GEMM behind 32-bit CPU linears (layers/cpu_gemm.py)
+        self.cpu_gemm = "torch"  # the GEMM behind dense CPU linears (layers/cpu_gemm.py)
         if self.device.type == "cpu":
             from lorastar.layers.cpu_gemm import choose_backend
             from lorastar.layers.linear import UnquantizedLinearMethod

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorastar.layers.cpu_gemm import pack, packed_linear
+from lorastar.layers.cpu_gemm import pack, packable, packed_linear
 
 
 class EmbeddingMethod:
@@ -57,10 +57,10 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
         return w if w.numel() else None
 
     def pack_for_cpu(self, layer: VocabEmbedding, keep_table: bool) -> bool:
-        """Prepack an fp32 CPU table for the logits (``layers/cpu_gemm.py``). ``keep_table``: the
+        """Prepack a CPU table for the logits (``layers/cpu_gemm.py``; dtypes: ``packable``). ``keep_table``: the
         lookup still reads the dense table (a tied embedding); else the packed copy replaces it."""
         w = layer.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not w.numel():
+        if w.device.type != "cpu" or not packable(w.dtype) or not w.numel():
             return False
         layer.weight_packed = pack(w.data)
         if not keep_table:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lorastar.layers.cpu_gemm import pack, packed_linear
+from lorastar.layers.cpu_gemm import pack, packable, packed_linear
 
 if TYPE_CHECKING:
     from lorastar.forward_context import ForwardContext, LoRAMetadata
@@ -142,9 +142,10 @@ class UnquantizedLinearMethod(QuantMethod):
         return layer.weight.data
 
     def pack_for_cpu(self, layer: Linear) -> bool:
-        """Reorder the weight for oneDNN and drop the dense copy (32-bit CPU weights only)."""
+        """Reorder the weight for oneDNN and drop the dense copy (CPU weights of a dtype oneDNN runs
+        natively here: ``cpu_gemm.packable``)."""
         w = layer.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32:
+        if w.device.type != "cpu" or not packable(w.dtype):
             return False
         layer.weight_packed = pack(w.data)
         w.data = torch.empty(0, dtype=w.dtype)  # the packed copy replaces it

@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.method.float_weight(self.lm_head)
 
     def pack_for_cpu(self) -> int:
-        """Prepack every 32-bit CPU linear and the lm_head for oneDNN (``layers/cpu_gemm.py``); a tied
+        """Prepack every dense CPU linear and the lm_head for oneDNN (``layers/cpu_gemm.py``); a tied
         head gets its own packed copy (the embedding lookup keeps the table). Returns linears packed."""
         n = 0
         for lin in self.linears().values():

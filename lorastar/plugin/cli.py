@@ -181,7 +181,10 @@ _ENGINE_OPTIONS = [
         default="auto",
         show_default=True,
         type=click.Choice(["auto", "torch", "onednn"]),
-        help="GEMM for 32-bit CPU linears (auto: the faster of the two, timed at load).",
+        help=(
+            "GEMM for fp32 CPU linears, and bf16 ones on CPUs with bf16 arithmetic "
+            "(auto: oneDNN unless torch's is clearly faster, timed at load)."
+        ),
     ),
     click.option(
         "--cpu-kernels",

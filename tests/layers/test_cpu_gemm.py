@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lorastar import LLM, SamplingParams
 from lorastar.config import EngineConfig
-from lorastar.layers.cpu_gemm import choose_backend, onednn_available, pack, packed_linear, pick
+from lorastar.layers.cpu_gemm import choose_backend, onednn_available, pack, packable, packed_linear, pick
 from lorastar.layers.linear import Linear
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
@@ -91,3 +91,84 @@ def test_auto_keeps_onednn_unless_torch_wins_clearly(
     assert pick(onednn_s, torch_s) == want
     with pytest.raises(ValueError):
         pick([1.0], [1.0, 1.0])  # one time per size on each side
+
+
+bf16_packable = pytest.mark.skipif(
+    not packable(torch.bfloat16), reason="this CPU has no bf16 arithmetic (AVX512-BF16 / AMX) for oneDNN"
+)
+
+
+@bf16_packable
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_bf16_linear_rounds_like_f_linear(rows: int) -> None:
+    """bf16 products against the fp32 product of the same bf16 inputs: the packed GEMM's error is
+    the bf16 rounding of its output, as torch's own bf16 ``F.linear``'s is."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 80, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 80, generator=g).bfloat16()
+    exact = F.linear(x.float(), w.float(), b.float())
+    got = packed_linear(x, pack(w), b)
+    assert got.dtype == torch.bfloat16
+    bound = (F.linear(x, w, b).float() - exact).abs().max().item() + 2**-8 * exact.abs().max().item()
+    assert (got.float() - exact).abs().max().item() <= bound
+
+
+@bf16_packable
+def test_bf16_layer_packs_and_unpacks_exactly() -> None:
+    lin = Linear(32, [16, 8], bias=False, prefix="p", slice_names=["a", "b"], params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.normal_()
+    w = lin.weight.detach().clone()
+    assert lin.quant_method.pack_for_cpu(lin)
+    assert lin.weight.numel() == 0 and lin.weight_packed is not None
+    assert torch.equal(lin.quant_method.dequantized_weight(lin), w)
+    half = Linear(32, [16], bias=False, prefix="h", slice_names=["h"], params_dtype=torch.float16)
+    assert not half.quant_method.pack_for_cpu(half)  # fp16 stays on torch's path (no faster packed)
+
+
+@bf16_packable
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_bf16_engine_on_onednn_scores_and_decodes_like_transformers(tiny_model_dir, name: str) -> None:
+    """A bf16 model with its linears and lm_head packed: prompt logprobs against HF's fp32 forward,
+    no further off than HF's own bf16 forward is; greedy tokens equal HF's bf16 greedy up to the first
+    near tie."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_llama_vs_hf import mixed_prompts
+
+    path = tiny_model_dir(name)
+    hf = {
+        dt: AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
+        for dt in (torch.float32, torch.bfloat16)
+    }
+    llm = LLM(path, dtype="bfloat16", cpu_gemm="onednn", num_kv_blocks=64)
+    model = llm.engine.model
+    assert llm.engine.cpu_gemm == "onednn"
+    assert all(lin.weight_packed is not None and lin.weight.numel() == 0 for lin in model.linears().values())
+    assert model.lm_head.weight_packed is not None
+    prompts = mixed_prompts(3, [40, 17, 90])
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
+    )
+    near_ties = 0
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            lp = {dt: torch.log_softmax(m(torch.tensor([ids])).logits[0].float(), -1) for dt, m in hf.items()}
+        tgt = torch.tensor(ids[1:])[:, None]
+        truth = lp[torch.float32][:-1].gather(1, tgt)[:, 0]
+        hf_err = (lp[torch.bfloat16][:-1].gather(1, tgt)[:, 0] - truth).abs().max().item()
+        got = torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
+        assert (got - truth).abs().max().item() <= 2 * hf_err + 1e-3, ((got - truth).abs().max(), hf_err)
+        # Greedy against HF's bf16 greedy, step by step on HF's own continuation.
+        seq = list(ids)
+        for tok in out.outputs[0].token_ids:
+            with torch.no_grad():
+                logits = hf[torch.bfloat16](torch.tensor([seq])).logits[0, -1].float()
+            want = int(logits.argmax())
+            if tok != want:  # a near tie in bf16: the two logits within a few bf16 steps of each other
+                assert logits[want] - logits[tok] <= 4 * 2**-8 * logits[want].abs().clamp(min=1), (tok, want)
+                near_ties += 1
+                break
+            seq.append(tok)
+    assert near_ties < len(prompts)  # most continuations agree all the way
