@@ -205,13 +205,16 @@ class LLMEngine:
             self.cpu_gemm = choose_backend(config.cpu_gemm, largest)
             if self.cpu_gemm == "onednn":
                 self.model.pack_for_cpu()
-        # fp32 decode attention and LoRA run as C++ ops (kernels/cpu_native.py) where they build.
+        # C++ ops (kernels/cpu_native.py) where they build: an fp32 model's decode attention, LoRA and
+        # elementwise steps; a bf16 model's elementwise steps ("native elementwise": the attention and
+        # LoRA ops are fp32 only).
         self.cpu_kernels = "torch"
-        if self.device.type == "cpu" and self.dtype == torch.float32 and config.cpu_kernels != "torch":
+        native_dtypes = (torch.float32, torch.bfloat16)
+        if self.device.type == "cpu" and self.dtype in native_dtypes and config.cpu_kernels != "torch":
             from lorastar.kernels import cpu_native
 
             if cpu_native.load() is not None:
-                self.cpu_kernels = "native"
+                self.cpu_kernels = "native" if self.dtype == torch.float32 else "native elementwise"
                 self.model.use_native_cpu_ops()
             elif config.cpu_kernels == "native":
                 raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")

@@ -9,7 +9,8 @@ builder (semantics in each source file and in ``reference.py``):
   form (``bmm`` over a slot grid) read every slot at the step's largest rank.
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/cpu_elementwise.cpp``,
   ``ref_rms_norm``/``ref_silu_and_mul``/``ref_rotary``): one pass each where torch's composite forms
-  dispatch 3-8 ops; at a decode step's sizes the dispatch is most of their cost.
+  dispatch 3-8 ops; at a decode step's sizes the dispatch is most of their cost. fp32 and bf16 (the
+  others are fp32 only).
 
 The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
@@ -206,8 +207,8 @@ def lora_segments(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Semantics: ``weight * (x * rsqrt(mean(x**2, -1) + eps))``; x ``[N, D]`` fp32 with contiguous
-    rows -> a new ``[N, D]`` (``csrc/cpu_elementwise.cpp``; ``ref_rms_norm``)."""
+    """Semantics: ``weight * (x * rsqrt(mean(x**2, -1) + eps))``; x ``[N, D]`` fp32 or bf16 (weight
+    the same) with contiguous rows -> a new ``[N, D]`` (``csrc/cpu_elementwise.cpp``; ``ref_rms_norm``)."""
     return _ops().rms_norm(x, weight, eps)
 
 
@@ -215,18 +216,18 @@ def add_rms_norm(
     x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: ``s = x + h; return s, rms_norm(s, weight, eps)``, one pass (a residual add and the
-    next norm); x, h ``[N, D]`` fp32 with contiguous rows."""
+    next norm); x, h ``[N, D]`` fp32 or bf16 with contiguous rows."""
     return _ops().add_rms_norm(x, h, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """Semantics: ``silu(gate_up[:, :I]) * gate_up[:, I:]``; gate_up ``[N, 2I]`` fp32 with contiguous
-    rows -> ``[N, I]`` (``ref_silu_and_mul``)."""
+    """Semantics: ``silu(gate_up[:, :I]) * gate_up[:, I:]``; gate_up ``[N, 2I]`` fp32 or bf16 with
+    contiguous rows -> ``[N, I]`` (``ref_silu_and_mul``)."""
     return _ops().silu_and_mul(gate_up)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Semantics: ``x * cos + cat(-x[..., D/2:], x[..., :D/2]) * sin`` per head; x ``[T, H, D]`` fp32
-    with contiguous heads (a view of the fused qkv output), cos/sin ``[T, D]`` (any ``[T, 1, D]`` view
-    of them) -> a new contiguous ``[T, H, D]`` (``ref_rotary``)."""
+    or bf16 with contiguous heads (a view of the fused qkv output), cos/sin ``[T, D]`` of x's dtype (any
+    ``[T, 1, D]`` view of them) -> a new contiguous ``[T, H, D]`` (``ref_rotary``)."""
     return _ops().rotary(x, cos, sin)

@@ -11,6 +11,7 @@ from lorastar.kernels._triton import HAS_TRITON
 from lorastar.kernels.norm import MAX_ROW, rms_norm
 
 HALF = (torch.bfloat16, torch.float16)
+NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ elementwise ops take
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +19,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
-        # fp32 CPU rows through the C++ op (kernels/cpu_native.py), set by use_native_cpu_ops: one
+        # fp32 / bf16 CPU rows through the C++ op (kernels/cpu_native.py), set by use_native_cpu_ops: one
         # pass where torch's CPU rms_norm is six ops, 5.8 vs 34 us at 64 rows of SmolLM2, 1.9 vs 14 at 1.
         self.native_cpu = False
 
@@ -27,7 +28,9 @@ class RMSNorm(nn.Module):
 
     def _native_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` as the C++ op's ``[N, D]`` rows, or None where it does not apply."""
-        if not (self.native_cpu and x.dtype == self.weight.dtype == torch.float32 and x.device.type == "cpu"):
+        if not (
+            self.native_cpu and x.dtype == self.weight.dtype in NATIVE_CPU_DTYPES and x.device.type == "cpu"
+        ):
             return None
         if x.dim() == 2 and x.stride(1) == 1:
             return x

@@ -127,3 +127,54 @@ def test_each_row_rounds_the_same_at_any_address_and_batch() -> None:
         )  # fmt: skip
         for a, b in zip(one, (want[0], want[2], want[3], want[4])):
             assert torch.equal(a[0], b[i])
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The largest distance between ``a`` and ``b`` (bf16) in units of bf16's last place."""
+    ia = a.view(torch.int16).int()
+    ib = b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -32768 - ia, ia)  # sign-magnitude -> ordered ints
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return int((ia - ib).abs().max())
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+@pytest.mark.parametrize("strided", [False, True])
+def test_bf16_ops_round_as_torchs_bf16_forms(n: int, strided: bool) -> None:
+    """bf16 rows, computed in fp32 and rounded where torch's composite bf16 forms round: the add and
+    rotary bit for bit, the norm and SiLU within one bf16 ulp (their fp32 values differ by a few fp32
+    ulp: another summation order, a polynomial exp), and almost every value equal."""
+    _op()
+    gen = torch.Generator().manual_seed(n + 100 * strided)
+    d, inter, h, hd = 576, 1536, 12, 64
+    x, r = _rows(n, d, gen, strided, 3.0).bfloat16(), _rows(n, d, gen, strided).bfloat16()
+    w = torch.randn(d, generator=gen).bfloat16()
+    gu = _rows(n, 2 * inter, gen, strided, 4.0).bfloat16()
+    qkv = torch.randn(n, (h + 2) * hd, generator=gen).bfloat16()
+    q = qkv[:, : h * hd].view(n, h, hd)
+    cos, sin = torch.randn(n, hd, generator=gen).bfloat16(), torch.randn(n, hd, generator=gen).bfloat16()
+
+    got = cpu_native.rms_norm(x, w, 1e-5)
+    want = ref_rms_norm(x, w, 1e-5)
+    assert got.dtype == torch.bfloat16 and _bf16_ulps(got, want) <= 1
+    assert (got != want).float().mean() < 0.01
+    s, normed = cpu_native.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(s, x + r) and _bf16_ulps(normed, ref_rms_norm(x + r, w, 1e-5)) <= 1
+    got = cpu_native.silu_and_mul(gu)
+    want = ref_silu_and_mul(gu)
+    assert got.dtype == torch.bfloat16 and _bf16_ulps(got, want) <= 1
+    assert (got != want).float().mean() < 0.01
+    assert torch.equal(cpu_native.rotary(q, cos[:, None, :], sin[:, None, :]), ref_rotary(q, cos, sin))
+
+
+def test_bf16_ops_refuse_mixed_dtypes() -> None:
+    _op()
+    x = torch.randn(4, 16).bfloat16()
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        cpu_native.rms_norm(x, torch.randn(16), 1e-6)  # an fp32 weight for bf16 rows
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        cpu_native.add_rms_norm(x, x.float(), torch.randn(16).bfloat16(), 1e-6)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        cpu_native.rotary(torch.randn(2, 3, 16).bfloat16(), torch.randn(2, 16), torch.randn(2, 16))
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        cpu_native.silu_and_mul(torch.randn(2, 8).half())

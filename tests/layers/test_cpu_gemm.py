@@ -160,15 +160,21 @@ def test_bf16_engine_on_onednn_scores_and_decodes_like_transformers(tiny_model_d
         hf_err = (lp[torch.bfloat16][:-1].gather(1, tgt)[:, 0] - truth).abs().max().item()
         got = torch.tensor([out.prompt_logprobs[p][ids[p]].logprob for p in range(1, len(ids))])
         assert (got - truth).abs().max().item() <= 2 * hf_err + 1e-3, ((got - truth).abs().max(), hf_err)
-        # Greedy against HF's bf16 greedy, step by step on HF's own continuation.
-        seq = list(ids)
-        for tok in out.outputs[0].token_ids:
-            with torch.no_grad():
-                logits = hf[torch.bfloat16](torch.tensor([seq])).logits[0, -1].float()
-            want = int(logits.argmax())
-            if tok != want:  # a near tie in bf16: the two logits within a few bf16 steps of each other
-                assert logits[want] - logits[tok] <= 4 * 2**-8 * logits[want].abs().clamp(min=1), (tok, want)
-                near_ties += 1
-                break
-            seq.append(tok)
+        near_ties += not greedy_matches_hf_up_to_a_near_tie(hf[torch.bfloat16], ids, out.outputs[0].token_ids)
     assert near_ties < len(prompts)  # most continuations agree all the way
+
+
+def greedy_matches_hf_up_to_a_near_tie(hf, ids: list[int], tokens: list[int]) -> bool:  # noqa: ANN001
+    """``tokens`` against ``hf``'s (a 16-bit model's) greedy choice after ``ids`` and each earlier
+    token. True if all match; a first difference must be a near tie (the two logits within a few
+    steps of bf16's 8-bit mantissa), which ends the comparison (False)."""
+    seq = list(ids)
+    for tok in tokens:
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, -1].float()
+        want = int(logits.argmax())
+        if tok != want:
+            assert logits[want] - logits[tok] <= 4 * 2**-8 * logits[want].abs().clamp(min=1), (tok, want)
+            return False
+        seq.append(tok)
+    return True

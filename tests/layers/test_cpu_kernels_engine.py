@@ -47,3 +47,43 @@ def test_auto_falls_back_and_native_refuses_without_the_op(tiny_model_dir, monke
         LLM(path, num_kv_blocks=16, cpu_kernels="native")
     with pytest.raises(ValueError, match="cpu_kernels must be one of"):
         EngineConfig(cpu_kernels="flash")
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
+def test_bf16_engine_runs_the_elementwise_ops_natively_and_decodes_like_transformers(
+    tiny_model_dir, name: str
+) -> None:
+    """A bf16 model takes the C++ norms, activation and rotary (its attention and LoRA stay on torch:
+    those ops are fp32); its greedy tokens equal HF's bf16 greedy up to a near tie, and its logprobs
+    stay within bf16's rounding of the torch forms'."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.layers.test_cpu_gemm import greedy_matches_hf_up_to_a_near_tie
+    from tests.models.test_llama_vs_hf import mixed_prompts
+
+    if cpu_native.load() is None:
+        pytest.skip("no C++ toolchain: the CPU ops cannot build here")
+    path = tiny_model_dir(name)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = mixed_prompts(12, [3, 40, 17, 70])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    outs = {}
+    for mode in ("torch", "native"):
+        llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, cpu_kernels=mode)
+        assert llm.engine.cpu_kernels == ("native elementwise" if mode == "native" else "torch")
+        assert not llm.engine.runner.native_cpu_kernels  # attention and LoRA: the fp32 ops only
+        layer = llm.engine.model.layers[0]
+        native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
+        assert native == [mode == "native"] * 2
+        outs[mode] = llm.generate(prompts, sp)
+    agree = 0
+    for p, a, b in zip(prompts, outs["torch"], outs["native"]):
+        agree += greedy_matches_hf_up_to_a_near_tie(hf, p, b.outputs[0].token_ids)
+        n = next(
+            (i for i, (x, y) in enumerate(zip(a.outputs[0].token_ids, b.outputs[0].token_ids)) if x != y), 10
+        )
+        for la, lb in zip(a.outputs[0].logprobs[: n + 1], b.outputs[0].logprobs[: n + 1]):
+            for tok, lp in la.items():
+                if tok in lb:
+                    assert abs(lb[tok].logprob - lp.logprob) < 0.05
+    assert agree >= len(prompts) - 1
