@@ -205,16 +205,15 @@ class LLMEngine:
             self.cpu_gemm = choose_backend(config.cpu_gemm, largest)
             if self.cpu_gemm == "onednn":
                 self.model.pack_for_cpu()
-        # C++ ops (kernels/cpu_native.py) where they build: an fp32 model's decode attention, LoRA and
-        # elementwise steps; a bf16 model's elementwise steps ("native elementwise": the attention and
-        # LoRA ops are fp32 only).
+        # C++ ops (kernels/cpu_native.py) where they build: decode attention and the elementwise steps
+        # of fp32 and bf16 models, decode-row LoRA of fp32 ones (that op is fp32 only).
         self.cpu_kernels = "torch"
         native_dtypes = (torch.float32, torch.bfloat16)
         if self.device.type == "cpu" and self.dtype in native_dtypes and config.cpu_kernels != "torch":
             from lorastar.kernels import cpu_native
 
             if cpu_native.load() is not None:
-                self.cpu_kernels = "native" if self.dtype == torch.float32 else "native elementwise"
+                self.cpu_kernels = "native"
                 self.model.use_native_cpu_ops()
             elif config.cpu_kernels == "native":
                 raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")
@@ -286,6 +285,7 @@ class LLMEngine:
             self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 256),
             max_model_len=self.max_model_len, native_cpu_kernels=self.cpu_kernels == "native",
+            native_cpu_lora=self.cpu_kernels == "native" and self.dtype == torch.float32,
         )  # fmt: skip
         salt = f"{self.model_dir.resolve()}|{self.dtype}|{kv_dtype}|{config.quantization}"
         self.block_manager = BlockManager(

@@ -9,8 +9,10 @@ builder (semantics in each source file and in ``reference.py``):
   form (``bmm`` over a slot grid) read every slot at the step's largest rank.
 * ``rms_norm``, ``add_rms_norm``, ``silu_and_mul``, ``rotary`` (``csrc/cpu_elementwise.cpp``,
   ``ref_rms_norm``/``ref_silu_and_mul``/``ref_rotary``): one pass each where torch's composite forms
-  dispatch 3-8 ops; at a decode step's sizes the dispatch is most of their cost. fp32 and bf16 (the
-  others are fp32 only).
+  dispatch 3-8 ops; at a decode step's sizes the dispatch is most of their cost.
+
+All but ``lora_segments`` take fp32 or bf16 (computed in fp32, rounded to bf16 where torch's bf16
+forms round: ``csrc/cpu_elementwise.cpp``, ``csrc/cpu_attention.cpp``).
 
 The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
@@ -164,14 +166,14 @@ def _ops() -> ModuleType:
 
 
 def paged_decode(
-    q: torch.Tensor,  # [T, Hq, D] fp32
-    k_cache: torch.Tensor,  # [NB, BS, Hkv, D] fp32
-    v_cache: torch.Tensor,  # [NB, BS, Hkv, D] fp32
+    q: torch.Tensor,  # [T, Hq, D] fp32 or bf16 (the caches and out the same)
+    k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
+    v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     rows: torch.Tensor,  # [Bd] int64: the decode rows of q
     gather: torch.Tensor,  # [Bd, nblk] int64: row b's blocks from the one holding lo[b]
     lo: torch.Tensor,  # [Bd] int64: first key position row b sees
     lens: torch.Tensor,  # [Bd] int64: context length (row b sits at lens[b] - 1)
-    out: torch.Tensor,  # [T, Hq, D] fp32: rows written in place
+    out: torch.Tensor,  # [T, Hq, D]: rows written in place
     *,
     scale: float,
     softcap: float = 0.0,

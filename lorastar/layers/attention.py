@@ -3,7 +3,7 @@
 * Triton (CUDA): ``kernels/paged_attention.py`` reads the common ``AttentionMetadata`` directly.
 * Torch (CPU): ``TorchAttentionMetadata`` adds what SDPA needs, precomputed once per step and window
   size (not per layer): decode rows (one new token each) run as ONE C++ op reading K/V straight
-  from the blocks (fp32, ``kernels/cpu_native.py``) or as ONE batched SDPA over K/V gathered
+  from the blocks (fp32 / bf16, ``kernels/cpu_native.py``) or as ONE batched SDPA over K/V gathered
   block-wise; prefill chunks run one SDPA each (a step holds few of them; a chunk after cached
   context gathers its own blocks once).
 
@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from lorastar.forward_context import AttentionMetadata, ForwardContext, to_device
 from lorastar.kernels.cpu_native import paged_decode as cpu_paged_decode
 from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ decode op reads (q and cache alike)
 
 
 @dataclass
@@ -76,7 +78,7 @@ class TorchPlan:
 class TorchAttentionMetadata(AttentionMetadata):
     """The CPU backend's metadata: the common fields (host tensors here) plus per-window plans."""
 
-    # Decode rows of fp32 layers read the cache with the C++ op (kernels/cpu_native.py) instead
+    # Decode rows of fp32 / bf16 layers read the cache with the C++ op (kernels/cpu_native.py) instead
     # of gather + SDPA: 20 SmolLM2 rows over ~175 cold keys 461 vs 1265 us a layer; whole decode
     # steps at c=20 1.1x tok/s (attention 344 vs 453 us a layer, the rest unchanged).
     native_decode: bool = False
@@ -237,7 +239,7 @@ def attention_forward(
     rows = None
     if plan.decode_rows is not None and plan.decode_rows.numel() > 0:
         rows = plan.decode_rows
-        if md.native_decode and q.dtype == k_cache.dtype == torch.float32 and q.stride(1) == q.shape[2]:
+        if md.native_decode and q.dtype == k_cache.dtype in _NATIVE_DTYPES and q.stride(1) == q.shape[2]:
             assert plan.decode_gather is not None and plan.decode_lo is not None
             assert plan.decode_lens is not None
             cpu_paged_decode(

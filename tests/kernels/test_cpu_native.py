@@ -63,28 +63,54 @@ def test_paged_decode_matches_reference(
 ) -> None:
     """Both forms of the op (the tiled one where this build has it and d, bs allow: d 64, 96, 128,
     112 and 256 with blocks of 16 or 32; the generic one everywhere)."""
+    _check_decode(hq, hkv, bs, d, window, softcap, tiled, torch.float32)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(9, 3), (8, 1)])
+@pytest.mark.parametrize("bs", [4, 16])
+@pytest.mark.parametrize("d", [64, 24, 128])
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (20, 5.0)])
+@pytest.mark.parametrize("tiled", [True, False], ids=["tiled", "generic"])
+def test_paged_decode_in_bf16_matches_reference(
+    hq: int, hkv: int, bs: int, d: int, window: int, softcap: float, tiled: bool
+) -> None:
+    """bf16 q and caches: computed in fp32 from the bf16 values and rounded once, so within one bf16
+    ulp of the reference's fp32 result on the same inputs, rounded (almost always equal to it)."""
+    _check_decode(hq, hkv, bs, d, window, softcap, tiled, torch.bfloat16)
+
+
+def _check_decode(
+    hq: int, hkv: int, bs: int, d: int, window: int, softcap: float, tiled: bool, dtype: torch.dtype
+) -> None:
     _op()
     if tiled and not cpu_native.decode_tiled():
         pytest.skip("this build has no tiled form (built without AVX-512)")
     ctx_lens = [1, 5, 16, 17, 40, 3, 33]
-    q, k_cache, v_cache, tables, rows = _case(ctx_lens, hq, hkv, d, bs, window)
+    q, k_cache, v_cache, tables, rows = (
+        t.to(dtype) if t.is_floating_point() else t for t in _case(ctx_lens, hq, hkv, d, bs, window)
+    )
     lens = torch.tensor(ctx_lens, dtype=torch.int64)
     lo = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
     first = lo // bs
     nblk = int(((lens + bs - 1) // bs - first).max())
     idx = (first[:, None] + torch.arange(nblk)[None, :]).clamp(max=tables.shape[1] - 1)
     gather = tables.long().gather(1, idx).clamp(min=0).contiguous()
-    out = torch.full((q.shape[0], hq, d), 7.0)
+    out = torch.full((q.shape[0], hq, d), 7.0, dtype=dtype)
     cpu_native.paged_decode(
         q, k_cache, v_cache, rows, gather, lo, lens, out, scale=d**-0.5, softcap=softcap, tiled=tiled
     )
-    assert torch.equal(out[1], torch.full((hq, d), 7.0))  # a row not in `rows` is left alone
+    assert torch.equal(out[1], torch.full((hq, d), 7.0, dtype=dtype))  # a row not in `rows` is left alone
     qd = q[rows]
     ref = ref_paged_attention(
         qd, k_cache, v_cache, tables.clamp(min=0), lens.int(), torch.arange(len(ctx_lens) + 1, dtype=torch.int32),
         scale=d**-0.5, sliding_window=window, softcap=softcap,
     )  # fmt: skip
-    torch.testing.assert_close(out[rows], ref, atol=2e-5, rtol=2e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[rows], ref, atol=2e-5, rtol=2e-5)
+        return
+    assert ref.dtype == torch.bfloat16  # the reference rounds its fp32 result to q's dtype
+    torch.testing.assert_close(out[rows].float(), ref.float(), atol=1e-6, rtol=2**-7)  # one ulp
+    assert (out[rows] != ref).float().mean() < 0.02
 
 
 def test_paged_decode_rejects_what_it_cannot_read() -> None:
@@ -93,8 +119,12 @@ def test_paged_decode_rejects_what_it_cannot_read() -> None:
     lens, lo = torch.tensor([5, 9]), torch.zeros(2, dtype=torch.int64)
     gather = tables.long().clamp(min=0)
     out = torch.empty(q.shape[0], 4, 16)
-    with pytest.raises(RuntimeError, match="fp32"):
+    with pytest.raises(RuntimeError, match="all fp32 or all bf16"):
         cpu_native.paged_decode(q.half(), k_cache, v_cache, rows, gather, lo, lens, out, scale=1.0)
+    with pytest.raises(RuntimeError, match="all fp32 or all bf16"):  # a bf16 cache under fp32 q
+        cpu_native.paged_decode(
+            q, k_cache.bfloat16(), v_cache.bfloat16(), rows, gather, lo, lens, out, scale=1.0
+        )
     with pytest.raises(RuntimeError, match="int64"):
         cpu_native.paged_decode(q, k_cache, v_cache, rows.int(), gather, lo, lens, out, scale=1.0)
 

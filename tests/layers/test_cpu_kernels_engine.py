@@ -50,12 +50,12 @@ def test_auto_falls_back_and_native_refuses_without_the_op(tiny_model_dir, monke
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
-def test_bf16_engine_runs_the_elementwise_ops_natively_and_decodes_like_transformers(
+def test_bf16_engine_runs_attention_and_elementwise_ops_natively_and_decodes_like_transformers(
     tiny_model_dir, name: str
 ) -> None:
-    """A bf16 model takes the C++ norms, activation and rotary (its attention and LoRA stay on torch:
-    those ops are fp32); its greedy tokens equal HF's bf16 greedy up to a near tie, and its logprobs
-    stay within bf16's rounding of the torch forms'."""
+    """A bf16 model takes the C++ decode attention, norms, activation and rotary (its LoRA stays on
+    torch: that op is fp32 only); its greedy tokens equal HF's bf16 greedy up to a near tie, and its
+    logprobs stay within bf16's rounding of the torch forms'."""
     from transformers import AutoModelForCausalLM
 
     from tests.layers.test_cpu_gemm import greedy_matches_hf_up_to_a_near_tie
@@ -70,8 +70,9 @@ def test_bf16_engine_runs_the_elementwise_ops_natively_and_decodes_like_transfor
     outs = {}
     for mode in ("torch", "native"):
         llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, cpu_kernels=mode)
-        assert llm.engine.cpu_kernels == ("native elementwise" if mode == "native" else "torch")
-        assert not llm.engine.runner.native_cpu_kernels  # attention and LoRA: the fp32 ops only
+        assert llm.engine.cpu_kernels == mode
+        assert llm.engine.runner.native_cpu_kernels == (mode == "native")  # decode attention
+        assert not llm.engine.runner.native_cpu_lora  # LoRA's op is fp32 only
         layer = llm.engine.model.layers[0]
         native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
         assert native == [mode == "native"] * 2
@@ -87,3 +88,37 @@ def test_bf16_engine_runs_the_elementwise_ops_natively_and_decodes_like_transfor
                 if tok in lb:
                     assert abs(lb[tok].logprob - lp.logprob) < 0.05
     assert agree >= len(prompts) - 1
+
+
+def test_bf16_engine_with_an_adapter_decodes_like_peft(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """A bf16 model with LoRA: native decode attention beside torch's LoRA path (the SGMV op is fp32
+    only), a batch of base and adapter rows, each against HF / PEFT in bf16 up to a near tie."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import make_peft_adapter
+    from tests.layers.test_cpu_gemm import greedy_matches_hf_up_to_a_near_tie
+    from tests.models.test_llama_vs_hf import mixed_prompts
+
+    if cpu_native.load() is None:
+        pytest.skip("no C++ toolchain: the CPU ops cannot build here")
+    path = tiny_model_dir("llama-gqa")
+    adapter = make_peft_adapter(
+        path, tmp_path / "a", seed=3, targets=("q_proj", "v_proj", "o_proj", "down_proj")
+    )
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), adapter
+    ).eval()
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_loras=2, max_lora_rank=16)
+    assert llm.engine.cpu_kernels == "native" and not llm.engine.runner.native_cpu_lora
+    llm.load_adapter("a", adapter)
+    prompts = mixed_prompts(21, [30, 9, 50, 21])
+    names = ["a", None, "a", None]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), adapter=names)
+    agree = [
+        greedy_matches_hf_up_to_a_near_tie(peft if name else base, p, o.outputs[0].token_ids)
+        for p, o, name in zip(prompts, outs, names)
+    ]
+    assert sum(agree) >= len(prompts) - 1
+    llm.engine.check_invariants()

@@ -2,8 +2,9 @@
 //
 // Semantics: out[rows[b], h] = softmax_p(capped(scale * q[rows[b], h] . K[p, h / G])) @ V[p, h / G]
 //   for key positions p in [lo[b], lens[b]), K[p] = k_cache[gather[b, p / BS - lo[b] / BS], p % BS]
-//   q, out [T, Hq, D] fp32 (rows may be strided); k_cache, v_cache [NB, BS, Hkv, D] fp32; rows, gather [Bd, nblk], lo,
-//   lens [Bd] int64; G = Hq / Hkv; capped(s) = softcap * tanh(s / softcap) when softcap > 0.
+//   q, out [T, Hq, D] (rows may be strided); k_cache, v_cache [NB, BS, Hkv, D]: all fp32 or all bf16;
+//   rows, gather [Bd, nblk], lo, lens [Bd] int64; G = Hq / Hkv; capped(s) = softcap * tanh(s / softcap)
+//   when softcap > 0.
 //
 // Each cached K/V byte is read once per step and layer (the gather path read it, wrote a copy and
 // read the copy again).
@@ -16,6 +17,8 @@
 //   4.7 ms, one thread (Xeon, AVX-512). Built for AVX2 the same code spills and ran 2.5x slower than
 //   the generic form, which such builds keep.
 // * generic: one key at a time, four query heads per pass (dot_rows4).
+// bf16: q and each K/V row are widened to fp32 as they are read (exact), scores, softmax and the
+// weighted sum run in fp32 as above, and the output row is rounded to bf16 once, at the end.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -36,9 +40,20 @@ using lorastar_vec::exp_nonpos;
 
 // Blocks sit anywhere in the cache and one block of one layer spans 3 pages (16 tokens x 768 B):
 // the hardware prefetcher stops at each page, so the next block is prefetched by hand.
-inline void prefetch_block(const float* p, int64_t floats) {
+template <typename T>
+inline void prefetch_block(const T* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < floats * 4; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+using bf16 = at::BFloat16;
+
+// A K/V token row [n] as fp32: fp32 rows as they are, bf16 ones widened into buf.
+inline const float* as_f32(const float* p, int64_t, std::vector<float>&) { return p; }
+inline const float* as_f32(const bf16* p, int64_t n, std::vector<float>& buf) {
+  buf.resize(n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return buf.data();
 }
 
 // x[i0:i1] = softmax(x[i0:i1]) in place (i1 > i0).
@@ -65,6 +80,16 @@ inline vf16 load16(const float* p) {
   return v;
 }
 inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+// 16 bf16 widened to fp32: the 16 bits become the high half of each float (exact).
+typedef unsigned short vu16 __attribute__((vector_size(32)));
+inline vf16 load16(const bf16* p) {
+  vu16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vi16 w = __builtin_convertvector(h, vi16) << 16;
+  vf16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
 
 // The lane sums of 16 vectors at once: the sum of v[i]'s lanes lands in lane kTreeLane[i] (an
 // involution), so callers put key t's products in v[kTreeLane[t]] and read its score in lane t.
@@ -88,8 +113,8 @@ inline vf16 sum16(const vf16* v) {
 
 // One decode row, D = 16 * NCH. Scores cover whole blocks (positions first * BS + j, j < W) and
 // only [j0, j1) are used: the rest of a block's slots are read but never weigh in.
-template <int NCH>
-void decode_row_tiled(const float* qr, const float* kp, const float* vp, const int64_t* blocks, int64_t l0,
+template <int NCH, typename T>
+void decode_row_tiled(const float* qr, const T* kp, const T* vp, const int64_t* blocks, int64_t l0,
                       int64_t len, int64_t Hq, int64_t Hkv, int64_t BS, float sc, float cap, float* orow_p,
                       std::vector<float>& s) {
   constexpr int64_t D = NCH * 16;
@@ -99,12 +124,12 @@ void decode_row_tiled(const float* qr, const float* kp, const float* vp, const i
   const int64_t W = ncols * BS, j0 = l0 - first * BS, j1 = len - first * BS;
   s.resize(Hq * W);  // [Hq, W] scores, then weights
   for (int64_t c = 0; c < ncols; ++c) {
-    const float* kb = kp + blocks[c] * BS * tok;
+    const T* kb = kp + blocks[c] * BS * tok;
     if (c + 1 < ncols) prefetch_block(kp + blocks[c + 1] * BS * tok, BS * tok);
     else prefetch_block(vp + blocks[0] * BS * tok, BS * tok);  // the first V block, read next
     for (int64_t t0 = 0; t0 < BS; t0 += 16)
       for (int64_t hk = 0; hk < Hkv; ++hk) {
-        const float* kt = kb + t0 * tok + hk * D;  // key t0 + t of kv head hk: kt + t * tok
+        const T* kt = kb + t0 * tok + hk * D;  // key t0 + t of kv head hk: kt + t * tok
         for (int64_t g = 0; g < G; ++g) {
           const float* qh = qr + (hk * G + g) * D;
           vf16 acc[16];
@@ -137,7 +162,7 @@ void decode_row_tiled(const float* qr, const float* kp, const float* vp, const i
         for (int ch = 0; ch < NCH; ++ch) acc[j][ch] = vf16{};
       for (int64_t c = 0; c < ncols; ++c) {
         const int64_t t0 = c == 0 ? j0 : 0, t1 = std::min(BS, j1 - c * BS);
-        const float* vb = vp + blocks[c] * BS * tok + hk * D;
+        const T* vb = vp + blocks[c] * BS * tok + hk * D;
         if (hk == 0 && g0 == 0 && c + 1 < ncols) prefetch_block(vp + blocks[c + 1] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t) {
           vf16 vv[NCH];
@@ -157,76 +182,76 @@ void decode_row_tiled(const float* qr, const float* kp, const float* vp, const i
     }
 }
 
-using TiledRow = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float, float, float*, std::vector<float>&);
-TiledRow tiled_for(int64_t D, int64_t BS) {
+template <typename T>
+using TiledRow = void (*)(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, float, float*, std::vector<float>&);
+template <typename T>
+TiledRow<T> tiled_for(int64_t D, int64_t BS) {
   if (BS % 16 != 0) return nullptr;
   switch (D) {
-    case 16: return decode_row_tiled<1>;
-    case 32: return decode_row_tiled<2>;
-    case 48: return decode_row_tiled<3>;
-    case 64: return decode_row_tiled<4>;
-    case 80: return decode_row_tiled<5>;
-    case 96: return decode_row_tiled<6>;
-    case 112: return decode_row_tiled<7>;
-    case 128: return decode_row_tiled<8>;
-    case 256: return decode_row_tiled<16>;
+    case 16: return decode_row_tiled<1, T>;
+    case 32: return decode_row_tiled<2, T>;
+    case 48: return decode_row_tiled<3, T>;
+    case 64: return decode_row_tiled<4, T>;
+    case 80: return decode_row_tiled<5, T>;
+    case 96: return decode_row_tiled<6, T>;
+    case 112: return decode_row_tiled<7, T>;
+    case 128: return decode_row_tiled<8, T>;
+    case 256: return decode_row_tiled<16, T>;
     default: return nullptr;
   }
 }
 #endif
 
-}  // namespace
-
-void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& rows, const at::Tensor& gather, const at::Tensor& lo,
-                  const at::Tensor& lens, at::Tensor& out, double scale, double softcap, bool tiled) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode: fp32 q, caches and out");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && gather.is_contiguous() &&
-                  q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
-                  out.stride(1) == out.size(2),
-              "paged_decode: contiguous caches, [Hq, D] contiguous within each row of q and out");
-  TORCH_CHECK(rows.scalar_type() == at::kLong && gather.scalar_type() == at::kLong &&
-                  lo.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
-              "paged_decode: int64 indices");
+template <typename T>
+void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& rows, const at::Tensor& gather, const at::Tensor& lo, const at::Tensor& lens,
+                       at::Tensor& out, double scale, double softcap, bool tiled) {
   const int64_t Bd = rows.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), Hkv = k_cache.size(2), nblk = gather.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(3) == D, "paged_decode: head shapes");
   const int64_t G = Hq / Hkv;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* gp = gather.data_ptr<int64_t>();
   const int64_t* lop = lo.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const int64_t qrow = q.stride(0), orow = out.stride(0);
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  constexpr bool kF32 = std::is_same_v<T, float>;
 
   // One work item per decode row: its tokens' K/V rows ([Hkv, D], all heads) are read in cache
   // order, block by block, and every query head (G per kv head) reuses each read. Splitting the
   // item by kv head read each 768-byte token row in three strided pieces, 1.3x slower end to end.
 #ifdef LORASTAR_TILED_DECODE
-  const TiledRow tiled_row = tiled ? tiled_for(D, BS) : nullptr;
+  const TiledRow<T> tiled_row = tiled ? tiled_for<T>(D, BS) : nullptr;
 #else
   (void)tiled;
 #endif
   at::parallel_for(0, Bd, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s, acc(Hq * D);
+    std::vector<float> s, acc(Hq * D), qbuf, kbuf, vbuf;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t r = rp[b], l0 = lop[b], n = lp[b] - l0;
-      const float* qr = qp + r * qrow;  // [Hq, D]; head h reads kv head h / G
-      float* orow_p = op + r * orow;
+      const float* qr = as_f32(qp + r * qrow, Hq * D, qbuf);  // [Hq, D]; head h reads kv head h / G
+      // fp32 rows are written in place; bf16 ones go through acc and are rounded at the end.
+      float* orow_p = kF32 ? reinterpret_cast<float*>(op + r * orow) : acc.data();
+      auto finish = [&] {
+        if constexpr (!kF32) {
+          T* o = op + r * orow;
+          for (int64_t i = 0; i < Hq * D; ++i) o[i] = static_cast<T>(acc[i]);
+        }
+      };
       if (n <= 0) {
         std::fill(orow_p, orow_p + Hq * D, 0.f);
+        finish();
         continue;
       }
 #ifdef LORASTAR_TILED_DECODE
       if (tiled_row != nullptr) {
         tiled_row(qr, kp, vp, gp + b * nblk, l0, lp[b], Hq, Hkv, BS, sc, cap, orow_p, s);
+        finish();
         continue;
       }
 #endif
@@ -241,17 +266,18 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       for (int64_t c = 0, i = 0; c < ncols; ++c) {
         int64_t t0, t1;
         span(c, t0, t1);
-        const float* kb = kp + blocks[c] * BS * tok;
+        const T* kb = kp + blocks[c] * BS * tok;
         if (c == 0 && ncols > 1) prefetch_block(kp + blocks[1] * BS * tok, BS * tok);
         if (c + 2 < ncols) prefetch_block(kp + blocks[c + 2] * BS * tok, BS * tok);
         if (c + 2 >= ncols && c + 2 - ncols < ncols)  // the first V blocks, read next
           prefetch_block(vp + blocks[c + 2 - ncols] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t, ++i) {
+          const float* kt = as_f32(kb + t * tok, tok, kbuf);  // [Hkv, D]
           for (int64_t hk = 0; hk < Hkv; ++hk)
             for (int64_t g = 0; g < G; g += 4) {
               const int64_t nq = std::min<int64_t>(4, G - g);
               float d4[4];
-              dot_rows4(qr + (hk * G + g) * D, nq, kb + t * tok + hk * D, D, d4);
+              dot_rows4(qr + (hk * G + g) * D, nq, kt + hk * D, D, d4);
               for (int64_t j = 0; j < nq; ++j) {
                 float x = sc * d4[j];
                 if (cap > 0.f) x = cap * std::tanh(x / cap);
@@ -265,15 +291,41 @@ void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       for (int64_t c = 0, i = 0; c < ncols; ++c) {
         int64_t t0, t1;
         span(c, t0, t1);
-        const float* vb = vp + blocks[c] * BS * tok;
+        const T* vb = vp + blocks[c] * BS * tok;
         if (c + 2 < ncols) prefetch_block(vp + blocks[c + 2] * BS * tok, BS * tok);
-        for (int64_t t = t0; t < t1; ++t, ++i)
+        for (int64_t t = t0; t < t1; ++t, ++i) {
+          const float* vt = as_f32(vb + t * tok, tok, vbuf);  // [Hkv, D]
           for (int64_t hk = 0; hk < Hkv; ++hk)
-            for (int64_t h = hk * G; h < (hk + 1) * G; ++h) axpy(s[h * n + i], vb + t * tok + hk * D, acc.data() + h * D, D);
+            for (int64_t h = hk * G; h < (hk + 1) * G; ++h) axpy(s[h * n + i], vt + hk * D, acc.data() + h * D, D);
+        }
       }
-      std::copy(acc.begin(), acc.end(), orow_p);
+      if constexpr (kF32) std::copy(acc.begin(), acc.end(), orow_p);
+      finish();
     }
   });
+}
+
+}  // namespace
+
+void paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& rows, const at::Tensor& gather, const at::Tensor& lo,
+                  const at::Tensor& lens, at::Tensor& out, double scale, double softcap, bool tiled) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k_cache.scalar_type() == dt &&
+                  v_cache.scalar_type() == dt && out.scalar_type() == dt,
+              "paged_decode: q, caches and out all fp32 or all bf16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && gather.is_contiguous() &&
+                  q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "paged_decode: contiguous caches, [Hq, D] contiguous within each row of q and out");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && gather.scalar_type() == at::kLong &&
+                  lo.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
+              "paged_decode: int64 indices");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && k_cache.size(3) == q.size(2), "paged_decode: head shapes");
+  if (dt == at::kFloat)
+    paged_decode_impl<float>(q, k_cache, v_cache, rows, gather, lo, lens, out, scale, softcap, tiled);
+  else
+    paged_decode_impl<bf16>(q, k_cache, v_cache, rows, gather, lo, lens, out, scale, softcap, tiled);
 }
 
 // Whether this build has the tiled form (compiled for AVX-512); paged_decode uses it where the head
