@@ -11,6 +11,23 @@ from lorastar.config import EngineConfig
 from lorastar.kernels import cpu_native
 
 
+def _outputs_per_mode(path: str, dtype: str, prompts: list[list[int]], sp: SamplingParams) -> dict[str, list]:
+    """``prompts`` generated with ``cpu_kernels`` torch and native, after checking what each switched:
+    decode attention, norms, rotary and the activation native in both dtypes, LoRA's op in fp32 only."""
+    outs = {}
+    for mode in ("torch", "native"):
+        llm = LLM(path, dtype=dtype, num_kv_blocks=64, cpu_kernels=mode)
+        assert llm.engine.cpu_kernels == mode
+        assert llm.engine.runner.native_cpu_kernels == (mode == "native")  # decode attention
+        assert llm.engine.runner.native_cpu_lora == (mode == "native" and dtype == "float32")
+        layer = llm.engine.model.layers[0]
+        native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
+        assert native == [mode == "native"] * 2
+        assert (layer.mlp.act_and_mul.__name__ == "native_cpu_silu_and_mul") == (mode == "native")
+        outs[mode] = llm.generate(prompts, sp)
+    return outs
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
 def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_dir, name: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -23,15 +40,7 @@ def test_engine_native_and_torch_attention_agree_with_transformers(tiny_model_di
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = mixed_prompts(12, [3, 40, 17, 70])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    outs = {}
-    for mode in ("torch", "native"):
-        llm = LLM(path, num_kv_blocks=64, cpu_kernels=mode)
-        assert llm.engine.cpu_kernels == mode
-        layer = llm.engine.model.layers[0]
-        native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
-        assert native == [mode == "native"] * 2
-        assert (layer.mlp.act_and_mul.__name__ == "native_cpu_silu_and_mul") == (mode == "native")
-        outs[mode] = llm.generate(prompts, sp)
+    outs = _outputs_per_mode(path, "float32", prompts, sp)
     for p, a, b in zip(prompts, outs["torch"], outs["native"]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids == hf_greedy(hf, p, 12)
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -67,16 +76,7 @@ def test_bf16_engine_runs_attention_and_elementwise_ops_natively_and_decodes_lik
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = mixed_prompts(12, [3, 40, 17, 70])
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    outs = {}
-    for mode in ("torch", "native"):
-        llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, cpu_kernels=mode)
-        assert llm.engine.cpu_kernels == mode
-        assert llm.engine.runner.native_cpu_kernels == (mode == "native")  # decode attention
-        assert not llm.engine.runner.native_cpu_lora  # LoRA's op is fp32 only
-        layer = llm.engine.model.layers[0]
-        native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
-        assert native == [mode == "native"] * 2
-        outs[mode] = llm.generate(prompts, sp)
+    outs = _outputs_per_mode(path, "bfloat16", prompts, sp)
     agree = 0
     for p, a, b in zip(prompts, outs["torch"], outs["native"]):
         agree += greedy_matches_hf_up_to_a_near_tie(hf, p, b.outputs[0].token_ids)
