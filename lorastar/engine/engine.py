@@ -50,6 +50,7 @@ from lorastar.errors import (
     InvalidParamError,
     LimitExceededError,
 )
+from lorastar.kernels import cpu_native
 from lorastar.layers.lora import LoRADeviceState
 from lorastar.models.layer_types import uniform_window
 from lorastar.models.loader import DTYPES as _DTYPES
@@ -208,10 +209,7 @@ class LLMEngine:
         # C++ ops (kernels/cpu_native.py) where they build: decode attention and the elementwise steps
         # of fp32 and bf16 models, decode-row LoRA of fp32 ones (that op is fp32 only).
         self.cpu_kernels = "torch"
-        native_dtypes = (torch.float32, torch.bfloat16)
-        if self.device.type == "cpu" and self.dtype in native_dtypes and config.cpu_kernels != "torch":
-            from lorastar.kernels import cpu_native
-
+        if self.device.type == "cpu" and self.dtype in cpu_native.DTYPES and config.cpu_kernels != "torch":
             if cpu_native.load() is not None:
                 self.cpu_kernels = "native"
                 self.model.use_native_cpu_ops()

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 # build waits on it forever; a build takes ~20 s, so a lock this old is stale.
 STALE_LOCK_SECONDS = 300.0
 
+# What every op but ``lora_segments`` takes (one dtype per call); callers check against it.
+DTYPES = (torch.float32, torch.bfloat16)
+
 _CSRC = Path(__file__).with_name("csrc")
 # The header first: its text is then part of the sources torch hashes (a header edit rebuilds).
 _SOURCES = [_CSRC / f for f in ("cpu_vec.h", "cpu_attention.cpp", "cpu_lora.cpp", "cpu_elementwise.cpp")]

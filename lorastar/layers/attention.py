@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from lorastar.forward_context import AttentionMetadata, ForwardContext, to_device
+from lorastar.kernels.cpu_native import DTYPES as CPU_NATIVE_DTYPES
 from lorastar.kernels.cpu_native import paged_decode as cpu_paged_decode
 from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ decode op reads (q and cache alike)
 
 
 @dataclass
@@ -239,7 +238,7 @@ def attention_forward(
     rows = None
     if plan.decode_rows is not None and plan.decode_rows.numel() > 0:
         rows = plan.decode_rows
-        if md.native_decode and q.dtype == k_cache.dtype in _NATIVE_DTYPES and q.stride(1) == q.shape[2]:
+        if md.native_decode and q.dtype == k_cache.dtype in CPU_NATIVE_DTYPES and q.stride(1) == q.shape[2]:
             assert plan.decode_gather is not None and plan.decode_lo is not None
             assert plan.decode_lens is not None
             cpu_paged_decode(

@@ -11,7 +11,6 @@ from lorastar.kernels._triton import HAS_TRITON
 from lorastar.kernels.norm import MAX_ROW, rms_norm
 
 HALF = (torch.bfloat16, torch.float16)
-NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ elementwise ops take
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +28,7 @@ class RMSNorm(nn.Module):
     def _native_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` as the C++ op's ``[N, D]`` rows, or None where it does not apply."""
         if not (
-            self.native_cpu and x.dtype == self.weight.dtype in NATIVE_CPU_DTYPES and x.device.type == "cpu"
+            self.native_cpu and x.dtype == self.weight.dtype in cpu_native.DTYPES and x.device.type == "cpu"
         ):
             return None
         if x.dim() == 2 and x.stride(1) == 1:

@@ -19,8 +19,6 @@ from torch import nn
 from lorastar.forward_context import ForwardContext
 from lorastar.kernels import cpu_native
 
-NATIVE_CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the C++ rotary takes
-
 SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope")
 
 
@@ -103,7 +101,7 @@ class RotaryEmbedding(nn.Module):
 
     def _native(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         return (
-            self.native_cpu and x.dtype == cos.dtype and x.dtype in NATIVE_CPU_DTYPES and x.device.type == "cpu"
+            self.native_cpu and x.dtype == cos.dtype and x.dtype in cpu_native.DTYPES and x.device.type == "cpu"
             and x.dim() == 3 and x.stride(2) == 1 and self.rotary_dim == x.shape[-1] and cos.is_contiguous()
         )  # fmt: skip
 
