@@ -69,7 +69,7 @@ def test_every_route_answers_as_documented(api_schema: Any) -> None:
         generating = op.path.endswith("completions")
 
         @given(case=op.as_strategy(generation_mode=mode))
-        @budget(150 if generating else 25, phases=[Phase.explicit, Phase.generate], database=None)
+        @budget(200 if generating else 25, phases=[Phase.explicit, Phase.generate], database=None)
         def run(case: Any) -> None:
             response = case.call_and_validate(
                 headers={"Authorization": f"Bearer {ADMIN}"}, checks=CHECKS, timeout=60

@@ -221,6 +221,26 @@ def test_a_batch_larger_than_the_queue_is_400_not_503(
     assert not fake[1].running
 
 
+def test_stream_options_without_stream_is_400_as_in_vllm(http: httpx.Client) -> None:
+    """Usage asked for in a response that has no chunk to carry it: vLLM refuses the request
+    rather than return a body without what was asked for; so does lorastar."""
+    bodies = {
+        "/v1/completions": {"prompt": "x", "max_tokens": 2},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+    }
+    opts = {"include_usage": True}
+    for route, body in bodies.items():
+        for stream in ({}, {"stream": False}):
+            err = assert_error(
+                http.post(route, json={**body, **stream, "stream_options": opts}), 400, "stream_options"
+            )
+            assert "stream=True" in err["message"], err
+        assert http.post(route, json={**body, "stream_options": None}).status_code == 200
+        with http.stream("POST", route, json={**body, "stream": True, "stream_options": opts}) as s:
+            assert s.status_code == 200
+            assert '"usage"' in "".join(s.iter_text())
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -84,6 +84,8 @@ def sampling_params(
     ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's."""
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
+    if req.stream_options is not None and not req.stream:  # vLLM's rule: usage would be silently absent
+        raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     pl = req.prompt_logprobs  # an invalid value goes to the engine as sent: it names the field
     if prompt_logprobs is not None and (pl is None or 0 <= pl < prompt_logprobs):
         pl = prompt_logprobs
