@@ -185,15 +185,15 @@ def timed() -> Iterator[Callable[[], float]]:
     end.append(time.perf_counter())
 
 
-def load_hf_model(attn_implementation: str | None = None) -> tuple[Any, Any]:
-    """The same SmolLM2 checkpoint lorastar serves, as an HF transformers model (fp32, CPU, eval)."""
+def load_hf_model(attn_implementation: str | None = None, dtype: str = "float32") -> tuple[Any, Any]:
+    """The same SmolLM2 checkpoint lorastar serves, as an HF transformers model (``dtype``, CPU, eval)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lorastar.models.default import default_model_dir
 
     path = str(default_model_dir())
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **kwargs).eval()

@@ -1,6 +1,6 @@
 """Multi-LoRA throughput: many adapters in one running batch, against the base model and PEFT.
 
-SmolLM2-135M-Instruct (fp32, CPU). Synthetic but real PEFT adapters (``peft.get_peft_model`` +
+SmolLM2-135M-Instruct (fp32 unless ``--dtype bfloat16``, CPU). Synthetic but real PEFT adapters (``peft.get_peft_model`` +
 ``save_pretrained(safe_serialization=True)``, random non-zero ``lora_B``), ranks cycling through
 ``--ranks`` (8..64) and target sets cycling through all seven projections / q,v / q,k,v,o /
 gate,up,down, so every batch mixes ranks and targets. Each request: a ``--prompt-len``-token
@@ -89,6 +89,10 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--peft-serial-requests", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32",
+        help="lorastar's and PEFT's weights (bfloat16: worth it on CPUs with bf16 arithmetic)",
+    )  # fmt: skip
     p.add_argument("--adapter-dir", type=Path, default=Path("/tmp/lorastar_bench_adapters"))
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     p.add_argument(
@@ -101,6 +105,8 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args()
+    if a.vllm_python and a.dtype != "float32":
+        p.error("--vllm-python: the vLLM column runs fp32 only")
     if a.quick:
         a.adapters, a.requests, a.prompt_len, a.new_tokens = "1,4", 4, 32, 4
         a.peft_batch, a.peft_serial_requests = "4", 1
@@ -236,10 +242,10 @@ def peft_serial_run(
     return {"tokens": toks, "seconds": time.perf_counter() - t0}
 
 
-def load_peft(paths: dict[str, Path]) -> Any:
+def load_peft(paths: dict[str, Path], dtype: str = "float32") -> Any:
     from peft import PeftModel
 
-    base, _ = load_hf_model()
+    base, _ = load_hf_model(dtype=dtype)
     names = list(paths)
     model = PeftModel.from_pretrained(base, str(paths[names[0]]), adapter_name=names[0])
     for n in names[1:]:
@@ -288,7 +294,8 @@ def main() -> None:
     max_req = max([a.requests, *a.counts])
     # Prefix caching off: every scenario reuses the same prompts, so base runs after the first would
     # be served from the cache (adapter runs never are: other content hash) and inflate the "tax".
-    llm = LLM(device="cpu", max_loras=max(max_k, 1), max_lora_rank=max(a.rank_list), max_cpu_loras=max(64, max_k),
+    llm = LLM(device="cpu", dtype=a.dtype, max_loras=max(max_k, 1), max_lora_rank=max(a.rank_list),
+              max_cpu_loras=max(64, max_k),
               max_num_seqs=max(64, max_req), enable_prefix_caching=False)  # fmt: skip
     for n in names:
         llm.load_adapter(n, str(paths[n]))
@@ -317,7 +324,7 @@ def main() -> None:
 
     peft_model = None
     if a.peft_counts or a.peft_serial_requests:
-        peft_model = load_peft(paths)
+        peft_model = load_peft(paths, a.dtype)
         peft_batch_run(peft_model, tok, warm[:2], names[:2], 2)  # warm up
 
     rows: list[dict[str, Any]] = []
@@ -453,7 +460,7 @@ def main() -> None:
         print(t)
     env = env_line(f"load during run (1-min): {mon.summary()}")
     notes = [
-        f"SmolLM2-135M-Instruct fp32 CPU, {a.threads} threads; {a.prompt_len}-token prompts (all different), "
+        f"SmolLM2-135M-Instruct {a.dtype} CPU, {a.threads} threads; {a.prompt_len}-token prompts (all different), "
         f"{a.new_tokens} greedy new tokens, EOS ignored; one wave of `requests` submitted together.",
         f"Adapters: real PEFT folders, ranks cycling {a.ranks}, targets "
         + (
@@ -557,7 +564,7 @@ def plot(
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("generated tokens / s")
     ax.set_title(
-        f"multi-LoRA ({a.targets} targets), SmolLM2-135M fp32 CPU, {a.prompt_len}-token prompts, "
+        f"multi-LoRA ({a.targets} targets), SmolLM2-135M {a.dtype} CPU, {a.prompt_len}-token prompts, "
         f"{a.new_tokens} new tokens"
     )
     ax.legend(fontsize=8)

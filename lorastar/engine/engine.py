@@ -283,7 +283,6 @@ class LLMEngine:
             self.model, spec, self.device, k_scales=k_scales, v_scales=v_scales, lora_state=self.lora_state,
             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 256),
             max_model_len=self.max_model_len, native_cpu_kernels=self.cpu_kernels == "native",
-            native_cpu_lora=self.cpu_kernels == "native" and self.dtype == torch.float32,
         )  # fmt: skip
         salt = f"{self.model_dir.resolve()}|{self.dtype}|{kv_dtype}|{config.quantization}"
         self.block_manager = BlockManager(

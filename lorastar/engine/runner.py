@@ -79,12 +79,9 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         max_model_len: int = 0,
         native_cpu_kernels: bool = False,
-        native_cpu_lora: bool | None = None,
     ) -> None:
         self.model = model
-        self.native_cpu_kernels = native_cpu_kernels  # decode attention (fp32 / bf16 layers)
-        # LoRA's SGMV op is fp32 only: a bf16 engine keeps torch's LoRA path.
-        self.native_cpu_lora = native_cpu_kernels if native_cpu_lora is None else native_cpu_lora
+        self.native_cpu_kernels = native_cpu_kernels  # decode attention and LoRA's SGMV (fp32 / bf16)
         self.spec = spec
         self.device = device
         self.block_size = spec.block_size
@@ -150,7 +147,7 @@ class ModelRunner:
             max_rows=max(e - s for _, s, e in ranges),
             slot_runs=slot_runs(ranges, state.max_loras, self.device) if state.reads_slot_runs else None,
             active_slots=len(ranges),
-            native=self.native_cpu_lora,
+            native=self.native_cpu_kernels,
         )
 
     # ---- execution --------------------------------------------------------------------------

@@ -11,8 +11,9 @@ builder (semantics in each source file and in ``reference.py``):
   ``ref_rms_norm``/``ref_silu_and_mul``/``ref_rotary``): one pass each where torch's composite forms
   dispatch 3-8 ops; at a decode step's sizes the dispatch is most of their cost.
 
-All but ``lora_segments`` take fp32 or bf16 (computed in fp32, rounded to bf16 where torch's bf16
-forms round: ``csrc/cpu_elementwise.cpp``, ``csrc/cpu_attention.cpp``).
+All take fp32 or bf16 (computed in fp32, rounded to bf16 where torch's bf16 forms round:
+``csrc/cpu_elementwise.cpp``, ``csrc/cpu_attention.cpp``; LoRA where the GPU kernels round,
+``csrc/cpu_lora.cpp``).
 
 The build (g++ and the ``ninja`` wheel's binary, whatever ninja the system has; ~20-30 s, cached
 under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``, a folder per source and flag set:
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 # build waits on it forever; a build takes ~20 s, so a lock this old is stale.
 STALE_LOCK_SECONDS = 300.0
 
-# What every op but ``lora_segments`` takes (one dtype per call); callers check against it.
+# What every op takes (one dtype per call); callers check against it.
 DTYPES = (torch.float32, torch.bfloat16)
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -197,8 +198,8 @@ def decode_tiled() -> bool:
 
 
 def lora_segments(
-    x: torch.Tensor,  # [T, H] fp32
-    y: torch.Tensor,  # [T, Ntot] fp32, updated in place
+    x: torch.Tensor,  # [T, H] fp32 or bf16
+    y: torch.Tensor,  # [T, Ntot] x's dtype, updated in place
     a: list[torch.Tensor],  # per slice [S, R, H]
     b: list[torch.Tensor],  # per slice B transposed [S, R, N_i], scaling folded in
     offsets: list[int],  # first column of each slice in y
@@ -207,7 +208,9 @@ def lora_segments(
     shared: list[bool],  # [S] every slice of the slot holds the same A
 ) -> None:
     """Semantics: ``for slot, s, e in segs: for i: y[s:e, off_i:off_i+N_i] += (x[s:e] @ A_i[slot, :r].T)
-    @ Bt_i[slot, :r]`` with ``r = ranks[slot]`` (see ``csrc/cpu_lora.cpp``)."""
+    @ Bt_i[slot, :r]`` with ``r = ranks[slot]``; every tensor fp32 or every one bf16 (bf16: the shrink
+    rounded to bf16, y + delta rounded once, as ``ref_lora_shrink``/``ref_lora_expand``; see
+    ``csrc/cpu_lora.cpp``)."""
     _ops().lora_segments(x, y, a, b, offsets, segs, ranks, shared)
 
 

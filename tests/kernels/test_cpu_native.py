@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lorastar.kernels import cpu_native
-from lorastar.kernels.reference import ref_paged_attention
+from lorastar.kernels.reference import ref_lora_expand, ref_lora_shrink, ref_paged_attention
 
 
 def _op() -> None:
@@ -129,13 +129,10 @@ def test_paged_decode_rejects_what_it_cannot_read() -> None:
         cpu_native.paged_decode(q, k_cache, v_cache, rows.int(), gather, lo, lens, out, scale=1.0)
 
 
-@pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("max_rank", [8, 64])
-def test_lora_segments_matches_reference(shared: bool, max_rank: int) -> None:
+def _lora_case(shared: bool, max_rank: int) -> tuple:
     """Three slices (q/k/v-like widths), slots of mixed true ranks (one 0: the slot does not target
     this linear), segments of 1-5 rows in slot order with base rows between them, y a strided view;
     ``shared``: every slice of a slot holds the same A (fused-module LoRA), one shrink for all."""
-    _op()
     gen = torch.Generator().manual_seed(2)
     h, widths, num_slots = 40, [24, 8, 8], 6
     ranks = [max_rank, 0, max(1, max_rank // 4), 3, max_rank // 2, 1]
@@ -149,9 +146,18 @@ def test_lora_segments_matches_reference(shared: bool, max_rank: int) -> None:
     segs = [0, 1, 3, 1, 3, 5, 2, 5, 10, 3, 11, 12, 5, 12, 12, 4, 12, 14]  # (slot, start, end)
     x = torch.randn(14, h, generator=gen)
     wide = torch.randn(14, sum(widths) + 5, generator=gen)
+    return a, b, segs, x, wide, ranks, widths, [0, 24, 32]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("max_rank", [8, 64])
+def test_lora_segments_matches_reference(shared: bool, max_rank: int) -> None:
+    """The case of ``_lora_case`` in fp32."""
+    _op()
+    a, b, segs, x, wide, ranks, widths, offsets = _lora_case(shared, max_rank)
+    num_slots = len(ranks)
     y = wide[:, 5:]  # strided rows
     y0 = y.clone()
-    offsets = [0, 24, 32]
     bt = [bb.transpose(1, 2).contiguous() for bb in b]  # the CPU slots' layout, B.T [S, R, N]
     cpu_native.lora_segments(x, y, a, bt, offsets, segs, ranks, [shared] * num_slots)
     ref = y0.clone()
@@ -164,6 +170,39 @@ def test_lora_segments_matches_reference(shared: bool, max_rank: int) -> None:
     assert torch.equal(y[0], y0[0]) and torch.equal(y[10], y0[10])  # base rows untouched
     with pytest.raises(RuntimeError, match="segment out of range"):
         cpu_native.lora_segments(x, y, a, bt, offsets, [0, 10, 15], ranks, [shared] * num_slots)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("max_rank", [8, 64])
+def test_lora_segments_in_bf16_matches_reference(shared: bool, max_rank: int) -> None:
+    """The same case in bf16 against ``ref_lora_shrink`` then ``ref_lora_expand`` per slice (the
+    GPU kernels' semantics: the shrink rounded to bf16, y + delta summed in fp32 and rounded once):
+    within one bf16 ulp, nearly all equal. Mixed dtypes are refused."""
+    _op()
+    a, b, segs, x, wide, ranks, widths, offsets = _lora_case(shared, max_rank)
+    num_slots = len(ranks)
+    a, b, x, wide = [t.bfloat16() for t in a], [t.bfloat16() for t in b], x.bfloat16(), wide.bfloat16()
+    y = wide[:, 5:]
+    y0 = y.clone()
+    bt = [bb.transpose(1, 2).contiguous() for bb in b]
+    cpu_native.lora_segments(x, y, a, bt, offsets, segs, ranks, [shared] * num_slots)
+    slots = torch.full((x.shape[0],), -1, dtype=torch.int32)
+    for k in range(0, len(segs), 3):
+        slots[segs[k + 1] : segs[k + 2]] = segs[k]
+    ranks_t = torch.tensor(ranks, dtype=torch.int32)
+    ref = y0.clone()
+    for i, off in enumerate(offsets):
+        buf = ref_lora_shrink(x, a[i], slots, ranks_t)  # [T, R] bf16
+        ref = ref_lora_expand(ref, buf, b[i], slots, ranks_t, off)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), atol=1e-6, rtol=2**-7)  # one ulp
+    assert (y != ref).float().mean() < 0.02
+    assert torch.equal(y[0], y0[0]) and torch.equal(y[10], y0[10])
+    assert not torch.equal(y, y0)
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        cpu_native.lora_segments(x, y.float(), a, bt, offsets, segs, ranks, [shared] * num_slots)
+    with pytest.raises(RuntimeError, match="of x's dtype"):
+        cpu_native.lora_segments(x, y, [t.float() for t in a], bt, offsets, segs, ranks, [shared] * num_slots)
 
 
 def test_a_stale_build_lock_is_cleared(tmp_path) -> None:  # noqa: ANN001

@@ -13,13 +13,12 @@ from lorastar.kernels import cpu_native
 
 def _outputs_per_mode(path: str, dtype: str, prompts: list[list[int]], sp: SamplingParams) -> dict[str, list]:
     """``prompts`` generated with ``cpu_kernels`` torch and native, after checking what each switched:
-    decode attention, norms, rotary and the activation native in both dtypes, LoRA's op in fp32 only."""
+    decode attention (and LoRA's op), norms, rotary and the activation native in both dtypes."""
     outs = {}
     for mode in ("torch", "native"):
         llm = LLM(path, dtype=dtype, num_kv_blocks=64, cpu_kernels=mode)
         assert llm.engine.cpu_kernels == mode
-        assert llm.engine.runner.native_cpu_kernels == (mode == "native")  # decode attention
-        assert llm.engine.runner.native_cpu_lora == (mode == "native" and dtype == "float32")
+        assert llm.engine.runner.native_cpu_kernels == (mode == "native")  # decode attention, LoRA
         layer = llm.engine.model.layers[0]
         native = [layer.post_attention_layernorm.native_cpu, layer.self_attn.rope.native_cpu]
         assert native == [mode == "native"] * 2
@@ -62,8 +61,7 @@ def test_auto_falls_back_and_native_refuses_without_the_op(tiny_model_dir, monke
 def test_bf16_engine_runs_attention_and_elementwise_ops_natively_and_decodes_like_transformers(
     tiny_model_dir, name: str
 ) -> None:
-    """A bf16 model takes the C++ decode attention, norms, activation and rotary (its LoRA stays on
-    torch: that op is fp32 only); its greedy tokens equal HF's bf16 greedy up to a near tie, and its
+    """A bf16 model takes the C++ decode attention, norms, activation and rotary; its greedy tokens equal HF's bf16 greedy up to a near tie, and its
     logprobs stay within bf16's rounding of the torch forms'."""
     from transformers import AutoModelForCausalLM
 
@@ -90,12 +88,17 @@ def test_bf16_engine_runs_attention_and_elementwise_ops_natively_and_decodes_lik
     assert agree >= len(prompts) - 1
 
 
-def test_bf16_engine_with_an_adapter_decodes_like_peft(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
-    """A bf16 model with LoRA: native decode attention beside torch's LoRA path (the SGMV op is fp32
-    only), a batch of base and adapter rows, each against HF / PEFT in bf16 up to a near tie."""
+@pytest.mark.parametrize("mode", ["torch", "native"])
+def test_bf16_engine_with_an_adapter_decodes_like_peft(
+    tiny_model_dir, tmp_path, monkeypatch, mode: str
+) -> None:  # noqa: ANN001
+    """A bf16 model with LoRA, its decode rows' adapter through the C++ SGMV op (``native``) or
+    torch's matmuls: a batch of base and adapter rows, each against HF / PEFT in bf16 up to a near
+    tie."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    import lorastar.layers.lora as lora_layer
     from tests.conftest import make_peft_adapter
     from tests.layers.test_cpu_gemm import greedy_matches_hf_up_to_a_near_tie
     from tests.models.test_llama_vs_hf import mixed_prompts
@@ -110,8 +113,11 @@ def test_bf16_engine_with_an_adapter_decodes_like_peft(tiny_model_dir, tmp_path)
     peft = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), adapter
     ).eval()
-    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_loras=2, max_lora_rank=16)
-    assert llm.engine.cpu_kernels == "native" and not llm.engine.runner.native_cpu_lora
+    llm = LLM(path, dtype="bfloat16", num_kv_blocks=64, max_loras=2, max_lora_rank=16, cpu_kernels=mode)
+    assert llm.engine.cpu_kernels == mode
+    calls: list[torch.dtype] = []
+    op = lora_layer.lora_segments
+    monkeypatch.setattr(lora_layer, "lora_segments", lambda x, *a: (calls.append(x.dtype), op(x, *a))[1])
     llm.load_adapter("a", adapter)
     prompts = mixed_prompts(21, [30, 9, 50, 21])
     names = ["a", None, "a", None]
@@ -121,4 +127,7 @@ def test_bf16_engine_with_an_adapter_decodes_like_peft(tiny_model_dir, tmp_path)
         for p, o, name in zip(prompts, outs, names)
     ]
     assert sum(agree) >= len(prompts) - 1
+    assert calls == ([] if mode == "torch" else [torch.bfloat16] * len(calls)) and (mode == "torch") != bool(
+        calls
+    )
     llm.engine.check_invariants()
