@@ -67,8 +67,8 @@ class EngineConfig:
     start)."""
 
     cpu_kernels: str = "auto"
-    """Decode attention, RMSNorm, the gated activation and rotary of fp32 and bf16 models on CPU, and
-    decode-row LoRA of fp32 ones: ``"native"`` (small C++ ops, built once per machine with g++ and ninja, ~30 s, then cached:
+    """Decode attention, decode-row LoRA, RMSNorm, the gated activation and rotary of fp32 and bf16
+    models on CPU: ``"native"`` (small C++ ops, built once per machine with g++ and ninja, ~30 s, then cached:
     attention reads K/V straight from the paged cache, LoRA reads each adapter at its true rank, the
     elementwise steps are one pass each; ``kernels/cpu_native.py``), ``"torch"`` (blocks gathered
     then SDPA; LoRA as bmm over a slot grid; torch's composite norm, activation and rotary), or

@@ -206,8 +206,8 @@ class LLMEngine:
             self.cpu_gemm = choose_backend(config.cpu_gemm, largest)
             if self.cpu_gemm == "onednn":
                 self.model.pack_for_cpu()
-        # C++ ops (kernels/cpu_native.py) where they build: decode attention and the elementwise steps
-        # of fp32 and bf16 models, decode-row LoRA of fp32 ones (that op is fp32 only).
+        # C++ ops (kernels/cpu_native.py) where they build: decode attention, decode-row LoRA and the
+        # elementwise steps of fp32 and bf16 models.
         self.cpu_kernels = "torch"
         if self.device.type == "cpu" and self.dtype in cpu_native.DTYPES and config.cpu_kernels != "torch":
             if cpu_native.load() is not None:
