@@ -114,6 +114,22 @@ TINY_CONFIGS: dict[str, dict] = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
         },
     ),
+    # Gemma 3 4B-27B's shape: the same decoder inside Gemma3ForConditionalGeneration, beside a
+    # (tiny) SigLIP vision tower and projector that a text server skips
+    "gemma3-mm": dict(
+        arch="gemma3-mm",
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=20,
+        query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    ),
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, untied, GQA
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     # Phi-4-mini: partial rotary (3/4 of each head), longrope (short / long factors, attention factor)
@@ -144,7 +160,8 @@ TINY_CONFIGS: dict[str, dict] = {
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
-    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 checkpoint + SmolLM2's tokenizer into ``path``."""
+    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 checkpoint (Gemma 3 also as
+    ``Gemma3ForConditionalGeneration``) + SmolLM2's tokenizer into ``path``."""
     import shutil
     from pathlib import Path
 
@@ -183,14 +200,26 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
         from transformers import Phi3Config, Phi3ForCausalLM
 
         model = Phi3ForCausalLM(Phi3Config(**kw, pad_token_id=0))
-    elif arch in ("gemma2", "gemma3"):
+    elif arch in ("gemma2", "gemma3", "gemma3-mm"):
         from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
         kw.pop("rms_norm_eps")
         if arch == "gemma2":
             model = Gemma2ForCausalLM(Gemma2Config(**kw, rms_norm_eps=1e-6))
-        else:
+        elif arch == "gemma3":
             model = Gemma3ForCausalLM(Gemma3TextConfig(**kw, rms_norm_eps=1e-6))
+        else:
+            from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+            text = Gemma3TextConfig(**kw, rms_norm_eps=1e-6)
+            vision = SiglipVisionConfig(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14,
+            )  # fmt: skip
+            cfg = Gemma3Config(
+                text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4
+            )
+            model = Gemma3ForConditionalGeneration(cfg)
         with torch.no_grad():  # Gemma norms start at zero (weight 1 + 0): make them matter
             for n, p in model.named_parameters():
                 if "norm" in n:

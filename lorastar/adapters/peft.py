@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,7 +19,10 @@ from typing import Any
 
 import torch
 
+from lorastar.checkpoint_keys import KeyMap
 from lorastar.errors import AdapterError
+
+log = logging.getLogger("lorastar")
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -69,10 +73,14 @@ _REFUSED_FLAGS: dict[str, str] = {
 
 @dataclass
 class ModelSpec:
-    """What an adapter must match in the base: layer count and each target's (in, out) features."""
+    """What an adapter must match in the base: layer count and each target's (in, out) features;
+    ``key_map`` and ``unserved_modules``: the model's renames of module paths and the LoRA targets
+    of its unserved parts (a multimodal checkpoint served as text: ``checkpoint_keys``)."""
 
     num_layers: int
     module_shapes: dict[str, tuple[int, int]]
+    key_map: KeyMap = field(default_factory=KeyMap)
+    unserved_modules: tuple[str, ...] = ()
 
     @classmethod
     def from_model(cls, model: Any) -> ModelSpec:
@@ -90,7 +98,12 @@ class ModelSpec:
                 shapes |= {part: (lin.input_size, n) for part, n in zip(lin.slice_names, outs)}
             else:
                 shapes[prefix.rpartition(".")[2]] = (lin.input_size, sum(outs))
-        return cls(num_layers=int(model.num_layers), module_shapes=shapes)
+        return cls(
+            num_layers=int(model.num_layers),
+            module_shapes=shapes,
+            key_map=getattr(model, "key_map", KeyMap()),
+            unserved_modules=tuple(getattr(model, "unserved_lora_modules", ())),
+        )
 
 
 @dataclass
@@ -165,7 +178,13 @@ def _matches_targets(targets: Any, key: str) -> bool:
     return key in targets or any(key.endswith(f".{t}") for t in targets)
 
 
-def _validate_config(cfg_path: Path, cfg: dict[str, Any], supported: tuple[str, ...], max_rank: int) -> None:
+def _validate_config(
+    cfg_path: Path,
+    cfg: dict[str, Any],
+    supported: tuple[str, ...],
+    max_rank: int,
+    unserved: tuple[str, ...] = (),
+) -> None:
     peft_type = cfg.get("peft_type")
     if not isinstance(peft_type, str) or peft_type.upper() != "LORA":
         raise _fail(cfg_path, f"peft_type {peft_type!r} is not supported (only LORA adapters are served)")
@@ -189,7 +208,7 @@ def _validate_config(cfg_path: Path, cfg: dict[str, Any], supported: tuple[str, 
             except re.error as e:
                 raise _fail(cfg_path, f"target_modules regex {targets!r} is invalid: {e}") from e
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in supported})
+        unknown = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in (*supported, *unserved)})
         if unknown:
             raise _fail(
                 cfg_path,
@@ -263,7 +282,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
 
     supported = tuple(m for m in SUPPORTED_MODULES if m in spec.module_shapes)
     cfg = _read_config(cfg_path)
-    _validate_config(cfg_path, cfg, supported, max_rank)
+    _validate_config(cfg_path, cfg, supported, max_rank, spec.unserved_modules)
     r_cfg: int = cfg.get("r", 8)
     alpha_cfg = float(cfg.get("lora_alpha", 8))
     use_rslora = bool(cfg.get("use_rslora", False))
@@ -277,8 +296,17 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
 
     # Group tensors into (layer, module) -> {A, B}, refusing anything that is not a supported LoRA pair.
     pairs: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    # The module path PEFT matched target_modules / rank_pattern against, where the model renames it
+    # (a multimodal base: ``model.language_model.layers.0.self_attn.q_proj``).
+    stored_paths: dict[tuple[int, str], str] = {}
+    unserved = 0
     for key, t in raw.items():
-        m = _KEY_RE.match(key)
+        path = key.removeprefix("base_model.model.")
+        served = spec.key_map(path)
+        if served is None:  # LoRA on a part not served (a vision tower): no effect on text
+            unserved += 1
+            continue
+        m = _KEY_RE.match(served)
         if m is None or m["module"] not in MODULE_GROUP or MODULE_GROUP[m["module"]] != m["group"]:
             if "lora_magnitude_vector" in key:
                 raise _fail(w_path, f"refused: DoRA magnitude tensor {key!r} (DoRA is not supported)")
@@ -317,6 +345,18 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
                 f"tensor {key!r} has dtype {t.dtype}; only float16/bfloat16/float32/float64 are accepted",
             )
         slot[m["ab"]] = (key, t)
+        if served != path:
+            stored_paths[(layer, module)] = path.split(".lora_", 1)[0]
+    if unserved:
+        if not pairs:
+            raise _fail(
+                w_path,
+                f"all {unserved} tensors adapt parts this model does not serve (the vision tower or "
+                "projector of a multimodal checkpoint served as text): nothing applies to text",
+            )
+        log.info(
+            "adapter %s: skipped %d tensors of parts not served (vision tower, projector)", folder, unserved
+        )
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     max_r = 0
@@ -329,7 +369,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
             )
         (ka, a), (_, b) = ab["A"], ab["B"]
         in_f, out_f = spec.module_shapes[module]
-        peft_key = f"model.layers.{layer}.{MODULE_GROUP[module]}.{module}"
+        peft_key = stored_paths.get((layer, module), f"model.layers.{layer}.{MODULE_GROUP[module]}.{module}")
         if not _matches_targets(targets, peft_key):
             raise _fail(
                 cfg_path,

@@ -9,6 +9,10 @@ What differs from Llama (transformers' Gemma2/Gemma3 modeling is the reference):
 * Gemma 2: attention-logit and final-logit soft-capping ``c * tanh(x / c)``;
 * Gemma 3: per-head q/k norms (Gemma style) and a RoPE base per layer type (local 10k, global 1M,
   the global one possibly linearly scaled).
+
+Gemma 3 4B-27B ship as ``Gemma3ForConditionalGeneration`` (text and images): served here as text
+only, the language model is the Gemma 3 decoder above and the vision tower and projector are not
+loaded (``Gemma3ForConditionalGeneration``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lorastar.checkpoint_keys import KeyMap
 from lorastar.forward_context import ForwardContext
 from lorastar.layers.embedding import EmbeddingMethod
 from lorastar.layers.norm import GemmaRMSNorm
@@ -148,3 +153,44 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if self.final_softcap > 0:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+
+class Gemma3ForConditionalGeneration(GemmaForCausalLM):
+    """A Gemma 3 text-and-image checkpoint (4B, 12B, 27B and their fine-tunes) served as text: its
+    ``text_config`` builds the Gemma 3 decoder, the language model's tensors load under either
+    naming transformers has written (``language_model.model.*``, and ``model.language_model.*``
+    with a top-level ``lm_head``), and the vision tower and projector are skipped, in the checkpoint
+    and in adapters (LoRA on SigLIP's ``out_proj``/``fc1``/``fc2`` or its q/k/v changes only how
+    images are read). Text prompts get exactly the multimodal model's text output; images are refused
+    by the API (text content only)."""
+
+    architectures: ClassVar[dict[str, str]] = {"Gemma3ForConditionalGeneration": "gemma3"}
+    key_map: ClassVar[KeyMap] = KeyMap(
+        renames=(
+            ("model.language_model.", "model."),  # transformers >= 4.52 module paths (PEFT keys)
+            ("language_model.model.", "model."),  # the released checkpoints' tensor names
+            ("language_model.lm_head.", "lm_head."),
+        ),
+        unserved=(
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ),
+    )
+    unserved_lora_modules: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2")
+
+    @classmethod
+    def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``text_config`` completed with transformers' ``Gemma3TextConfig`` defaults (the released
+        configs list only what differs from them: 4B's omits heads, head size, vocabulary, RoPE bases),
+        then the top level's own fields (``eos_token_id``, ``tie_word_embeddings``, ``dtype``,
+        ``quantization_config``) over it."""
+        from transformers import Gemma3TextConfig
+
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("Gemma3ForConditionalGeneration: config.json has no text_config object")
+        full = Gemma3TextConfig(**text).to_dict()
+        top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+        return {**full, **top}

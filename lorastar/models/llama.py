@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from lorastar.checkpoint_keys import KeyMap
 from lorastar.forward_context import ForwardContext
 from lorastar.layers.activation import GATED_ACTIVATIONS, NATIVE_CPU_ACTIVATIONS
 from lorastar.layers.attention import attention_forward
@@ -192,6 +193,16 @@ class LlamaForCausalLM(nn.Module):
     }
     supported_lora_modules: ClassVar[list[str]] = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
     architectures: ClassVar[dict[str, str]] = SUPPORTED_ARCHITECTURES  # HF class name -> family
+    # Checkpoint tensor names -> ours, applied by the loader and to adapters' module paths (identity
+    # here; multimodal checkpoints served as text rename their language model and skip the rest).
+    key_map: ClassVar[KeyMap] = KeyMap()
+    # LoRA targets that exist only in the unserved parts (their tensors are skipped with them).
+    unserved_lora_modules: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The decoder's config from ``config.json`` (a multimodal config's text part, completed)."""
+        return cfg
 
     def __init__(
         self,

@@ -32,9 +32,10 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
     cfg.setdefault("model_type", "llama")
+    check_architecture(cfg)  # a multimodal architecture not listed fails here, naming what is
+    cfg = model_class(cfg).text_config(cfg)
     if "text_config" in cfg and "hidden_size" not in cfg:
         raise ValueError(f"{path}: multimodal configs are not supported")
-    check_architecture(cfg)
     return cfg
 
 
@@ -87,6 +88,10 @@ class WeightLoader:
         self._loaded_plain: set[str] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
+        stored, served = name, self.model.key_map(name)
+        if served is None:  # a part not served (a multimodal checkpoint's vision tower)
+            return
+        name = served
         if _IGNORED.search(name):
             return
         if self.kv_scales.add(name, tensor):
@@ -101,7 +106,7 @@ class WeightLoader:
             return  # tied embeddings: some checkpoints still store a copy
         param = self._plain.get(target)
         if param is None:
-            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            raise ValueError(f"unexpected tensor {stored!r} in checkpoint")
         load_shard(param, [], tensor, None, name)
         self._loaded_plain.add(target)
 

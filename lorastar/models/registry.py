@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from lorastar.models.gemma import GemmaForCausalLM
+from lorastar.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausalLM
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.llama import check_architecture as _check
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.architectures, LlamaForCausalLM),
     **dict.fromkeys(GemmaForCausalLM.architectures, GemmaForCausalLM),
+    **dict.fromkeys(Gemma3ForConditionalGeneration.architectures, Gemma3ForConditionalGeneration),
 }
 
 
-SUPPORTED = {**LlamaForCausalLM.architectures, **GemmaForCausalLM.architectures}  # HF class -> model_type
+SUPPORTED = {
+    cls_name: cls.architectures[cls_name] for cls_name, cls in MODEL_CLASSES.items()
+}  # HF class -> model_type
 
 
 def check_architecture(hf_config: dict[str, Any]) -> str:

@@ -29,7 +29,8 @@ _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gat
 
 def _targets_of(base: torch.nn.Module, names: list[str]) -> list[str]:
     """The same targets on a base whose checkpoint fuses q/k/v and gate/up (Phi-3): the fused modules."""
-    if not hasattr(base.model.layers[0].self_attn, "qkv_proj"):
+    layers = getattr(base.model, "layers", None)  # None: a multimodal model (its language_model's)
+    if layers is None or not hasattr(layers[0].self_attn, "qkv_proj"):
         return names
     return sorted({_FUSED.get(n, n) for n in names})
 
@@ -62,7 +63,8 @@ def peft_last_logits(model: PeftModel, prompt: list[int], adapter: str | None) -
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-gqa", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "phi3", "phi4-mini"]
+    "name",
+    ["llama-gqa", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "gemma3-mm", "phi3", "phi4-mini"],
 )
 def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> None:
     base_dir = tiny_model_dir(name)

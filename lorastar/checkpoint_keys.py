@@ -1,0 +1,30 @@
+"""How a checkpoint's tensor names (and its adapters' module paths) map onto the served model's.
+
+A multimodal checkpoint served as text only (Gemma 3 4B-27B: ``Gemma3ForConditionalGeneration``)
+keeps its language model under a prefix and carries parts the engine does not run (the vision tower,
+the projector). The model class states the mapping once (``LlamaForCausalLM.key_map``); the weight
+loader and the PEFT reader both apply it, so a checkpoint and the adapters trained on it agree.
+Imports nothing from lorastar: models/ and adapters/ both read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeyMap:
+    """``renames``: (checkpoint prefix, served prefix) pairs, the first match applies;
+    ``unserved``: prefixes of tensors that belong to parts not served (skipped, never an error)."""
+
+    renames: tuple[tuple[str, str], ...] = ()
+    unserved: tuple[str, ...] = ()
+
+    def __call__(self, name: str) -> str | None:
+        """``name`` as the served model calls it, or None for a tensor of an unserved part."""
+        if self.unserved and name.startswith(self.unserved):
+            return None
+        for old, new in self.renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
