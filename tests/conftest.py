@@ -114,22 +114,6 @@ TINY_CONFIGS: dict[str, dict] = {
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
         },
     ),
-    # Gemma 3 4B-27B's shape: the same decoder inside Gemma3ForConditionalGeneration, beside a
-    # (tiny) SigLIP vision tower and projector that a text server skips
-    "gemma3-mm": dict(
-        arch="gemma3-mm",
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=20,
-        query_pre_attn_scalar=32,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-        },
-    ),
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, untied, GQA
     "phi3": dict(arch="phi3", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     # Phi-4-mini: partial rotary (3/4 of each head), longrope (short / long factors, attention factor)
@@ -157,6 +141,9 @@ TINY_CONFIGS: dict[str, dict] = {
         sliding_window=4096,
     ),
 }
+# Gemma 3 4B-27B's shape: the same decoder inside Gemma3ForConditionalGeneration, beside a (tiny)
+# SigLIP vision tower and projector that a text server skips
+TINY_CONFIGS["gemma3-mm"] = {**TINY_CONFIGS["gemma3"], "arch": "gemma3-mm"}
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201

@@ -48,14 +48,6 @@ inline void prefetch_block(const T* p, int64_t elems) {
 
 using bf16 = at::BFloat16;
 
-// A K/V token row [n] as fp32: fp32 rows as they are, bf16 ones widened into buf.
-inline const float* as_f32(const float* p, int64_t, std::vector<float>&) { return p; }
-inline const float* as_f32(const bf16* p, int64_t n, std::vector<float>& buf) {
-  buf.resize(n);
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
-  return buf.data();
-}
-
 // x[i0:i1] = softmax(x[i0:i1]) in place (i1 > i0).
 inline void softmax_inplace(float* x, int64_t i0, int64_t i1) {
   float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
@@ -234,7 +226,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
     std::vector<float> s, acc(Hq * D), qbuf, kbuf, vbuf;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t r = rp[b], l0 = lop[b], n = lp[b] - l0;
-      const float* qr = as_f32(qp + r * qrow, Hq * D, qbuf);  // [Hq, D]; head h reads kv head h / G
+      const float* qr = lorastar_vec::as_f32(qp + r * qrow, Hq * D, qbuf);  // [Hq, D]; head h reads kv head h / G
       // fp32 rows are written in place; bf16 ones go through acc and are rounded at the end.
       float* orow_p = kF32 ? reinterpret_cast<float*>(op + r * orow) : acc.data();
       auto finish = [&] {
@@ -272,7 +264,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         if (c + 2 >= ncols && c + 2 - ncols < ncols)  // the first V blocks, read next
           prefetch_block(vp + blocks[c + 2 - ncols] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t, ++i) {
-          const float* kt = as_f32(kb + t * tok, tok, kbuf);  // [Hkv, D]
+          const float* kt = lorastar_vec::as_f32(kb + t * tok, tok, kbuf);  // [Hkv, D]
           for (int64_t hk = 0; hk < Hkv; ++hk)
             for (int64_t g = 0; g < G; g += 4) {
               const int64_t nq = std::min<int64_t>(4, G - g);
@@ -294,7 +286,7 @@ void paged_decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at:
         const T* vb = vp + blocks[c] * BS * tok;
         if (c + 2 < ncols) prefetch_block(vp + blocks[c + 2] * BS * tok, BS * tok);
         for (int64_t t = t0; t < t1; ++t, ++i) {
-          const float* vt = as_f32(vb + t * tok, tok, vbuf);  // [Hkv, D]
+          const float* vt = lorastar_vec::as_f32(vb + t * tok, tok, vbuf);  // [Hkv, D]
           for (int64_t hk = 0; hk < Hkv; ++hk)
             for (int64_t h = hk * G; h < (hk + 1) * G; ++h) axpy(s[h * n + i], vt + hk * D, acc.data() + h * D, D);
         }

@@ -23,14 +23,6 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-// rows [n, d] as fp32: fp32 as they are, bf16 widened into buf (exact).
-inline const float* rows_f32(const float* p, int64_t, std::vector<float>&) { return p; }
-inline const float* rows_f32(const bf16* p, int64_t n, std::vector<float>& buf) {
-  buf.resize(n);
-  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
-  return buf.data();
-}
-
 template <typename T>
 void lora_segments_impl(const at::Tensor& x, at::Tensor& y, const std::vector<at::Tensor>& a,
                         const std::vector<at::Tensor>& b, const std::vector<int64_t>& offsets,
@@ -70,7 +62,7 @@ void lora_segments_impl(const at::Tensor& x, at::Tensor& y, const std::vector<at
         xr = xbuf.data();
         xrs = H;
       }
-      const float* ap = rows_f32(a[i].data_ptr<T>() + slot * R * H, r * H, abuf);
+      const float* ap = lorastar_vec::as_f32(a[i].data_ptr<T>() + slot * R * H, r * H, abuf);
       for (int64_t j = 0; j < r; j += 4) {
         const int64_t nq = std::min<int64_t>(4, r - j);
         int64_t row = s;

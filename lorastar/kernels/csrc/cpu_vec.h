@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace lorastar_vec {
 
@@ -46,6 +47,15 @@ inline float lane_sum(const float* __restrict x, int64_t n) {
   for (int w = 8; w > 0; w /= 2)
     for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
   return lane[0];
+}
+
+// p [n] as fp32: fp32 as it is, another storage type (bf16) widened into buf (exact for bf16).
+inline const float* as_f32(const float* p, int64_t, std::vector<float>&) { return p; }
+template <typename T>
+inline const float* as_f32(const T* p, int64_t n, std::vector<float>& buf) {
+  buf.resize(n);
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return buf.data();
 }
 
 // y += w * x over n floats.
