@@ -20,7 +20,10 @@ from quant_fixtures import checkpoint, present, read_config
 from safetensors.torch import save_file
 from test_quant_e2e import FP8_TOL, INT4_TOL, _forward_logits, _load
 
-FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "gemma3-mm", "phi3")
+# Gemma 3 4B-27B (Gemma3ForConditionalGeneration): the language model's tensors sit under this prefix
+# (transformers >= 4.52's naming), beside a vision tower the loader skips.
+_MM_PREFIX = "model.language_model."
 # Phi-3 checkpoints store q/k/v and gate/up fused: the fixture's tensors are concatenated along their
 # output dimension (dim 1 for AWQ/GPTQ's packed qweight/qzeros/scales, 0 for FP8 weight and scales).
 # GPTQ with act-order has one g_idx per module, which a fused module cannot hold: gptq_sym instead.
@@ -68,10 +71,20 @@ def _hf_family(family: str, fx: dict) -> torch.nn.Module:
             tf.Gemma2Config(**shapes, sliding_window=16, query_pre_attn_scalar=32, attn_logit_softcapping=20.0,
                             final_logit_softcapping=10.0)
         )  # fmt: skip
-    else:
+    elif family == "gemma3":
         model = tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(**shapes, sliding_window=16, query_pre_attn_scalar=32)
         )
+    else:
+        text = tf.Gemma3TextConfig(**shapes, sliding_window=16, query_pre_attn_scalar=32)
+        vision = tf.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+            patch_size=14,
+        )  # fmt: skip
+        model = tf.Gemma3ForConditionalGeneration(
+            tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                            tie_word_embeddings=shapes["tie_word_embeddings"])
+        )  # fmt: skip
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -114,7 +127,14 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
     quantized = {k: v for k, v in checkpoint(name).items() if "_proj." in k}
     if family == "phi3":
         quantized = _fuse(quantized, int4=not name.startswith("fp8"))
-    plain = {k: v.contiguous() for k, v in hf.state_dict().items() if "_proj." not in k}
+    mm = family == "gemma3-mm"
+    if mm:  # the language model's linears under its prefix; the vision tower's stay plain
+        quantized = {k.replace("model.", _MM_PREFIX, 1): v for k, v in quantized.items()}
+    plain = {
+        k: v.contiguous()
+        for k, v in hf.state_dict().items()
+        if "_proj." not in k or (mm and not k.startswith(_MM_PREFIX))
+    }
     if hf.config.tie_word_embeddings:
         plain.pop("lm_head.weight", None)
     save_file({**quantized, **plain}, str(tmp_path / "model.safetensors"))
@@ -122,14 +142,22 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
     cfg["quantization_config"] = fx["quantization_config"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
 
-    from lorastar.models.loader import load_model
+    from lorastar.models.loader import load_model, read_hf_config
     from lorastar.quant import get_quant_config
 
+    cfg = read_hf_config(tmp_path)  # as the engine reads it (a multimodal config's text part)
     model, _ = load_model(
         tmp_path, cfg, dtype=torch.float32, device=torch.device("cpu"),
         quant=get_quant_config(cfg, None, torch.float32), max_positions=256,
     )  # fmt: skip
-    assert type(model).__name__ == ("GemmaForCausalLM" if "gemma" in family else "LlamaForCausalLM")
+    kind = (
+        "Gemma3ForConditionalGeneration"
+        if mm
+        else "GemmaForCausalLM"
+        if "gemma" in family
+        else "LlamaForCausalLM"
+    )
+    assert type(model).__name__ == kind
     if family == "phi3":  # the fused tensors filled every shard
         assert any(".qkv_proj." in k for k in quantized) and not any(".q_proj." in k for k in quantized)
     deq = _dequantized(name)
@@ -137,12 +165,14 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
         deq = _fuse(deq, int4=False)  # [out, in] weights: fused along dim 0
     with torch.no_grad():
         for module, w in deq.items():
-            hf.get_submodule(module).weight.copy_(w)
+            hf.get_submodule(module.replace("model.", _MM_PREFIX, 1) if mm else module).weight.copy_(w)
     if name.startswith("fp8"):
         # W8A8: each linear's input is quantized per token (dynamic), as llm-compressor's FP8_DYNAMIC
         # scheme runs it: emulate that in the reference.
         for module in deq:
-            hf.get_submodule(module).register_forward_pre_hook(lambda _m, args: (_fp8_per_token(args[0]),))
+            hf.get_submodule(
+                module.replace("model.", _MM_PREFIX, 1) if mm else module
+            ).register_forward_pre_hook(lambda _m, args: (_fp8_per_token(args[0]),))
     gen = torch.Generator().manual_seed(3)
     for length in (5, 48):  # shorter and three times longer than the sliding window
         ids = torch.randint(0, fx["vocab_size"], (length,), generator=gen).tolist()
