@@ -13,6 +13,16 @@ from lorastar.kernels.norm import MAX_ROW, rms_norm
 HALF = (torch.bfloat16, torch.float16)
 
 
+def native_rows(x: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor | None:
+    """``x`` as the C++ norm's ``[N, D]`` rows (a CPU tensor of one of ``dtypes`` whose rows it can
+    read), or None."""
+    if x.dtype not in dtypes or x.device.type != "cpu":
+        return None
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
+    return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -27,13 +37,9 @@ class RMSNorm(nn.Module):
 
     def _native_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x`` as the C++ op's ``[N, D]`` rows, or None where it does not apply."""
-        if not (
-            self.native_cpu and x.dtype == self.weight.dtype in cpu_native.DTYPES and x.device.type == "cpu"
-        ):
+        if not (self.native_cpu and x.dtype == self.weight.dtype):
             return None
-        if x.dim() == 2 and x.stride(1) == 1:
-            return x
-        return x.view(-1, x.shape[-1]) if x.is_contiguous() else None
+        return native_rows(x, cpu_native.DTYPES)
 
     def add_forward(self, x: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + h, self(x + h))``: a residual add and the norm after it, one pass on the C++ path."""
@@ -69,8 +75,21 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        # fp32 CPU rows through the C++ rms_norm with ``1 + w`` as its weight (the same products in
+        # the same order; only the sum of squares rounds differently, by a few ulp), set by
+        # use_native_cpu_ops once the weight is loaded. Gemma has six norms a layer (two on q/k heads,
+        # strided views: torch's form); bf16 keeps torch's form too, since Gemma rounds once, after the
+        # weight, where the op rounds before it.
+        self.plus_one: torch.Tensor | None = None
+
+    def use_native_cpu_ops(self) -> None:
+        if self.weight.dtype == torch.float32 and self.weight.device.type == "cpu":
+            self.plus_one = (1.0 + self.weight.detach()).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = None if self.plus_one is None else native_rows(x, (torch.float32,))
+        if rows is not None:
+            return cpu_native.rms_norm(rows, self.plus_one, self.eps).view(x.shape)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -131,3 +131,33 @@ def test_bf16_engine_with_an_adapter_decodes_like_peft(
         calls
     )
     llm.engine.check_invariants()
+
+
+def test_gemma_norms_take_the_cpp_op_in_fp32_only(monkeypatch) -> None:  # noqa: ANN001
+    """GemmaRMSNorm (``(1 + w)`` multiplied in fp32) through the C++ rms_norm with ``1 + w`` as its
+    weight: within a few ulp of its torch form on rows and contiguous 3-D inputs; strided head views
+    (Gemma 3's q/k norms) and bf16 keep the torch form, bit for bit."""
+    from lorastar.layers.norm import GemmaRMSNorm
+
+    if cpu_native.load() is None:
+        pytest.skip("no C++ toolchain: the CPU ops cannot build here")
+    gen = torch.Generator().manual_seed(0)
+    ref, nat = GemmaRMSNorm(96, 1e-6, torch.float32), GemmaRMSNorm(96, 1e-6, torch.float32)
+    w = torch.randn(96, generator=gen) * 0.3
+    ref.weight.data.copy_(w)
+    nat.weight.data.copy_(w)
+    nat.use_native_cpu_ops()
+    assert ref.plus_one is None and nat.plus_one is not None
+    calls = []
+    op = cpu_native.rms_norm
+    monkeypatch.setattr(cpu_native, "rms_norm", lambda *a: (calls.append(a[0].shape), op(*a))[1])
+    x = torch.randn(7, 96, generator=gen) * 3
+    torch.testing.assert_close(nat(x), ref(x), rtol=1e-6, atol=1e-6)
+    x3 = torch.randn(5, 4, 96, generator=gen)
+    torch.testing.assert_close(nat(x3), ref(x3), rtol=1e-6, atol=1e-6)
+    assert calls == [(7, 96), (20, 96)]
+    heads = torch.randn(5, 3 * 96 + 8, generator=gen)[:, : 3 * 96].view(5, 3, 96)  # strided rows
+    assert torch.equal(nat(heads), ref(heads)) and len(calls) == 2
+    half = GemmaRMSNorm(96, 1e-6, torch.bfloat16)
+    half.use_native_cpu_ops()
+    assert half.plus_one is None
