@@ -52,6 +52,8 @@ _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(?P<layer>\d+)\.(?P<group>[A-Za-z_]\w*)\."
     r"(?P<module>[A-Za-z_]\w*)\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$"
 )
+# Module paths of a multimodal model (transformers' LLaVA-style layout): an adapter trained on one.
+_MULTIMODAL_PATH = re.compile(r"(?:^|\.)(?:language_model|vision_tower|multi_modal_projector)\.")
 _LORA_MODULE_RE = re.compile(r"(?:^|\.)(?P<module>[^.]+)\.lora_(?:A|B|embedding_A|embedding_B)(?:\.|$)")
 
 # LoraConfig fields whose truthy value changes the forward pass in a way plain LoRA serving
@@ -317,6 +319,12 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
                 raise _fail(
                     w_path,
                     f"refused: tensor {key!r} is not a LoRA A/B weight (modules_to_save or other extras)",
+                )
+            if not spec.key_map.renames and _MULTIMODAL_PATH.search(path):  # a base served as text only
+                raise _fail(
+                    w_path,
+                    f"tensor {key!r} adapts a multimodal model (its language_model / vision_tower paths), "
+                    "and this base is a text-only model: serve the multimodal checkpoint it was trained on",
                 )
             raise _fail(
                 w_path,

@@ -153,3 +153,15 @@ def test_the_released_4b_config_reads_as_gemma_3_4bs_decoder() -> None:
     assert _rope_config(cfg, "sliding_attention")["rope_parameters"]["rope_theta"] == 10000.0
     full = _rope_config(cfg, "full_attention")["rope_parameters"]
     assert (full["rope_type"], full["factor"], full["rope_theta"]) == ("linear", 8.0, 1000000.0)
+
+
+def test_an_adapter_of_the_multimodal_model_on_a_text_only_base_says_so(tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """Its keys name language_model / vision_tower paths that a text-only base (Gemma 3 1B's
+    Gemma3ForCausalLM here) does not have: the error says what the adapter is, not just "unsupported"."""
+    adapter = make_peft_adapter(
+        tiny_model_dir("gemma3-mm"), tmp_path / "a", seed=7, targets=["q_proj", "v_proj"]
+    )
+    llm = LLM(tiny_model_dir("gemma3"), num_kv_blocks=32, max_loras=1, max_lora_rank=8)
+    with pytest.raises(AdapterError, match="adapts a multimodal model"):
+        llm.load_adapter("a", adapter)
+    assert llm.list_adapters() == []
