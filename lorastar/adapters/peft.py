@@ -76,13 +76,13 @@ _REFUSED_FLAGS: dict[str, str] = {
 @dataclass
 class ModelSpec:
     """What an adapter must match in the base: layer count and each target's (in, out) features;
-    ``key_map`` and ``unserved_modules``: the model's renames of module paths and the LoRA targets
+    ``key_map`` and ``unserved_lora_modules``: the model's renames of module paths and the LoRA targets
     of its unserved parts (a multimodal checkpoint served as text: ``checkpoint_keys``)."""
 
     num_layers: int
     module_shapes: dict[str, tuple[int, int]]
     key_map: KeyMap = field(default_factory=KeyMap)
-    unserved_modules: tuple[str, ...] = ()
+    unserved_lora_modules: tuple[str, ...] = ()
 
     @classmethod
     def from_model(cls, model: Any) -> ModelSpec:
@@ -104,7 +104,7 @@ class ModelSpec:
             num_layers=int(model.num_layers),
             module_shapes=shapes,
             key_map=getattr(model, "key_map", KeyMap()),
-            unserved_modules=tuple(getattr(model, "unserved_lora_modules", ())),
+            unserved_lora_modules=tuple(getattr(model, "unserved_lora_modules", ())),
         )
 
 
@@ -284,7 +284,7 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
 
     supported = tuple(m for m in SUPPORTED_MODULES if m in spec.module_shapes)
     cfg = _read_config(cfg_path)
-    _validate_config(cfg_path, cfg, supported, max_rank, spec.unserved_modules)
+    _validate_config(cfg_path, cfg, supported, max_rank, spec.unserved_lora_modules)
     r_cfg: int = cfg.get("r", 8)
     alpha_cfg = float(cfg.get("lora_alpha", 8))
     use_rslora = bool(cfg.get("use_rslora", False))

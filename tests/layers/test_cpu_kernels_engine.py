@@ -61,8 +61,9 @@ def test_auto_falls_back_and_native_refuses_without_the_op(tiny_model_dir, monke
 def test_bf16_engine_runs_attention_and_elementwise_ops_natively_and_decodes_like_transformers(
     tiny_model_dir, name: str
 ) -> None:
-    """A bf16 model takes the C++ decode attention, norms, activation and rotary; its greedy tokens equal HF's bf16 greedy up to a near tie, and its
-    logprobs stay within bf16's rounding of the torch forms'."""
+    """A bf16 model takes the C++ decode attention, norms, activation and rotary; its greedy tokens
+    equal HF's bf16 greedy up to a near tie, and its logprobs stay within bf16's rounding of the
+    torch forms'."""
     from transformers import AutoModelForCausalLM
 
     from tests.layers.test_cpu_gemm import greedy_matches_hf_up_to_a_near_tie
@@ -127,9 +128,7 @@ def test_bf16_engine_with_an_adapter_decodes_like_peft(
         for p, o, name in zip(prompts, outs, names)
     ]
     assert sum(agree) >= len(prompts) - 1
-    assert calls == ([] if mode == "torch" else [torch.bfloat16] * len(calls)) and (mode == "torch") != bool(
-        calls
-    )
+    assert set(calls) == (set() if mode == "torch" else {torch.bfloat16})  # native: the op ran, in bf16
     llm.engine.check_invariants()
 
 
