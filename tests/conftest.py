@@ -144,11 +144,33 @@ TINY_CONFIGS: dict[str, dict] = {
 # Gemma 3 4B-27B's shape: the same decoder inside Gemma3ForConditionalGeneration, beside a (tiny)
 # SigLIP vision tower and projector that a text server skips
 TINY_CONFIGS["gemma3-mm"] = {**TINY_CONFIGS["gemma3"], "arch": "gemma3-mm"}
+# Mistral Small 3.1/3.2's shape: a Mistral decoder (no sliding window, untied) inside
+# Mistral3ForConditionalGeneration, beside a (tiny) Pixtral vision tower and projector
+TINY_CONFIGS["mistral3-mm"] = {**TINY_CONFIGS["mistral"], "arch": "mistral3-mm", "sliding_window": None}
+
+
+def hf_model(path, dtype=None):  # noqa: ANN001, ANN201
+    """transformers' model of a test checkpoint: ``AutoModelForCausalLM``'s, or for Mistral 3 (which
+    that auto class does not map) ``Mistral3ForConditionalGeneration``."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    cls = (
+        transformers.Mistral3ForConditionalGeneration
+        if "Mistral3ForConditionalGeneration" in archs
+        else transformers.AutoModelForCausalLM
+    )
+    return cls.from_pretrained(str(path), dtype=dtype or torch.float32)
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
     """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 checkpoint (Gemma 3 also as
-    ``Gemma3ForConditionalGeneration``) + SmolLM2's tokenizer into ``path``."""
+    ``Gemma3ForConditionalGeneration``, Mistral as ``Mistral3ForConditionalGeneration``) + SmolLM2's
+    tokenizer into ``path``."""
     import shutil
     from pathlib import Path
 
@@ -215,6 +237,19 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
                     p.normal_(0.0, 0.5)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw))
+    elif arch == "mistral3-mm":
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
+
+        text = MistralConfig(**kw)
+        vision = PixtralVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+            image_size=28, patch_size=14,
+        )  # fmt: skip
+        model = Mistral3ForConditionalGeneration(
+            Mistral3Config(
+                text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False
+            )
+        )
     elif arch == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**kw))
         with torch.no_grad():  # random init leaves the q/k norms at one: make them matter
@@ -274,9 +309,8 @@ def make_peft_adapter(
     one adapter builder of the test suite (``make_peft_adapters`` builds several)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    base = hf_model(base_dir, torch.float32)
     names = list(targets) if map_targets is None else map_targets(base, list(targets))
     model = get_peft_model(
         base, LoraConfig(r=r, lora_alpha=alpha or 2 * r, target_modules=names, lora_dropout=0.0, **config)

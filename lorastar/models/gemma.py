@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lorastar.checkpoint_keys import KeyMap
+from lorastar.checkpoint_keys import LLAVA_LAYOUT, KeyMap
 from lorastar.forward_context import ForwardContext
 from lorastar.layers.embedding import EmbeddingMethod
 from lorastar.layers.norm import GemmaRMSNorm
@@ -165,19 +165,7 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
     by the API (text content only)."""
 
     architectures: ClassVar[dict[str, str]] = {"Gemma3ForConditionalGeneration": "gemma3"}
-    key_map: ClassVar[KeyMap] = KeyMap(
-        renames=(
-            ("model.language_model.", "model."),  # transformers >= 4.52 module paths (PEFT keys)
-            ("language_model.model.", "model."),  # the released checkpoints' tensor names
-            ("language_model.lm_head.", "lm_head."),
-        ),
-        unserved=(
-            "vision_tower.",
-            "multi_modal_projector.",
-            "model.vision_tower.",
-            "model.multi_modal_projector.",
-        ),
-    )
+    key_map: ClassVar[KeyMap] = LLAVA_LAYOUT
     unserved_lora_modules: ClassVar[tuple[str, ...]] = ("out_proj", "fc1", "fc2")
 
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +14,15 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from lorastar.checkpoint_keys import KeyMap
 from lorastar.layers.embedding import EmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.registry import check_architecture, model_class
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.kv_cache import KVScales
+
+logger = logging.getLogger(__name__)
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
@@ -138,6 +142,31 @@ class WeightLoader:
             layer.quant_method.process_weights_after_loading(layer)
 
 
+def _stores_its_own_lm_head(files: list[Path], key_map: KeyMap) -> bool:
+    """Whether a checkpoint whose config ties the embeddings stores an lm_head that differs from its
+    embed_tokens. transformers (5.x) then leaves them untied: Mistral 3's config class defaults the
+    top-level ``tie_word_embeddings`` to true, so a fine-tune of Mistral Small 3.1 saved by it says
+    "tied" beside the model's own lm_head. A stored copy equal to the table (some checkpoints keep
+    one) stays tied. Reads the two tables only when both are stored."""
+    where: dict[str, tuple[Path, str]] = {}
+    for f in files:
+        with (
+            contextlib.suppress(OSError, RuntimeError),
+            safe_open(str(f), framework="pt", device="cpu") as sf,
+        ):
+            for name in sf.keys():
+                served = key_map(name)
+                if served in ("lm_head.weight", "model.embed_tokens.weight"):
+                    where[served] = (f, name)
+    if len(where) < 2:
+        return False
+    tables = []
+    for f, name in where.values():
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            tables.append(sf.get_tensor(name))
+    return tables[0].shape != tables[1].shape or not torch.equal(tables[0], tables[1])
+
+
 def _is_linear_param(name: str) -> bool:
     return bool(re.search(r"_proj\.", name))
 
@@ -157,10 +186,18 @@ def load_model(
     Returns the model and any per-layer KV-cache scales the checkpoint declares.
     ``embedding_method``: how the embedding / lm_head tables are stored (None: as loaded).
     """
-    with torch.device(device):
-        model = model_class(cfg)(cfg, dtype, quant, max_positions, embedding_method)
-    loader = WeightLoader(model)
     files = safetensors_files(model_dir)
+    cls = model_class(cfg)
+    if cfg.get("tie_word_embeddings") and _stores_its_own_lm_head(files, cls.key_map):
+        logger.warning(
+            "%s: config.json ties the lm_head to embed_tokens but the checkpoint stores a different "
+            "lm_head: serving it untied, as transformers loads it",
+            model_dir,
+        )
+        cfg = {**cfg, "tie_word_embeddings": False}
+    with torch.device(device):
+        model = cls(cfg, dtype, quant, max_positions, embedding_method)
+    loader = WeightLoader(model)
     total = 0
     for f in files:  # headers only: the bar knows its total
         with (

@@ -7,11 +7,13 @@ from typing import Any
 from lorastar.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausalLM
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.llama import check_architecture as _check
+from lorastar.models.mistral3 import Mistral3ForConditionalGeneration
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.architectures, LlamaForCausalLM),
     **dict.fromkeys(GemmaForCausalLM.architectures, GemmaForCausalLM),
     **dict.fromkeys(Gemma3ForConditionalGeneration.architectures, Gemma3ForConditionalGeneration),
+    **dict.fromkeys(Mistral3ForConditionalGeneration.architectures, Mistral3ForConditionalGeneration),
 }
 
 

@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
 from lorastar.kernels.lora import lora_shrink
-from tests.conftest import make_peft_adapters
+from tests.conftest import hf_model, make_peft_adapters
 
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -40,7 +39,7 @@ def make_adapters(base_dir: str, out: Path, scale: float = 0.3) -> dict[str, str
 
 
 def peft_reference(base_dir: str, paths: dict[str, str]) -> PeftModel:
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = hf_model(base_dir, torch.float32)
     names = list(paths)
     model = PeftModel.from_pretrained(base, paths[names[0]], adapter_name=names[0])
     for n in names[1:]:
@@ -64,7 +63,18 @@ def peft_last_logits(model: PeftModel, prompt: list[int], adapter: str | None) -
 
 @pytest.mark.parametrize(
     "name",
-    ["llama-gqa", "qwen2", "qwen3", "mistral-window", "gemma2", "gemma3", "gemma3-mm", "phi3", "phi4-mini"],
+    [
+        "llama-gqa",
+        "qwen2",
+        "qwen3",
+        "mistral-window",
+        "gemma2",
+        "gemma3",
+        "gemma3-mm",
+        "mistral3-mm",
+        "phi3",
+        "phi4-mini",
+    ],
 )
 def test_mixed_batch_matches_peft(tiny_model_dir, tmp_path: Path, name: str) -> None:
     base_dir = tiny_model_dir(name)

@@ -20,7 +20,7 @@ from quant_fixtures import checkpoint, present, read_config
 from safetensors.torch import save_file
 from test_quant_e2e import FP8_TOL, INT4_TOL, _forward_logits, _load
 
-FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "gemma3-mm", "phi3")
+FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "gemma3-mm", "mistral3-mm", "phi3")
 # Gemma 3 4B-27B (Gemma3ForConditionalGeneration): the language model's tensors sit under this prefix
 # (transformers >= 4.52's naming), beside a vision tower the loader skips.
 _MM_PREFIX = "model.language_model."
@@ -75,6 +75,15 @@ def _hf_family(family: str, fx: dict) -> torch.nn.Module:
         model = tf.Gemma3ForCausalLM(
             tf.Gemma3TextConfig(**shapes, sliding_window=16, query_pre_attn_scalar=32)
         )
+    elif family == "mistral3-mm":
+        vision = tf.PixtralVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+            image_size=28, patch_size=14,
+        )  # fmt: skip
+        model = tf.Mistral3ForConditionalGeneration(
+            tf.Mistral3Config(text_config=tf.MistralConfig(**shapes, sliding_window=16).to_dict(),
+                              vision_config=vision.to_dict(), tie_word_embeddings=shapes["tie_word_embeddings"])
+        )  # fmt: skip
     else:
         text = tf.Gemma3TextConfig(**shapes, sliding_window=16, query_pre_attn_scalar=32)
         vision = tf.SiglipVisionConfig(
@@ -127,7 +136,7 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
     quantized = {k: v for k, v in checkpoint(name).items() if "_proj." in k}
     if family == "phi3":
         quantized = _fuse(quantized, int4=not name.startswith("fp8"))
-    mm = family == "gemma3-mm"
+    mm = family.endswith("-mm")
     if mm:  # the language model's linears under its prefix; the vision tower's stay plain
         quantized = {k.replace("model.", _MM_PREFIX, 1): v for k, v in quantized.items()}
     plain = {
@@ -150,13 +159,10 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
         tmp_path, cfg, dtype=torch.float32, device=torch.device("cpu"),
         quant=get_quant_config(cfg, None, torch.float32), max_positions=256,
     )  # fmt: skip
-    kind = (
-        "Gemma3ForConditionalGeneration"
-        if mm
-        else "GemmaForCausalLM"
-        if "gemma" in family
-        else "LlamaForCausalLM"
-    )
+    kind = {
+        "gemma3-mm": "Gemma3ForConditionalGeneration",
+        "mistral3-mm": "Mistral3ForConditionalGeneration",
+    }.get(family, "GemmaForCausalLM" if "gemma" in family else "LlamaForCausalLM")
     assert type(model).__name__ == kind
     if family == "phi3":  # the fused tensors filled every shard
         assert any(".qkv_proj." in k for k in quantized) and not any(".q_proj." in k for k in quantized)
