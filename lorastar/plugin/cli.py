@@ -19,6 +19,7 @@ import click
 
 from lorastar.plugin.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_WAITING
 from lorastar.plugin.lora_cli import make_lora_group
+from lorastar.plugin.reasoning import REASONING_PARSERS
 
 
 class UsageProblem(click.ClickException):
@@ -281,6 +282,12 @@ main.add_command(make_lora_group())
 )
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
 @click.option(
+    "--reasoning-parser",
+    default=None,
+    type=click.Choice(REASONING_PARSERS),
+    help="Split <think>...</think> into the chat answers' reasoning_content (vLLM's flag).",
+)
+@click.option(
     "--shutdown-drain-timeout",
     default=5.0,
     show_default=True,
@@ -303,6 +310,7 @@ def serve(
     no_runtime_loading: bool,
     enable_adapter_resolver: bool,
     max_waiting: int | None,
+    reasoning_parser: str | None,
     shutdown_drain_timeout: float,
     log_level: str,
     engine_process: bool,
@@ -334,6 +342,7 @@ def serve(
             api_keys=list(api_keys) or None,
             engine=engine,
             max_waiting=max_waiting,
+            reasoning_parser=reasoning_parser,
             enable_adapter_resolver=enable_adapter_resolver,
             shutdown_drain_timeout=shutdown_drain_timeout,
             engine_process=engine_process,

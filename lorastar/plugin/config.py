@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lorastar.config import EngineConfig
+from lorastar.plugin.reasoning import REASONING_PARSERS
 
 ADMIN_TOKEN_ENV = "LORASTAR_ADMIN_TOKEN"
 # A server's default bound on queued requests (offline LLM.generate queues without bound).
@@ -77,6 +78,12 @@ class LoraStarConfig:
     of the model. Without it, each worker process loads its own engine. The core's own settings
     (model, KV cache, ...) apply; ``engine`` and ``model`` here are ignored."""
 
+    reasoning_parser: str | None = None
+    """Split a thinking model's ``<think>...</think>`` out of chat answers into ``reasoning_content``
+    (vLLM's ``--reasoning-parser``): ``"qwen3"`` (Qwen3, SmolLM3: the model opens the block itself)
+    or ``"deepseek_r1"`` (DeepSeek-R1 distills, QwQ, Qwen3-Thinking: the prompt opens it).
+    ``None``: answers are returned as generated."""
+
     max_waiting: int | None = None
     """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``
     (each prompt of a completions batch is a request: a batch larger than this is 400).
@@ -125,6 +132,11 @@ class LoraStarConfig:
             self.api_keys = [self.api_keys]
         if self.engine_address is not None and not str(self.engine_address).startswith(("tcp://", "ipc://")):
             raise ValueError(f"engine_address must start with tcp:// or ipc://, got {self.engine_address!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or None, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")
 

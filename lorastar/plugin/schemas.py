@@ -145,6 +145,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking)
+    include_reasoning: bool = True  # vLLM's: False drops reasoning_content (with a reasoning parser)
     chat_template: None = None  # refused (UNSUPPORTED_FIELDS): the server's template is its operator's
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -275,6 +276,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
 class DeltaMessage(msgspec.Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET  # with a reasoning parser: the thinking block's text
 
 
 class ChatStreamChoice(msgspec.Struct):

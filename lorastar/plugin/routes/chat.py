@@ -15,6 +15,7 @@ from msgspec import UNSET
 from lorastar.engine.outputs import CompletionOutput
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
+from lorastar.plugin.reasoning import ReasoningSplitter
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
     ChoiceDelta,
@@ -174,6 +175,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         echo_text = ""
         if data.echo and messages and messages[-1].get("role") == "assistant":
             echo_text = messages[-1]["content"] or ""
+        reasoning_style = service.config.reasoning_parser
 
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -200,13 +202,26 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     if echo_text:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
+                splitters = (
+                    {i: ReasoningSplitter(reasoning_style) for i in range(n)} if reasoning_style else {}
+                )
                 async for d in choice_deltas(primed):
                     o = d.choice
                     lp = _chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
+                    delta = DeltaMessage(content=d.text)
+                    if splitters:
+                        reasoning, content = splitters[o.index].feed(
+                            d.text, final=o.finish_reason is not None
+                        )
+                        if not data.include_reasoning:
+                            reasoning = ""
+                        if not (reasoning or content or lp or o.finish_reason or d.out.finished):
+                            continue  # all of it held back (a tag may be starting): nothing to send yet
+                        delta = DeltaMessage(content=content or UNSET, reasoning_content=reasoning or UNSET)
                     yield chunk(
                         ChatStreamChoice(
                             index=o.index,
-                            delta=DeltaMessage(content=d.text),
+                            delta=delta,
                             logprobs=lp,
                             finish_reason=o.finish_reason,
                             stop_reason=o.stop_reason,
@@ -228,10 +243,23 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
 
         finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
         out = finals[0]
+
+        def message(o: CompletionOutput) -> ChatMessage:
+            if not reasoning_style:
+                return ChatMessage(role="assistant", content=echo_text + o.text)
+            reasoning, content = ReasoningSplitter(reasoning_style).split(o.text)
+            if echo_text:
+                content = echo_text + (content or "")
+            return ChatMessage(
+                role="assistant",
+                content=content,
+                reasoning_content=reasoning if data.include_reasoning else None,
+            )
+
         choices = [
             ChatCompletionResponseChoice(
                 index=o.index,
-                message=ChatMessage(role="assistant", content=echo_text + o.text),
+                message=message(o),
                 logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
