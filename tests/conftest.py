@@ -140,6 +140,24 @@ TINY_CONFIGS: dict[str, dict] = {
         tie_word_embeddings=False,
         sliding_window=4096,
     ),
+    # SmolLM3: Llama with NoPE layers (no rotary at all), here every second one; tied, GQA
+    "smollm3": dict(
+        arch="smollm3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        no_rope_layer_interval=2,
+    ),
+    # SmolLM3 with use_sliding_window: only the NoPE layers slide (transformers' layer_types)
+    "smollm3-window": dict(
+        arch="smollm3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        no_rope_layer_interval=2,
+        use_sliding_window=True,
+        sliding_window=20,
+    ),
 }
 # Gemma 3 4B-27B's shape: the same decoder inside Gemma3ForConditionalGeneration, beside a (tiny)
 # SigLIP vision tower and projector that a text server skips
@@ -168,7 +186,7 @@ def hf_model(path, dtype=None):  # noqa: ANN001, ANN201
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
-    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3 checkpoint (Gemma 3 also as
+    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3/SmolLM3 checkpoint (Gemma 3 also as
     ``Gemma3ForConditionalGeneration``, Mistral as ``Mistral3ForConditionalGeneration``) + SmolLM2's
     tokenizer into ``path``."""
     import shutil
@@ -237,6 +255,10 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
                     p.normal_(0.0, 0.5)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw))
+    elif arch == "smollm3":
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+        model = SmolLM3ForCausalLM(SmolLM3Config(**kw, pad_token_id=0))
     elif arch == "mistral3-mm":
         from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 

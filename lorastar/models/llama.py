@@ -88,6 +88,7 @@ class Attention(nn.Module):
             params_dtype=dtype, quant_method=_linear_method(quant, f"{prefix}.o_proj"),
         )  # fmt: skip
         self.rope = rope
+        self.use_rope = True  # False: a NoPE layer (SmolLM3's every fourth), q and k as projected
         self.softcap = 0.0  # attention-logit soft-capping (Gemma 2); 0: none
         # Qwen3: RMSNorm over each head of q and k, before RoPE.
         self.q_norm: RMSNorm | None = None
@@ -99,7 +100,7 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x, ctx)  # [T, q + 2 kv]
-        if self.q_norm is None and self.rope.rotary_dim == self.head_dim:
+        if self.q_norm is None and self.use_rope and self.rope.rotary_dim == self.head_dim:
             # q and k heads rotated in one pass over a view of qkv
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 -1, self.num_heads + self.num_kv_heads, self.head_dim
@@ -117,7 +118,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k, ctx)
+        if self.use_rope:
+            q, k = self.rope(positions, q, k, ctx)
         o = attention_forward(
             q, k, v, ctx, self.layer_idx, self.scale, sliding_window=self.sliding_window, softcap=self.softcap
         )  # [T, Hq, D]

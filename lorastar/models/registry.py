@@ -8,12 +8,14 @@ from lorastar.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausal
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.llama import check_architecture as _check
 from lorastar.models.mistral3 import Mistral3ForConditionalGeneration
+from lorastar.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(LlamaForCausalLM.architectures, LlamaForCausalLM),
     **dict.fromkeys(GemmaForCausalLM.architectures, GemmaForCausalLM),
     **dict.fromkeys(Gemma3ForConditionalGeneration.architectures, Gemma3ForConditionalGeneration),
     **dict.fromkeys(Mistral3ForConditionalGeneration.architectures, Mistral3ForConditionalGeneration),
+    **dict.fromkeys(SmolLM3ForCausalLM.architectures, SmolLM3ForCausalLM),
 }
 
 

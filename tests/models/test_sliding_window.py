@@ -47,7 +47,9 @@ def _run_recording_logits(llm: LLM, prompts: list[list[int]], sp: SamplingParams
     return [done[r] for r in ids], seen
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "gemma3-mm"])
+@pytest.mark.parametrize(
+    "name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "gemma3-mm", "smollm3-window"]
+)
 def test_windowed_models_match_hf(tiny_model_dir, name: str) -> None:
     path = tiny_model_dir(name)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

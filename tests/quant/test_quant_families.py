@@ -20,7 +20,7 @@ from quant_fixtures import checkpoint, present, read_config
 from safetensors.torch import save_file
 from test_quant_e2e import FP8_TOL, INT4_TOL, _forward_logits, _load
 
-FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "gemma3-mm", "mistral3-mm", "phi3")
+FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "gemma3-mm", "mistral3-mm", "smollm3", "phi3")
 # Gemma 3 4B-27B (Gemma3ForConditionalGeneration): the language model's tensors sit under this prefix
 # (transformers >= 4.52's naming), beside a vision tower the loader skips.
 _MM_PREFIX = "model.language_model."
@@ -64,6 +64,8 @@ def _hf_family(family: str, fx: dict) -> torch.nn.Module:
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**shapes, pad_token_id=0))
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**shapes, sliding_window=16))
+    elif family == "smollm3":  # NoPE every second layer
+        model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**shapes, no_rope_layer_interval=2, pad_token_id=0))
     elif family == "qwen3":
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**shapes))
     elif family == "gemma2":
@@ -162,6 +164,7 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
     kind = {
         "gemma3-mm": "Gemma3ForConditionalGeneration",
         "mistral3-mm": "Mistral3ForConditionalGeneration",
+        "smollm3": "SmolLM3ForCausalLM",
     }.get(family, "GemmaForCausalLM" if "gemma" in family else "LlamaForCausalLM")
     assert type(model).__name__ == kind
     if family == "phi3":  # the fused tensors filled every shard
