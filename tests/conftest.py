@@ -165,6 +165,23 @@ TINY_CONFIGS["gemma3-mm"] = {**TINY_CONFIGS["gemma3"], "arch": "gemma3-mm"}
 # Mistral Small 3.1/3.2's shape: a Mistral decoder (no sliding window, untied) inside
 # Mistral3ForConditionalGeneration, beside a (tiny) Pixtral vision tower and projector
 TINY_CONFIGS["mistral3-mm"] = {**TINY_CONFIGS["mistral"], "arch": "mistral3-mm", "sliding_window": None}
+# Ministral 3's shape: its decoder (YaRN, Llama 4's query scaling) in Mistral3ForConditionalGeneration;
+# an original context of 16 (16k released) so that both act within the tests' sequences
+TINY_CONFIGS["ministral3-mm"] = {
+    **TINY_CONFIGS["mistral3-mm"],
+    "text_arch": "ministral3",
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+        "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1,
+    },
+}  # fmt: skip
+# Qwen3 with YaRN (its long-context setting), here past an original context of 64
+TINY_CONFIGS["qwen3-yarn"] = {
+    **TINY_CONFIGS["qwen3"],
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                        "original_max_position_embeddings": 64},
+}  # fmt: skip
 
 
 def hf_model(path, dtype=None):  # noqa: ANN001, ANN201
@@ -208,6 +225,7 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
 
     spec = dict(TINY_CONFIGS[name])
     arch = spec.pop("arch")
+    text_arch = spec.pop("text_arch", "mistral")
     init_std = spec.pop("init_std", None)
     common = dict(
         hidden_size=64,
@@ -262,7 +280,12 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
     elif arch == "mistral3-mm":
         from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
 
-        text = MistralConfig(**kw)
+        if text_arch == "ministral3":
+            from transformers import Ministral3Config
+
+            text = Ministral3Config(**kw)
+        else:
+            text = MistralConfig(**kw)
         vision = PixtralVisionConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
             image_size=28, patch_size=14,

@@ -1,5 +1,5 @@
-"""Rotary position embedding (default, linear, llama3 and longrope scaling; partial rotary), exactly as
-transformers computes it.
+"""Rotary position embedding (default, linear, llama3, YaRN and longrope scaling; partial rotary),
+exactly as transformers computes it.
 
 LongRoPE (Phi-3 / Phi-4-mini): transformers switches between the short and the long factors on the
 length of the whole forward, so one sequence's cached keys can carry the short factors and its later
@@ -19,7 +19,7 @@ from torch import nn
 from lorastar.forward_context import ForwardContext
 from lorastar.kernels import cpu_native
 
-SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope", "yarn")
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -66,6 +66,8 @@ def rope_inv_freq(
         inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     elif p["rope_type"] == "linear":
         inv_freq = inv_freq / float(p["factor"])
+    elif p["rope_type"] == "yarn":
+        inv_freq, scaling = _yarn(p, cfg, inv_freq, dim, base)
     elif p["rope_type"] == "llama3":
         factor = float(p["factor"])
         low_freq_factor = float(p["low_freq_factor"])
@@ -80,6 +82,45 @@ def rope_inv_freq(
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, inv_freq_llama)
     return inv_freq, float(scaling)
+
+
+def _yarn(
+    p: dict[str, Any], cfg: dict[str, Any], inv_freq: torch.Tensor, dim: int, base: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen3's and Qwen2.5's long-context setting, Ministral 3): each frequency blends its
+    interpolated (/ factor) and original value on a linear ramp between the dimensions that turn
+    ``beta_fast`` and ``beta_slow`` times over the original context; cos/sin scaled by the attention
+    factor ``0.1 ln(factor) + 1`` (or its mscale / mscale_all_dim ratio). transformers'
+    ``_compute_yarn_parameters``, step for step."""
+    orig = int(p.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    factor = float(p["factor"])  # required (transformers 5 refuses a yarn config without it)
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scaling = p.get("attention_factor")
+    if scaling is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling = mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim)
+        else:
+            scaling = mscale_of(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # [dim / 2]: 1 keeps the original frequency, 0 interpolates it
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)  # 1 / inv_freq
+    interpolation = 1.0 / (factor * pos_freqs)  # rounded as transformers rounds it, not inv_freq / factor
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation, float(scaling)
 
 
 class RotaryEmbedding(nn.Module):

@@ -89,6 +89,9 @@ class Attention(nn.Module):
         )  # fmt: skip
         self.rope = rope
         self.use_rope = True  # False: a NoPE layer (SmolLM3's every fourth), q and k as projected
+        # Ministral 3's (Llama 4's) query scaling past the original context: (beta, original length),
+        # q *= 1 + beta * ln(1 + floor(position / original)); None: none.
+        self.q_position_scale: tuple[float, int] | None = None
         self.softcap = 0.0  # attention-logit soft-capping (Gemma 2); 0: none
         # Qwen3: RMSNorm over each head of q and k, before RoPE.
         self.q_norm: RMSNorm | None = None
@@ -100,7 +103,12 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x, ctx)  # [T, q + 2 kv]
-        if self.q_norm is None and self.use_rope and self.rope.rotary_dim == self.head_dim:
+        if (
+            self.q_norm is None
+            and self.use_rope
+            and self.q_position_scale is None
+            and self.rope.rotary_dim == self.head_dim
+        ):
             # q and k heads rotated in one pass over a view of qkv
             qk = qkv[:, : self.q_size + self.kv_size].view(
                 -1, self.num_heads + self.num_kv_heads, self.head_dim
@@ -120,6 +128,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.rope(positions, q, k, ctx)
+        if self.q_position_scale is not None:
+            beta, orig = self.q_position_scale
+            scale = 1 + beta * torch.log(1 + torch.floor(positions / orig))  # [T] fp32, as transformers
+            q = q * scale.to(q.dtype)[:, None, None]
         o = attention_forward(
             q, k, v, ctx, self.layer_idx, self.scale, sliding_window=self.sliding_window, softcap=self.softcap
         )  # [T, Hq, D]

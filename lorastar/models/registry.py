@@ -7,7 +7,7 @@ from typing import Any
 from lorastar.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausalLM
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.llama import check_architecture as _check
-from lorastar.models.mistral3 import Mistral3ForConditionalGeneration
+from lorastar.models.mistral3 import Ministral3ForCausalLM, Mistral3ForConditionalGeneration
 from lorastar.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -15,6 +15,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(GemmaForCausalLM.architectures, GemmaForCausalLM),
     **dict.fromkeys(Gemma3ForConditionalGeneration.architectures, Gemma3ForConditionalGeneration),
     **dict.fromkeys(Mistral3ForConditionalGeneration.architectures, Mistral3ForConditionalGeneration),
+    **dict.fromkeys(Ministral3ForCausalLM.architectures, Ministral3ForCausalLM),
     **dict.fromkeys(SmolLM3ForCausalLM.architectures, SmolLM3ForCausalLM),
 }
 

@@ -72,6 +72,7 @@ def peft_last_logits(model: PeftModel, prompt: list[int], adapter: str | None) -
         "gemma3",
         "gemma3-mm",
         "mistral3-mm",
+        "ministral3-mm",
         "smollm3",
         "phi3",
         "phi4-mini",

@@ -98,6 +98,7 @@ def test_the_released_3_1_config_reads_as_mistral_small_24bs_decoder() -> None:
     """mistralai/Mistral-Small-3.1-24B-Instruct-2503's config.json as released (transformers 4.50's
     layout: ``rope_theta`` at the text level, no top-level ``tie_word_embeddings``)."""
     from lorastar.models.layer_types import layer_windows
+    from lorastar.models.mistral3 import _query_scale
     from lorastar.models.registry import model_class
 
     released = {
@@ -120,10 +121,12 @@ def test_the_released_3_1_config_reads_as_mistral_small_24bs_decoder() -> None:
                    "eos_token_id": 2}  # fmt: skip
     assert cfg["rope_parameters"]["rope_theta"] == 1e9
     assert layer_windows(cfg) == [0] * 40  # no sliding window: every layer attends to the whole context
-    # Ministral 3's text model (YaRN, a position-scaled attention) is not Mistral's: refused, named.
+    # Ministral 3's text model: its YaRN and query-scaling defaults; another text model is refused.
     ministral = {**released, "text_config": {**released["text_config"], "model_type": "ministral3"}}
-    with pytest.raises(ValueError, match="'ministral3' text model is not supported"):
-        cls.text_config(ministral)
+    assert _query_scale(cls.text_config(ministral)) == (0.1, 16384)  # Ministral3Config's defaults
+    pixtral_text = {**released, "text_config": {**released["text_config"], "model_type": "llama"}}
+    with pytest.raises(ValueError, match="'llama' text model is not supported"):
+        cls.text_config(pixtral_text)
 
 
 @pytest.mark.parametrize(
@@ -167,3 +170,28 @@ def test_an_adapter_of_the_projector_alone_is_refused(tiny_model_dir, tmp_path) 
     with pytest.raises(AdapterError, match="nothing applies to text"):
         llm.load_adapter("p", adapter)
     assert llm.list_adapters() == []
+
+
+def test_ministral_3_decodes_as_transformers_past_the_original_context(tiny_model_dir) -> None:  # noqa: ANN001
+    """Ministral 3's decoder (``text_config.model_type`` ministral3): YaRN and Llama 4's query scaling,
+    which starts at the original context (16 positions here, 16k released): greedy tokens, and logits
+    within 1e-4 relative at every decode step of a sequence ten original contexts long."""
+    from tests.models.test_sliding_window import _run_recording_logits
+
+    path = tiny_model_dir("ministral3-mm")
+    hf = _hf(path)
+    assert hf.config.text_config.model_type == "ministral3"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = mixed_prompts(13, [3, 40, 140])
+    llm = LLM(path, num_kv_blocks=128, block_size=8, max_num_batched_tokens=32)
+    assert all(
+        a.q_position_scale == (0.1, 16) for a in llm.engine.model.modules() if hasattr(a, "q_position_scale")
+    )
+    outs, logits = _run_recording_logits(llm, prompts, sp)
+    assert outs == [hf_greedy(hf, p, sp.max_tokens) for p in prompts]
+    full = prompts[-1] + outs[-1]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([full])).logits[0]  # [L, vocab]
+    for n in range(len(prompts[-1]), len(full)):
+        got = logits[tuple(full[:n])]
+        torch.testing.assert_close(got, want[n - 1], rtol=1e-4, atol=1e-4 * want[n - 1].abs().max().item())
