@@ -330,10 +330,12 @@ class AsyncLLM:
         *,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return self.engine.apply_chat_template(
             messages, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )  # fmt: skip
 
     def stats(self) -> EngineStats | None:

@@ -466,10 +466,12 @@ class AsyncCoreClient:
         *,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return self.inputs.apply_chat_template(
             messages, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )  # fmt: skip
 
     def stats(self) -> EngineStats | None:

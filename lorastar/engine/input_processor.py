@@ -132,17 +132,23 @@ class InputProcessor:
         *,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The messages rendered by the model's chat template, then tokenized; ``add_special_tokens``
         (vLLM's field, off by default: templates write their own BOS) adds what the tokenizer adds to
         any text, such as a BOS. ``continue_final_message`` (vLLM's, exclusive with
         ``add_generation_prompt``) leaves the last message open for the model to continue (an
         assistant prefill); ``chat_template_kwargs`` are extra template variables (Qwen3's
-        ``enable_thinking``), never one of ``apply_chat_template``'s own parameters."""
+        ``enable_thinking``), never one of ``apply_chat_template``'s own parameters; ``tools``: the
+        OpenAI function definitions, which the template renders into the prompt (its ``tools``)."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
         if not messages:
             raise InvalidParamError("messages", "messages must not be empty")
+        if tools is not None and (
+            not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise InvalidParamError("tools", "tools must be a list of objects")
         if continue_final_message and add_generation_prompt:
             raise InvalidParamError(
                 "continue_final_message",
@@ -155,7 +161,8 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **extra,
+                continue_final_message=continue_final_message, tools=[dict(t) for t in tools] if tools else None,
+                **extra,
             )  # fmt: skip
         except Exception as exc:  # jinja's UndefinedError / TemplateError: what the messages lack
             raise InvalidParamError(

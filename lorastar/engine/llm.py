@@ -73,16 +73,20 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the model's chat template.
         ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message
-        instead of starting a reply; ``chat_template_kwargs`` are extra template variables (vLLM's)."""
+        instead of starting a reply; ``chat_template_kwargs`` are extra template variables (vLLM's);
+        ``tools``: OpenAI function definitions the template renders (the reply is text: tool calls in
+        it are parsed by the HTTP route, ``LoraStarConfig.tool_call_parser``)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         prompts: list[Prompt] = [
             self.engine.apply_chat_template(
                 c, add_generation_prompt,  # type: ignore[arg-type]
                 continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for c in convs
         ]  # fmt: skip

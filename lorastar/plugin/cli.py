@@ -20,6 +20,7 @@ import click
 from lorastar.plugin.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_WAITING
 from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.reasoning import REASONING_PARSERS
+from lorastar.plugin.tool_parsers import TOOL_CALL_PARSERS
 
 
 class UsageProblem(click.ClickException):
@@ -282,6 +283,17 @@ main.add_command(make_lora_group())
 )
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
 @click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help="Parse the model's function calls into tool_calls when a request sends tools (vLLM's flag).",
+)
+@click.option(
+    "--tool-call-parser",
+    default=None,
+    type=click.Choice(TOOL_CALL_PARSERS),
+    help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>).",
+)
+@click.option(
     "--reasoning-parser",
     default=None,
     type=click.Choice(REASONING_PARSERS),
@@ -311,6 +323,8 @@ def serve(
     enable_adapter_resolver: bool,
     max_waiting: int | None,
     reasoning_parser: str | None,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
     shutdown_drain_timeout: float,
     log_level: str,
     engine_process: bool,
@@ -343,6 +357,8 @@ def serve(
             engine=engine,
             max_waiting=max_waiting,
             reasoning_parser=reasoning_parser,
+            enable_auto_tool_choice=enable_auto_tool_choice,
+            tool_call_parser=tool_call_parser,
             enable_adapter_resolver=enable_adapter_resolver,
             shutdown_drain_timeout=shutdown_drain_timeout,
             engine_process=engine_process,

@@ -11,6 +11,7 @@ from typing import Any
 
 from lorastar.config import EngineConfig
 from lorastar.plugin.reasoning import REASONING_PARSERS
+from lorastar.plugin.tool_parsers import TOOL_CALL_PARSERS
 
 ADMIN_TOKEN_ENV = "LORASTAR_ADMIN_TOKEN"
 # A server's default bound on queued requests (offline LLM.generate queues without bound).
@@ -84,6 +85,15 @@ class LoraStarConfig:
     or ``"deepseek_r1"`` (DeepSeek-R1 distills, QwQ, Qwen3-Thinking: the prompt opens it).
     ``None``: answers are returned as generated."""
 
+    enable_auto_tool_choice: bool = False
+    """Parse the function calls a model writes into chat answers' ``tool_calls`` when a request sends
+    ``tools`` (``tool_choice: "auto"``, its default), with ``tool_call_parser`` (vLLM's
+    ``--enable-auto-tool-choice``). ``False``: such a request is 400, as in vLLM."""
+
+    tool_call_parser: str | None = None
+    """How calls are written: ``"hermes"`` (``<tool_call>{"name", "arguments"}</tool_call>``: Hermes,
+    Qwen2.5, Qwen3, SmolLM3 and fine-tunes of their templates). Required by ``enable_auto_tool_choice``."""
+
     max_waiting: int | None = None
     """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``
     (each prompt of a completions batch is a request: a batch larger than this is 400).
@@ -137,6 +147,13 @@ class LoraStarConfig:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or None, "
                 f"got {self.reasoning_parser!r}"
             )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} or None, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes')")
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")
 

@@ -127,11 +127,14 @@ class ChatContentPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessageParam(msgspec.Struct, kw_only=True):
-    """One chat message. Fields beyond these (tool calls) are ignored: tools are not supported."""
+    """One chat message: text content; an assistant turn's ``tool_calls`` and a tool result's
+    ``tool_call_id`` go to the chat template as OpenAI writes them (arguments parsed from JSON)."""
 
     role: ChatRole
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -147,8 +150,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking)
     include_reasoning: bool = True  # vLLM's: False drops reasoning_content (with a reasoning parser)
     chat_template: None = None  # refused (UNSUPPORTED_FIELDS): the server's template is its operator's
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Any] | None = None  # OpenAI function definitions, rendered by the chat template
+    tool_choice: Any = None  # "auto" (the default with tools; needs a tool_call_parser) or "none"
     response_format: dict[str, Any] | None = None
 
 
@@ -248,11 +251,34 @@ class ChatChoiceLogprobs(msgspec.Struct):
     content: list[ChatLogprobToken] | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class DeltaFunctionCall(msgspec.Struct):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(msgspec.Struct):
+    index: int
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    function: DeltaFunctionCall | UnsetType = UNSET
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[Any] = msgspec.field(default_factory=list)
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(msgspec.Struct):
@@ -277,6 +303,7 @@ class DeltaMessage(msgspec.Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET  # with a reasoning parser: the thinking block's text
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET  # with a tool-call parser: complete calls
 
 
 class ChatStreamChoice(msgspec.Struct):

@@ -65,6 +65,9 @@ class FakeAsyncLLM:
         self.step_delay = step_delay
         self.max_waiting = max_waiting
         self.tokenized_with_special_tokens: list[bool] = []  # each tokenize call's add_special_tokens
+        self.rendered: list[
+            tuple[list[dict], list[dict] | None]
+        ] = []  # apply_chat_template's messages, tools
         self.errored = False
         self.restarting = False
         self.retry_after = 1.0
@@ -118,7 +121,9 @@ class FakeAsyncLLM:
         *,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
+        self.rendered.append((messages, tools))  # what the template was given (not rendered here)
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
             "<assistant>" if add_generation_prompt else ""
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -13,6 +14,7 @@ from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput
+from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.reasoning import ReasoningSplitter
@@ -48,10 +50,15 @@ from lorastar.plugin.schemas import (
     ChatMessageParam,
     ChatStreamChoice,
     ChatTopLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
 from lorastar.plugin.sse import sse_response
+from lorastar.plugin.tool_parsers import ParsedToolCall, ToolCallStream, parse_tool_calls
 
 
 def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
@@ -65,8 +72,32 @@ def _message_text(content: str | list[ChatContentPart] | None, index: int) -> st
     return "\n".join(parts)
 
 
+def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+    """An assistant turn's ``tool_calls`` as chat templates take them: each function's ``arguments``
+    parsed from its JSON text (vLLM does the same; Qwen's and Hermes' templates write the object)."""
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(
+                f"messages[{index}].tool_calls[{j}] needs a function with a name.", param="messages"
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError as exc:
+                raise APIError(
+                    f"messages[{index}].tool_calls[{j}].function.arguments is not JSON: {exc}",
+                    param="messages",
+                ) from exc
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
 def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: ``{"role", "content"[, "name"]}``, text only."""
+    """The messages as the chat template takes them: ``{"role", "content"[, "name", "tool_calls",
+    "tool_call_id"]}``, text only."""
     if not messages:
         raise APIError("messages must not be empty.", param="messages")
     out: list[dict[str, Any]] = []
@@ -74,8 +105,58 @@ def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]
         msg: dict[str, Any] = {"role": m.role, "content": _message_text(m.content, i)}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = _template_tool_calls(m.tool_calls, i)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfig) -> bool:
+    """Whether the answers' function calls are parsed (``tool_choice`` "auto"); a 400 naming the
+    field, with vLLM's messages, for what cannot be served."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        return False
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}.", param="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"tools[{i}].function needs a name.", param="tools")
+    choice = "auto" if tool_choice is None else tool_choice
+    if choice == "none":
+        return False
+    if choice == "auto":
+        if not (config.enable_auto_tool_choice and config.tool_call_parser):
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param="tool_choice",
+            )
+        return True
+    raise APIError(
+        "tool_choice: only 'auto' and 'none' are supported ('required' and a named function need "
+        "decoding guided by the tools' JSON schemas).",
+        param="tool_choice",
+    )
+
+
+class _AnswerParts:
+    """One choice's streamed text through the reasoning splitter and the tool-call parser (each
+    where configured): (reasoning, content, calls) per delta."""
+
+    def __init__(self, reasoning_style: str | None, tools: bool) -> None:
+        self.reasoning = ReasoningSplitter(reasoning_style) if reasoning_style else None
+        self.tools = ToolCallStream() if tools else None
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
+        reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        calls: list[ParsedToolCall] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content, final)
+        return reasoning, content, calls
 
 
 async def render_messages(
@@ -86,6 +167,7 @@ async def render_messages(
     *,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The messages as the template takes them and their token ids, rendered on a worker thread.
     A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
@@ -97,6 +179,7 @@ async def render_messages(
         partial(
             engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
         )
     )  # fmt: skip
     return normalized, list(ids)
@@ -141,8 +224,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
     ) -> Response[Any] | Stream:
         engine = await service.ready()
         adapter = await service.resolve_adapter(data.model, data.adapter_id)
-        if data.tools:
-            raise APIError("tools are not supported.", param="tools")
+        parse_tools = check_tools(data.tools, data.tool_choice, service.config)
         if data.response_format and data.response_format.get("type", "text") != "text":
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         if data.top_logprobs is not None and not data.logprobs:
@@ -150,7 +232,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         messages, prompt_ids = await render_messages(
             engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
             continue_final_message=data.continue_final_message,
-            chat_template_kwargs=data.chat_template_kwargs,
+            chat_template_kwargs=data.chat_template_kwargs, tools=data.tools,
         )  # fmt: skip
         prompt_ids = truncate_prompt(prompt_ids, data.truncate_prompt_tokens, int(engine.max_model_len))
         requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
@@ -202,28 +284,41 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     if echo_text:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
-                splitters = (
-                    {i: ReasoningSplitter(reasoning_style) for i in range(n)} if reasoning_style else {}
+                parts = (
+                    {i: _AnswerParts(reasoning_style, parse_tools) for i in range(n)}
+                    if reasoning_style or parse_tools
+                    else {}
                 )
                 async for d in choice_deltas(primed):
                     o = d.choice
                     lp = _chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
-                    if splitters:
-                        reasoning, content = splitters[o.index].feed(
-                            d.text, final=o.finish_reason is not None
-                        )
+                    finish = o.finish_reason
+                    if parts:
+                        reasoning, content, calls = parts[o.index].feed(d.text, final=finish is not None)
                         if not data.include_reasoning:
                             reasoning = ""
-                        if not (reasoning or content or lp or o.finish_reason or d.out.finished):
+                        if not (reasoning or content or calls or lp or finish or d.out.finished):
                             continue  # all of it held back (a tag may be starting): nothing to send yet
-                        delta = DeltaMessage(content=content or UNSET, reasoning_content=reasoning or UNSET)
+                        delta = DeltaMessage(
+                            content=content or UNSET,
+                            reasoning_content=reasoning or UNSET,
+                            tool_calls=[
+                                DeltaToolCall(
+                                    index=k, id=c.id, type="function",
+                                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                                )
+                                for k, c in enumerate(calls)
+                            ] or UNSET,
+                        )  # fmt: skip
+                        if calls:
+                            finish = "tool_calls"
                     yield chunk(
                         ChatStreamChoice(
                             index=o.index,
                             delta=delta,
                             logprobs=lp,
-                            finish_reason=o.finish_reason,
+                            finish_reason=finish,
                             stop_reason=o.stop_reason,
                         ),
                         d,
@@ -244,28 +339,29 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
         out = finals[0]
 
-        def message(o: CompletionOutput) -> ChatMessage:
-            if not reasoning_style:
-                return ChatMessage(role="assistant", content=echo_text + o.text)
-            reasoning, content = ReasoningSplitter(reasoning_style).split(o.text)
+        def choice(o: CompletionOutput) -> ChatCompletionResponseChoice:
+            reasoning, content = (
+                ReasoningSplitter(reasoning_style).split(o.text) if reasoning_style else (None, o.text)
+            )
+            calls: list[ParsedToolCall] = []
+            if parse_tools and content:
+                content, calls = parse_tool_calls(content)
             if echo_text:
                 content = echo_text + (content or "")
-            return ChatMessage(
-                role="assistant",
-                content=content,
-                reasoning_content=reasoning if data.include_reasoning else None,
-            )
-
-        choices = [
-            ChatCompletionResponseChoice(
+            return ChatCompletionResponseChoice(
                 index=o.index,
-                message=message(o),
+                message=ChatMessage(
+                    role="assistant",
+                    content=content,
+                    reasoning_content=reasoning if data.include_reasoning else None,
+                    tool_calls=[ToolCall(id=c.id, function=FunctionCall(c.name, c.arguments)) for c in calls],
+                ),
                 logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
-                finish_reason=o.finish_reason,
+                finish_reason="tool_calls" if calls else o.finish_reason,
                 stop_reason=o.stop_reason,
             )
-            for o in out.outputs
-        ]
+
+        choices = [choice(o) for o in out.outputs]
         return Response(
             ChatCompletionResponse(
                 id=request_id,

@@ -31,6 +31,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as on the chat route
     chat_template: None = None  # refused, as on the chat route (UNSUPPORTED_FIELDS)
     return_token_strs: bool = False
     adapter_id: str | None = None
@@ -78,7 +79,7 @@ def build_tokenize_handlers(service: LoraStarService, *, guards: list[Any] | Non
             _, ids = await render_messages(
                 engine, data.messages, data.add_generation_prompt, bool(data.add_special_tokens),
                 continue_final_message=data.continue_final_message,
-                chat_template_kwargs=data.chat_template_kwargs,
+                chat_template_kwargs=data.chat_template_kwargs, tools=data.tools,
             )  # fmt: skip
         else:
             add = True if data.add_special_tokens is None else data.add_special_tokens

@@ -1,0 +1,270 @@
+"""Tool calling on the chat route (vLLM's ``--enable-auto-tool-choice --tool-call-parser hermes``):
+the parser's answers, streams that split anywhere give the whole answer's calls, the request checks
+with vLLM's messages, tools and tool-call history reaching the chat template, and the route over HTTP
+(fake engine: it answers with its prompt reversed, one character a token)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from plugin_fake_engine import FakeAsyncLLM
+from plugin_support import ServerThread
+
+from lorastar.plugin import LoraStarConfig, create_app
+from lorastar.plugin.tool_parsers import ToolCallStream, parse_tool_calls
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def _block(call: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+def _calls(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
+    content, calls = parse_tool_calls(text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_whole_answers_parse_as_vllms_hermes_parser() -> None:
+    two = {"name": "get_time", "arguments": {}}
+    assert _calls(_block(WEATHER)) == (None, [("get_weather", WEATHER["arguments"])])
+    assert _calls("Checking." + _block(WEATHER) + "\n" + _block(two)) == (
+        "Checking.",
+        [("get_weather", WEATHER["arguments"]), ("get_time", {})],
+    )
+    # the answer ended inside its last call (no closing tag): still a call
+    assert _calls(_block(WEATHER) + '<tool_call>{"name": "get_time", "arguments": {}}') == (
+        None,
+        [("get_weather", WEATHER["arguments"]), ("get_time", {})],
+    )
+    assert _calls("no calls at all") == ("no calls at all", [])
+    broken = "Sure <tool_call>{not json</tool_call>"
+    assert _calls(broken) == (broken, [])  # nothing the model wrote is lost
+    assert _calls('<tool_call>["a list"]</tool_call>')[1] == []
+    content, calls = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert calls[0].arguments == '{"x": 1}'  # arguments already JSON text pass as they are
+    assert (
+        calls[0].id.startswith("chatcmpl-tool-") and calls[0].id != parse_tool_calls(_block(WEATHER))[1][0].id
+    )
+
+
+_PIECES = st.sampled_from(
+    [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool",
+        "_call>",
+        "<",
+        "text ",
+        "\n",
+        '{"name": "f", "arguments": {}}',
+        "{",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(_PIECES, max_size=10), cuts=st.lists(st.integers(0, 80), max_size=8))
+def test_a_stream_split_anywhere_gives_the_whole_answers_calls(pieces: list[str], cuts: list[int]) -> None:
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    stream = ToolCallStream()
+    content, calls = "", []
+    for i, d in enumerate(deltas):
+        c, got = stream.feed(d, final=i == len(deltas) - 1)
+        content += c
+        calls += got
+    want_content, want_calls = parse_tool_calls(text)
+    assert content == (want_content or "")
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"tool_call_parser": "mistral"}, "tool_call_parser"),
+        ({"enable_auto_tool_choice": True}, "tool_call_parser"),
+    ],
+)
+def test_config_refuses_what_it_cannot_parse(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        LoraStarConfig(**kwargs)
+
+
+ANSWER = "<think>need weather</think>Let me check." + _block(WEATHER)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, tuple[httpx.Client, FakeAsyncLLM]]]:
+    tools_on, plain = FakeAsyncLLM(max_model_len=1024), FakeAsyncLLM(max_model_len=1024)
+    on = LoraStarConfig(
+        async_engine=tools_on,
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+        reasoning_parser="qwen3",
+    )
+    with (
+        ServerThread(create_app(on)) as a,
+        ServerThread(create_app(LoraStarConfig(async_engine=plain))) as b,
+        httpx.Client(base_url=a.url, timeout=30) as ca,
+        httpx.Client(base_url=b.url, timeout=30) as cb,
+    ):
+        yield {"on": (ca, tools_on), "plain": (cb, plain)}
+
+
+def _chat(**extra: Any) -> dict[str, Any]:
+    # The fake answers with the rendered prompt ("<user>" + content) reversed: exactly ANSWER here.
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": ANSWER[::-1]}],
+        "add_generation_prompt": False,
+        "max_tokens": len(ANSWER),
+        "tools": TOOLS,
+        **extra,
+    }
+
+
+def test_answers_carry_the_calls(servers: dict) -> None:
+    http, fake = servers["on"]
+    choice = http.post("/v1/chat/completions", json=_chat()).json()["choices"][0]
+    msg = choice["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("need weather", "Let me check.")
+    [call] = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == WEATHER["arguments"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert fake.rendered[-1][1] == TOOLS  # the template got the tools
+    # tool_choice "none": the tools still reach the template, the answer is left as written
+    msg = http.post("/v1/chat/completions", json=_chat(tool_choice="none")).json()["choices"][0]["message"]
+    assert msg["tool_calls"] == [] and msg["content"] == "Let me check." + _block(WEATHER)
+
+
+def test_streams_send_the_calls_whole_in_the_last_delta(servers: dict) -> None:
+    http, _ = servers["on"]
+    frames = []
+    with http.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as resp:
+        assert resp.status_code == 200
+        frames = [
+            json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"
+        ]
+    deltas = [ch["delta"] for f in frames for ch in f["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "need weather"
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
+    assert json.loads(calls[0]["function"]["arguments"]) == WEATHER["arguments"]
+    assert (
+        frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        and "tool_calls" in frames[-1]["choices"][0]["delta"]
+    )
+
+
+def test_tool_call_history_reaches_the_template_with_parsed_arguments(servers: dict) -> None:
+    http, fake = servers["on"]
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": json.dumps(WEATHER["arguments"])}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21"},
+    ]  # fmt: skip
+    r = http.post("/v1/chat/completions", json={"model": "fake-model", "messages": history, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    messages, tools = fake.rendered[-1]
+    assert tools is None
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == WEATHER["arguments"]  # an object
+    assert messages[2] == {"role": "tool", "content": "21", "tool_call_id": "call_1"}
+    bad = json.loads(json.dumps(history))
+    bad[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    r = http.post("/v1/chat/completions", json={"model": "fake-model", "messages": bad, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    ("server", "extra", "param", "message"),
+    [
+        ("plain", {}, "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice'),
+        ("on", {"tool_choice": "required"}, "tool_choice", "only 'auto' and 'none'"),
+        (
+            "on",
+            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            "tool_choice",
+            "named",
+        ),
+        ("on", {"tools": None, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+        ("on", {"tools": [{"type": "function"}]}, "tools", "tools[0]"),
+        ("on", {"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools", "tools[0]"),
+    ],
+)
+def test_what_cannot_be_served_is_a_400_naming_the_field(
+    servers: dict, server: str, extra: dict[str, Any], param: str, message: str
+) -> None:
+    http, _ = servers[server]
+    r = http.post("/v1/chat/completions", json=_chat(**extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
+def test_tools_render_through_a_real_chat_template(tiny_model_dir: Any) -> None:
+    """The engine hands ``tools`` (and a history's parsed tool calls) to the tokenizer's own
+    ``apply_chat_template``: the prompt is exactly what transformers renders."""
+    from lorastar import LLM
+
+    template = (
+        "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+        "{% endfor %}<assistant>"
+    )
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=16, chat_template=template)
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": WEATHER}]},
+        {"role": "tool", "content": "21"},
+    ]
+    tok = llm.engine.tokenizer
+    want = tok(tok.apply_chat_template(messages, tools=TOOLS, tokenize=False), add_special_tokens=False)
+    got = llm.engine.apply_chat_template(messages, tools=TOOLS)
+    assert got == want["input_ids"]
+    assert "get_weather" in tok.decode(got) and "Paris" in tok.decode(got)
+    assert len(got) > len(llm.engine.apply_chat_template(messages))
+    out = llm.chat(messages, tools=TOOLS)[0]
+    assert out.prompt_token_ids == got
+
+
+def test_the_openai_client_reads_the_calls(servers: dict) -> None:
+    """The official client parses both shapes: a message's tool_calls, and streamed tool_call deltas
+    (which it accumulates by index)."""
+    import openai
+
+    http, _ = servers["on"]
+    client = openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="x")
+    body = _chat()
+    kw = {k: body[k] for k in ("model", "messages", "max_tokens", "tools")}
+    extra = {"add_generation_prompt": False}
+    msg = client.chat.completions.create(**kw, extra_body=extra).choices[0].message
+    assert msg.tool_calls[0].function.name == "get_weather" and msg.content == "Let me check."
+    stream = client.chat.completions.create(**kw, extra_body=extra, stream=True)
+    calls = [c for chunk in stream for ch in chunk.choices for c in ch.delta.tool_calls or []]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "get_weather", WEATHER["arguments"])
+    ]
+
+
+def test_tokenize_renders_the_tools_as_chat_does(servers: dict) -> None:
+    http, fake = servers["on"]
+    r = http.post(
+        "/tokenize",
+        json={"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+    )
+    assert r.status_code == 200, r.text
+    assert fake.rendered[-1][1] == TOOLS
