@@ -54,7 +54,8 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
          "--num-gpu-blocks-override", "100", "--tokenizer", str(folders["model"]),
          "--chat-template", str(folders["tpl"]), "--served-model-name", "base", "--enable-lora",
          "--shutdown-drain-timeout", "2.5", "--uvicorn-log-level", "warning", "--cpu-gemm", "torch",
-         "--async-scheduling", "--reasoning-parser", "deepseek_r1"],
+         "--async-scheduling", "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
+         "--tool-call-parser", "hermes"],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert seen["port"] > 0 and seen["log_level"] == "warning"
@@ -63,6 +64,7 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
     assert cfg.adapters == {"a": str(root / "a"), "b": str(root / "b")}
     assert cfg.admin_token == "t" and cfg.shutdown_drain_timeout == 2.5
     assert cfg.reasoning_parser == "deepseek_r1"
+    assert cfg.enable_auto_tool_choice and cfg.tool_call_parser == "hermes"
     eng = cfg.engine_config()
     assert eng.max_waiting == 5
     assert (eng.kv_cache_dtype, eng.embedding_quantization, eng.max_lora_rank) == ("fp8", "int8", 32)
