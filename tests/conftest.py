@@ -148,6 +148,37 @@ TINY_CONFIGS: dict[str, dict] = {
         tie_word_embeddings=True,
         no_rope_layer_interval=2,
     ),
+    # Granite 3.x: Llama with four multipliers (embeddings, attention scale, residual, logits); GQA, tied
+    "granite": dict(
+        arch="granite",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        embedding_multiplier=12.0,
+        attention_multiplier=0.1,
+        residual_multiplier=0.22,
+        logits_scaling=8.0,
+    ),
+    # OLMo 2: norms after each block, q/k normalized over the whole projection; GQA, untied
+    "olmo2": dict(arch="olmo2", num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    # OLMo 3: OLMo 2's layers, local-global, a RoPE per layer type (YaRN on the global one)
+    "olmo3": dict(
+        arch="olmo3",
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        sliding_window=20,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 500000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),  # fmt: skip
     # SmolLM3 with use_sliding_window: only the NoPE layers slide (transformers' layer_types)
     "smollm3-window": dict(
         arch="smollm3",
@@ -203,7 +234,7 @@ def hf_model(path, dtype=None):  # noqa: ANN001, ANN201
 
 
 def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
-    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3/SmolLM3 checkpoint (Gemma 3 also as
+    """Write a tiny random Llama/Mistral/Qwen2/Qwen3/Gemma/Phi-3/SmolLM3/Granite/OLMo checkpoint (Gemma 3 also as
     ``Gemma3ForConditionalGeneration``, Mistral as ``Mistral3ForConditionalGeneration``) + SmolLM2's
     tokenizer into ``path``."""
     import shutil
@@ -273,6 +304,27 @@ def make_tiny_model(path, name: str, seed: int = 0):  # noqa: ANN201
                     p.normal_(0.0, 0.5)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw))
+    elif arch == "granite":
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        model = GraniteForCausalLM(GraniteConfig(**kw))
+        with torch.no_grad():  # attention logits large enough for attention_multiplier to matter
+            for n, p in model.named_parameters():
+                if "q_proj" in n or "k_proj" in n:
+                    p.normal_(0.0, 0.5)
+    elif arch in ("olmo2", "olmo3"):
+        import transformers
+
+        name_ = "Olmo2" if arch == "olmo2" else "Olmo3"
+        model_cls, cfg_cls = (
+            getattr(transformers, f"{name_}ForCausalLM"),
+            getattr(transformers, f"{name_}Config"),
+        )
+        model = model_cls(cfg_cls(**kw, pad_token_id=0))
+        with torch.no_grad():  # random init leaves the norms at one: make them matter
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(1.0, 0.3)
     elif arch == "smollm3":
         from transformers import SmolLM3Config, SmolLM3ForCausalLM
 

@@ -276,8 +276,12 @@ class LlamaForCausalLM(nn.Module):
     def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
         return RMSNorm(size, eps, dtype)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings ``[T, hidden]`` (families that scale them override this)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         ctx.attn.rope_cos, ctx.attn.rope_sin = self.rope.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(positions, x, ctx)

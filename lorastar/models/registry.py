@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from lorastar.models.gemma import Gemma3ForConditionalGeneration, GemmaForCausalLM
+from lorastar.models.granite import GraniteForCausalLM
 from lorastar.models.llama import LlamaForCausalLM
 from lorastar.models.llama import check_architecture as _check
 from lorastar.models.mistral3 import Ministral3ForCausalLM, Mistral3ForConditionalGeneration
+from lorastar.models.olmo2 import Olmo2ForCausalLM
+from lorastar.models.olmo3 import Olmo3ForCausalLM
 from lorastar.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -17,6 +20,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     **dict.fromkeys(Mistral3ForConditionalGeneration.architectures, Mistral3ForConditionalGeneration),
     **dict.fromkeys(Ministral3ForCausalLM.architectures, Ministral3ForCausalLM),
     **dict.fromkeys(SmolLM3ForCausalLM.architectures, SmolLM3ForCausalLM),
+    **dict.fromkeys(GraniteForCausalLM.architectures, GraniteForCausalLM),
+    **dict.fromkeys(Olmo2ForCausalLM.architectures, Olmo2ForCausalLM),
+    **dict.fromkeys(Olmo3ForCausalLM.architectures, Olmo3ForCausalLM),
 }
 
 

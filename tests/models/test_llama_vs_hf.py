@@ -31,7 +31,19 @@ def mixed_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-gqa", "llama-mha-llama3", "qwen2", "mistral", "qwen3", "qwen3-tied", "phi3", "smollm3"]
+    "name",
+    [
+        "llama-gqa",
+        "llama-mha-llama3",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "qwen3-tied",
+        "phi3",
+        "smollm3",
+        "granite",
+        "olmo2",
+    ],
 )
 def test_tiny_models_match_hf(tiny_model_dir, name: str) -> None:
     path = tiny_model_dir(name)

@@ -48,7 +48,7 @@ def _run_recording_logits(llm: LLM, prompts: list[list[int]], sp: SamplingParams
 
 
 @pytest.mark.parametrize(
-    "name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "gemma3-mm", "smollm3-window"]
+    "name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "gemma3-mm", "smollm3-window", "olmo3"]
 )
 def test_windowed_models_match_hf(tiny_model_dir, name: str) -> None:
     path = tiny_model_dir(name)

@@ -20,7 +20,19 @@ from quant_fixtures import checkpoint, present, read_config
 from safetensors.torch import save_file
 from test_quant_e2e import FP8_TOL, INT4_TOL, _forward_logits, _load
 
-FAMILIES = ("mistral", "qwen3", "gemma2", "gemma3", "gemma3-mm", "mistral3-mm", "smollm3", "phi3")
+FAMILIES = (
+    "mistral",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "gemma3-mm",
+    "mistral3-mm",
+    "smollm3",
+    "granite",
+    "olmo2",
+    "olmo3",
+    "phi3",
+)
 # Gemma 3 4B-27B (Gemma3ForConditionalGeneration): the language model's tensors sit under this prefix
 # (transformers >= 4.52's naming), beside a vision tower the loader skips.
 _MM_PREFIX = "model.language_model."
@@ -64,6 +76,15 @@ def _hf_family(family: str, fx: dict) -> torch.nn.Module:
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**shapes, pad_token_id=0))
     elif family == "mistral":
         model = tf.MistralForCausalLM(tf.MistralConfig(**shapes, sliding_window=16))
+    elif family == "granite":  # its four multipliers
+        model = tf.GraniteForCausalLM(
+            tf.GraniteConfig(**shapes, embedding_multiplier=12.0, attention_multiplier=0.1, residual_multiplier=0.22,
+                             logits_scaling=8.0)
+        )  # fmt: skip
+    elif family == "olmo2":  # post-norms, whole-projection q/k norms
+        model = tf.Olmo2ForCausalLM(tf.Olmo2Config(**shapes, pad_token_id=0))
+    elif family == "olmo3":  # OLMo 2's layers, three local in four
+        model = tf.Olmo3ForCausalLM(tf.Olmo3Config(**shapes, sliding_window=16, pad_token_id=0))
     elif family == "smollm3":  # NoPE every second layer
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**shapes, no_rope_layer_interval=2, pad_token_id=0))
     elif family == "qwen3":
@@ -165,6 +186,9 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
         "gemma3-mm": "Gemma3ForConditionalGeneration",
         "mistral3-mm": "Mistral3ForConditionalGeneration",
         "smollm3": "SmolLM3ForCausalLM",
+        "granite": "GraniteForCausalLM",
+        "olmo2": "Olmo2ForCausalLM",
+        "olmo3": "Olmo3ForCausalLM",
     }.get(family, "GemmaForCausalLM" if "gemma" in family else "LlamaForCausalLM")
     assert type(model).__name__ == kind
     if family == "phi3":  # the fused tensors filled every shard
