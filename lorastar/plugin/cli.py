@@ -291,7 +291,7 @@ main.add_command(make_lora_group())
     "--tool-call-parser",
     default=None,
     type=click.Choice(TOOL_CALL_PARSERS),
-    help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>).",
+    help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>; llama3_json: Llama 3.x's JSON).",
 )
 @click.option(
     "--reasoning-parser",

@@ -1,16 +1,22 @@
 """Tool-call parsers: function calls in a chat answer's text become OpenAI ``tool_calls`` (vLLM's
 ``--enable-auto-tool-choice --tool-call-parser``; ``tool_choice: "auto"``).
 
-``hermes``: Hermes 2/3, Qwen2.5, Qwen3, SmolLM3 and the fine-tunes of their templates write each call as
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The content is the text before the first
-call (None when there is none); the calls are every such block, the last one possibly unclosed (the
-answer ended at it). A block that is no such JSON object leaves the whole answer as content, as vLLM
-does, so nothing the model wrote is lost.
+* ``hermes``: Hermes 2/3, Qwen2.5, Qwen3, SmolLM3 and the fine-tunes of their templates write each call
+  as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The content is the text before the
+  first call (None when there is none); the calls are every such block, the last one possibly
+  unclosed (the answer ended at it).
+* ``llama3_json``: Llama 3.1-3.3 (and their fine-tunes) answer a call with JSON alone,
+  ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several separated by ``;``, after an
+  optional ``<|python_tag|>``. An answer is calls when it opens with ``{`` or that tag (vLLM's rule for
+  streams; its whole-answer parser also tries JSON further in, which would take an answer quoting
+  JSON in prose for a call): then it must be nothing but such objects.
 
-Streams hold back from the first ``<tool_call>`` on and send the calls, whole, in the choice's last
-delta (one ``tool_calls`` entry each, arguments complete): OpenAI clients concatenate a call's
-argument pieces, so one piece is a valid stream, and the stream's content and calls are exactly the
-whole answer's.
+Where the text is no such call (JSON that does not parse, no ``name``), the whole answer stays content,
+as vLLM does, so nothing the model wrote is lost.
+
+Streams hold back from where calls may begin and send the calls, whole, in the choice's last delta (one
+``tool_calls`` entry each, arguments complete): OpenAI clients concatenate a call's argument pieces, so
+one piece is a valid stream, and the stream's content and calls are exactly the whole answer's.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-TOOL_CALL_PARSERS = ("hermes",)
 START, END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
@@ -33,63 +40,122 @@ class ParsedToolCall:
     arguments: str
     id: str
 
-    @staticmethod
-    def new(name: str, arguments: str) -> ParsedToolCall:
-        return ParsedToolCall(name, arguments, f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+def _call(obj: Any) -> ParsedToolCall | None:
+    """``{"name", "arguments" | "parameters"}`` as a call, or None when it is no such object."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return ParsedToolCall(obj["name"], args, f"chatcmpl-tool-{uuid.uuid4().hex}")
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ParsedToolCall]]:
-    """A whole answer's (content, calls); no calls: (the text, [])."""
-    start = text.find(START)
-    if start < 0:
-        return text, []
-    calls: list[ParsedToolCall] = []
-    for block in _BLOCK.findall(text, start):
-        try:
-            obj = json.loads(block)
-        except ValueError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(args, str):
-            args = json.dumps(args, ensure_ascii=False)
-        calls.append(ParsedToolCall.new(obj["name"], args))
-    return text[:start] or None, calls
-
-
-def _held(text: str) -> int:
-    """Length of the longest tail of ``text`` that may still become ``<tool_call>``."""
-    for n in range(min(len(text), len(START) - 1), 0, -1):
-        if START.startswith(text[-n:]):
+def _held(text: str, tag: str) -> int:
+    """Length of the longest tail of ``text`` that may still become ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 
 
-class ToolCallStream:
-    """One choice's streamed content, fed in deltas: content passes until a call may start; from the
-    first ``<tool_call>`` on everything is held and parsed when the choice ends."""
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """A whole answer's (content, calls); no calls: (the text, [])."""
+        ...
 
-    def __init__(self) -> None:
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        """Where calls begin in the unsent text ``buf`` (None: not there), and how much of its end
+        to hold back otherwise; ``at_start``: nothing of the answer has been sent yet."""
+        ...
+
+
+class HermesParser:
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        start = text.find(START)
+        if start < 0:
+            return text, []
+        calls: list[ParsedToolCall] = []
+        for block in _BLOCK.findall(text, start):
+            try:
+                call = _call(json.loads(block))
+            except ValueError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start] or None, calls
+
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        start = buf.find(START)
+        return (start, 0) if start >= 0 else (None, 0 if final else _held(buf, START))
+
+
+class Llama3JsonParser:
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        s = text.lstrip()
+        s = s[len(PYTHON_TAG) :].lstrip() if s.startswith(PYTHON_TAG) else s
+        if not s.startswith("{"):
+            return text, []
+        decoder, calls, i = json.JSONDecoder(), [], 0
+        while True:
+            while i < len(s) and (s[i].isspace() or s[i] == ";"):
+                i += 1
+            if i == len(s):
+                return None, calls
+            try:
+                obj, i = decoder.raw_decode(s, i)
+            except ValueError:
+                return text, []
+            call = _call(obj)
+            if call is None or ("arguments" in obj and "parameters" in obj):
+                return text, []
+            calls.append(call)
+
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        if not at_start:
+            return None, 0  # content already went out: this answer is no call
+        s = buf.lstrip()
+        if s.startswith(("{", PYTHON_TAG)):
+            return 0, 0
+        if not final and PYTHON_TAG.startswith(s):
+            return None, len(buf)  # whitespace or a partial tag so far: not decided yet
+        return None, 0
+
+
+PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+TOOL_CALL_PARSERS = tuple(PARSERS)
+
+
+def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ParsedToolCall]]:
+    """A whole answer's (content, calls) by ``parser``; no calls: (the text, [])."""
+    return PARSERS[parser].parse(text)
+
+
+class ToolCallStream:
+    """One choice's streamed content, fed in deltas: content passes until calls may begin; from there
+    everything is held and parsed when the choice ends."""
+
+    def __init__(self, parser: str = "hermes") -> None:
+        self.parser = PARSERS[parser]
         self.buf = ""
         self.in_calls = False
+        self.at_start = True
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ParsedToolCall]]:
         """The content this delta adds, and (with ``final``) the answer's calls."""
         buf = self.buf + text
         out = ""
         if not self.in_calls:
-            start = buf.find(START)
-            if start >= 0:
+            start, keep = self.parser.calls_start(buf, final, self.at_start)
+            if start is not None:
                 out, buf, self.in_calls = buf[:start], buf[start:], True
             else:
-                keep = 0 if final else _held(buf)
+                keep = 0 if final else keep
                 out, buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        self.buf = buf
-        if not final or not self.in_calls:
-            if final:
-                self.buf = ""
+        self.at_start = self.at_start and not out
+        self.buf = "" if final else buf
+        if not (final and self.in_calls):
             return out, []
-        self.buf = ""
-        content, calls = parse_tool_calls(buf)
+        content, calls = self.parser.parse(buf)
         return (out, calls) if calls else (out + buf, [])

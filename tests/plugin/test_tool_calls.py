@@ -27,8 +27,8 @@ def _block(call: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
 
 
-def _calls(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
-    content, calls = parse_tool_calls(text)
+def _calls(text: str, parser: str = "hermes") -> tuple[str | None, list[tuple[str, dict]]]:
+    content, calls = parse_tool_calls(text, parser)
     return content, [(c.name, json.loads(c.arguments)) for c in calls]
 
 
@@ -55,34 +55,47 @@ def test_whole_answers_parse_as_vllms_hermes_parser() -> None:
     )
 
 
-_PIECES = st.sampled_from(
-    [
-        "<tool_call>",
-        "</tool_call>",
-        "<tool",
-        "_call>",
-        "<",
-        "text ",
-        "\n",
-        '{"name": "f", "arguments": {}}',
-        "{",
-    ]
-)
+def test_llama3_json_answers_parse_as_calls_only_when_they_are_calls() -> None:
+    params = {"name": "get_weather", "parameters": WEATHER["arguments"]}
+    two = {"name": "get_time", "arguments": {}}
+    want = [("get_weather", WEATHER["arguments"])]
+    assert _calls(json.dumps(params), "llama3_json") == (None, want)
+    assert _calls("<|python_tag|>" + json.dumps(params), "llama3_json") == (None, want)
+    assert _calls(" \n" + json.dumps(params) + "; " + json.dumps(two), "llama3_json") == (
+        None,
+        [*want, ("get_time", {})],
+    )
+    for text in (
+        'The JSON is {"name": "x", "parameters": {}}',  # prose quoting JSON: content, not a call
+        '{"name": "x", "parameters": {}} and then some words',
+        '{"city": "Paris"}',  # no name
+        '{"name": "x", "parameters": {"a": 1}',  # cut off
+        "<|python_tag|>print(1)",  # the code-interpreter tool, not a function call
+    ):
+        assert _calls(text, "llama3_json") == (text, []), text
+
+
+_PIECES = {
+    "hermes": ["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "text ", "\n", '{"name": "f", "arguments": {}}', "{"],
+    "llama3_json": ["<|python_tag|>", "<|py", "thon_tag|>", " ", "\n", "; ", "text", '{"name": "f", "parameters": {}}', "{", "}"],
+}  # fmt: skip
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=st.lists(_PIECES, max_size=10), cuts=st.lists(st.integers(0, 80), max_size=8))
-def test_a_stream_split_anywhere_gives_the_whole_answers_calls(pieces: list[str], cuts: list[int]) -> None:
-    text = "".join(pieces)
+@given(data=st.data(), parser=st.sampled_from(sorted(_PIECES)), cuts=st.lists(st.integers(0, 80), max_size=8))
+def test_a_stream_split_anywhere_gives_the_whole_answers_calls(
+    data: st.DataObject, parser: str, cuts: list[int]
+) -> None:
+    text = "".join(data.draw(st.lists(st.sampled_from(_PIECES[parser]), max_size=10)))
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
-    stream = ToolCallStream()
+    stream = ToolCallStream(parser)
     content, calls = "", []
     for i, d in enumerate(deltas):
         c, got = stream.feed(d, final=i == len(deltas) - 1)
         content += c
         calls += got
-    want_content, want_calls = parse_tool_calls(text)
+    want_content, want_calls = parse_tool_calls(text, parser)
     assert content == (want_content or "")
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
 
@@ -90,7 +103,7 @@ def test_a_stream_split_anywhere_gives_the_whole_answers_calls(pieces: list[str]
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"tool_call_parser": "mistral"}, "tool_call_parser"),
+        ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
         ({"enable_auto_tool_choice": True}, "tool_call_parser"),
     ],
 )
@@ -104,20 +117,23 @@ ANSWER = "<think>need weather</think>Let me check." + _block(WEATHER)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, tuple[httpx.Client, FakeAsyncLLM]]]:
-    tools_on, plain = FakeAsyncLLM(max_model_len=1024), FakeAsyncLLM(max_model_len=1024)
+    tools_on, plain, llama = (FakeAsyncLLM(max_model_len=1024) for _ in range(3))
     on = LoraStarConfig(
         async_engine=tools_on,
         enable_auto_tool_choice=True,
         tool_call_parser="hermes",
         reasoning_parser="qwen3",
     )
+    llama3 = LoraStarConfig(async_engine=llama, enable_auto_tool_choice=True, tool_call_parser="llama3_json")
     with (
         ServerThread(create_app(on)) as a,
         ServerThread(create_app(LoraStarConfig(async_engine=plain))) as b,
+        ServerThread(create_app(llama3)) as c,
         httpx.Client(base_url=a.url, timeout=30) as ca,
         httpx.Client(base_url=b.url, timeout=30) as cb,
+        httpx.Client(base_url=c.url, timeout=30) as cc,
     ):
-        yield {"on": (ca, tools_on), "plain": (cb, plain)}
+        yield {"on": (ca, tools_on), "plain": (cb, plain), "llama3": (cc, llama)}
 
 
 def _chat(**extra: Any) -> dict[str, Any]:
@@ -268,3 +284,16 @@ def test_tokenize_renders_the_tools_as_chat_does(servers: dict) -> None:
     )
     assert r.status_code == 200, r.text
     assert fake.rendered[-1][1] == TOOLS
+
+
+def test_the_configured_parser_reads_the_answer(servers: dict) -> None:
+    """A server with ``tool_call_parser="llama3_json"`` reads Llama 3.x's JSON answers (and leaves
+    hermes blocks as text)."""
+    http, _ = servers["llama3"]
+    answer = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    body = {**_chat(), "messages": [{"role": "user", "content": answer[::-1]}], "max_tokens": len(answer)}
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    msg = http.post("/v1/chat/completions", json=_chat()).json()["choices"][0]["message"]
+    assert msg["tool_calls"] == [] and msg["content"] == ANSWER

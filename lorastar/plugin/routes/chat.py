@@ -147,9 +147,9 @@ class _AnswerParts:
     """One choice's streamed text through the reasoning splitter and the tool-call parser (each
     where configured): (reasoning, content, calls) per delta."""
 
-    def __init__(self, reasoning_style: str | None, tools: bool) -> None:
+    def __init__(self, reasoning_style: str | None, tool_parser: str | None) -> None:
         self.reasoning = ReasoningSplitter(reasoning_style) if reasoning_style else None
-        self.tools = ToolCallStream() if tools else None
+        self.tools = ToolCallStream(tool_parser) if tool_parser else None
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
@@ -224,7 +224,11 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
     ) -> Response[Any] | Stream:
         engine = await service.ready()
         adapter = await service.resolve_adapter(data.model, data.adapter_id)
-        parse_tools = check_tools(data.tools, data.tool_choice, service.config)
+        tool_parser = (
+            service.config.tool_call_parser
+            if check_tools(data.tools, data.tool_choice, service.config)
+            else None
+        )
         if data.response_format and data.response_format.get("type", "text") != "text":
             raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         if data.top_logprobs is not None and not data.logprobs:
@@ -285,8 +289,8 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
                 parts = (
-                    {i: _AnswerParts(reasoning_style, parse_tools) for i in range(n)}
-                    if reasoning_style or parse_tools
+                    {i: _AnswerParts(reasoning_style, tool_parser) for i in range(n)}
+                    if reasoning_style or tool_parser
                     else {}
                 )
                 async for d in choice_deltas(primed):
@@ -344,8 +348,8 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 ReasoningSplitter(reasoning_style).split(o.text) if reasoning_style else (None, o.text)
             )
             calls: list[ParsedToolCall] = []
-            if parse_tools and content:
-                content, calls = parse_tool_calls(content)
+            if tool_parser and content:
+                content, calls = parse_tool_calls(content, tool_parser)
             if echo_text:
                 content = echo_text + (content or "")
             return ChatCompletionResponseChoice(
