@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
-from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
-from tests.models.test_sliding_window import _run_recording_logits
+from tests.models.test_llama_vs_hf import mixed_prompts
+from tests.models.test_sliding_window import assert_decodes_as_hf
 
 
 def _decodes_as_transformers(path: str) -> None:
@@ -25,14 +25,7 @@ def _decodes_as_transformers(path: str) -> None:
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = mixed_prompts(14, [4, 70])
     llm = LLM(path, num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
-    outs, logits = _run_recording_logits(llm, prompts, sp)
-    assert outs == [hf_greedy(hf, p, sp.max_tokens) for p in prompts]
-    full = prompts[-1] + outs[-1]
-    with torch.no_grad():
-        want = hf(input_ids=torch.tensor([full])).logits[0]  # [L, vocab]
-    for n in range(len(prompts[-1]), len(full)):
-        got = logits[tuple(full[:n])]
-        torch.testing.assert_close(got, want[n - 1], rtol=1e-4, atol=1e-4 * want[n - 1].abs().max().item())
+    assert_decodes_as_hf(hf, llm, prompts, sp)
 
 
 @pytest.mark.parametrize("name", ["granite", "olmo2"])

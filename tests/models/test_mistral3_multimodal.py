@@ -176,7 +176,7 @@ def test_ministral_3_decodes_as_transformers_past_the_original_context(tiny_mode
     """Ministral 3's decoder (``text_config.model_type`` ministral3): YaRN and Llama 4's query scaling,
     which starts at the original context (16 positions here, 16k released): greedy tokens, and logits
     within 1e-4 relative at every decode step of a sequence ten original contexts long."""
-    from tests.models.test_sliding_window import _run_recording_logits
+    from tests.models.test_sliding_window import assert_decodes_as_hf
 
     path = tiny_model_dir("ministral3-mm")
     hf = _hf(path)
@@ -187,11 +187,4 @@ def test_ministral_3_decodes_as_transformers_past_the_original_context(tiny_mode
     assert all(
         a.q_position_scale == (0.1, 16) for a in llm.engine.model.modules() if hasattr(a, "q_position_scale")
     )
-    outs, logits = _run_recording_logits(llm, prompts, sp)
-    assert outs == [hf_greedy(hf, p, sp.max_tokens) for p in prompts]
-    full = prompts[-1] + outs[-1]
-    with torch.no_grad():
-        want = hf(input_ids=torch.tensor([full])).logits[0]  # [L, vocab]
-    for n in range(len(prompts[-1]), len(full)):
-        got = logits[tuple(full[:n])]
-        torch.testing.assert_close(got, want[n - 1], rtol=1e-4, atol=1e-4 * want[n - 1].abs().max().item())
+    assert_decodes_as_hf(hf, llm, prompts, sp)

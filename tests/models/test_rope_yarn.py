@@ -11,8 +11,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from lorastar import LLM, SamplingParams
 from lorastar.layers.rotary import rope_inv_freq
-from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
-from tests.models.test_sliding_window import _run_recording_logits
+from tests.models.test_llama_vs_hf import mixed_prompts
+from tests.models.test_sliding_window import assert_decodes_as_hf
 
 
 @pytest.mark.parametrize(
@@ -45,11 +45,4 @@ def test_qwen3_with_yarn_decodes_as_transformers(tiny_model_dir) -> None:  # noq
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = mixed_prompts(12, [3, 60, 150])  # within and past the original 64 positions
     llm = LLM(path, num_kv_blocks=128, block_size=8, max_num_batched_tokens=32)
-    outs, logits = _run_recording_logits(llm, prompts, sp)
-    assert outs == [hf_greedy(hf, p, sp.max_tokens) for p in prompts]
-    full = prompts[-1] + outs[-1]
-    with torch.no_grad():
-        want = hf(input_ids=torch.tensor([full])).logits[0]  # [L, vocab]
-    for n in range(len(prompts[-1]), len(full)):
-        got = logits[tuple(full[:n])]
-        torch.testing.assert_close(got, want[n - 1], rtol=1e-4, atol=1e-4 * want[n - 1].abs().max().item())
+    assert_decodes_as_hf(hf, llm, prompts, sp)

@@ -47,6 +47,19 @@ def _run_recording_logits(llm: LLM, prompts: list[list[int]], sp: SamplingParams
     return [done[r] for r in ids], seen
 
 
+def assert_decodes_as_hf(hf, llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> None:  # noqa: ANN001
+    """Greedy tokens of every prompt (arriving two steps apart), and the logits at every decode step
+    of the last one within 1e-4 relative, equal transformers' (``hf``)."""
+    outs, logits = _run_recording_logits(llm, prompts, sp)
+    assert outs == [hf_greedy(hf, p, sp.max_tokens) for p in prompts]
+    full = prompts[-1] + outs[-1]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([full])).logits[0]  # [L, vocab]
+    for n in range(len(prompts[-1]), len(full)):
+        got = logits[tuple(full[:n])]
+        torch.testing.assert_close(got, want[n - 1], rtol=1e-4, atol=1e-4 * want[n - 1].abs().max().item())
+
+
 @pytest.mark.parametrize(
     "name", ["mistral-window", "qwen2-window", "gemma2", "gemma3", "gemma3-mm", "smollm3-window", "olmo3"]
 )

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lorastar import LLM, SamplingParams
-from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
-from tests.models.test_sliding_window import _run_recording_logits
+from tests.models.test_llama_vs_hf import mixed_prompts
+from tests.models.test_sliding_window import assert_decodes_as_hf
 
 LONG = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -33,11 +33,4 @@ def test_a_config_without_the_derived_fields_reads_as_transformers_completes_it(
     assert hf.config.rope_parameters["rope_theta"] == 2_000_000.0
     prompts = mixed_prompts(6, [7, 90])
     llm = LLM(str(path), num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
-    outs, logits = _run_recording_logits(llm, prompts, LONG)
-    assert outs == [hf_greedy(hf, p, LONG.max_tokens) for p in prompts]
-    full = prompts[-1] + outs[-1]  # 114 tokens: several windows of the NoPE layer
-    with torch.no_grad():
-        want = hf(input_ids=torch.tensor([full])).logits[0]  # [L, vocab]
-    for n in range(len(prompts[-1]), len(full)):
-        got = logits[tuple(full[:n])]
-        torch.testing.assert_close(got, want[n - 1], rtol=1e-4, atol=1e-4 * want[n - 1].abs().max().item())
+    assert_decodes_as_hf(hf, llm, prompts, LONG)
