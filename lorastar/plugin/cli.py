@@ -291,7 +291,8 @@ main.add_command(make_lora_group())
     "--tool-call-parser",
     default=None,
     type=click.Choice(TOOL_CALL_PARSERS),
-    help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>; llama3_json: Llama 3.x's JSON).",
+    help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>; llama3_json: Llama "
+    "3.x's JSON; mistral: [TOOL_CALLS]).",
 )
 @click.option(
     "--reasoning-parser",

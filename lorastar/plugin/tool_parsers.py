@@ -10,6 +10,14 @@
   optional ``<|python_tag|>``. An answer is calls when it opens with ``{`` or that tag (vLLM's rule for
   streams; its whole-answer parser also tries JSON further in, which would take an answer quoting
   JSON in prose for a call): then it must be nothing but such objects.
+* ``mistral``: Mistral's models (7B v0.3, Nemo, Small 3.x, Ministral 3, Devstral) open calls with the
+  ``[TOOL_CALLS]`` control token: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` in the older
+  tokenizers, ``[TOOL_CALLS]name[ARGS]{...}`` (or ``name{...}``) per call in v11+. The content is the
+  text before the first one. Call ids are 9 letters and digits: Mistral's templates refuse others when
+  the call comes back in the history.
+
+Control tokens such as ``[TOOL_CALLS]`` and ``<|python_tag|>`` are dropped from the text by default, so
+a request parsed for tools is detokenized with ``skip_special_tokens=False`` (vLLM does the same).
 
 Where the text is no such call (JSON that does not parse, no ``name``), the whole answer stays content,
 as vLLM does, so nothing the model wrote is lost.
@@ -22,7 +30,9 @@ one piece is a valid stream, and the stream's content and calls are exactly the 
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,14 +51,22 @@ class ParsedToolCall:
     id: str
 
 
-def _call(obj: Any) -> ParsedToolCall | None:
+def _call(obj: Any, make_id: Any = None) -> ParsedToolCall | None:
     """``{"name", "arguments" | "parameters"}`` as a call, or None when it is no such object."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return ParsedToolCall(obj["name"], args, f"chatcmpl-tool-{uuid.uuid4().hex}")
+    return ParsedToolCall(obj["name"], args, (make_id or _openai_id)())
+
+
+def _openai_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def _mistral_id() -> str:
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 def _held(text: str, tag: str) -> int:
@@ -123,7 +141,56 @@ class Llama3JsonParser:
         return None, 0
 
 
-PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+class MistralParser:
+    TAG = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        if self.TAG not in text:
+            return text, []
+        content, *segments = text.split(self.TAG)
+        calls: list[ParsedToolCall] = []
+        for seg in segments:
+            got = self._segment(seg.strip())
+            if got is None:
+                return text, []
+            calls += got
+        return ((content or None), calls) if calls else (text, [])
+
+    def _segment(self, s: str) -> list[ParsedToolCall] | None:
+        """One ``[TOOL_CALLS]`` body's calls (none for an empty one), or None when it is no call."""
+        if not s:
+            return []
+        decoder = json.JSONDecoder()
+        if s.startswith("["):  # before v11: a JSON array of {"name", "arguments"}
+            try:
+                arr, end = decoder.raw_decode(s)
+            except ValueError:
+                return None
+            calls = [_call(o, _mistral_id) for o in arr] if isinstance(arr, list) else [None]
+            return None if s[end:].strip() or any(c is None for c in calls) else calls  # type: ignore[return-value]
+        brace = s.find("{")  # v11+: name[ARGS]{...}
+        name = s[:brace].removesuffix("[ARGS]").strip() if brace > 0 else ""
+        if not name or any(c.isspace() for c in name):
+            return None
+        try:
+            args, end = decoder.raw_decode(s, brace)
+        except ValueError:
+            return None
+        if s[end:].strip() or not isinstance(args, dict):
+            return None
+        call = _call({"name": name, "arguments": args}, _mistral_id)
+        return [call] if call is not None else None
+
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        start = buf.find(self.TAG)
+        return (start, 0) if start >= 0 else (None, 0 if final else _held(buf, self.TAG))
+
+
+PARSERS: dict[str, ToolCallParser] = {
+    "hermes": HermesParser(),
+    "llama3_json": Llama3JsonParser(),
+    "mistral": MistralParser(),
+}
 TOOL_CALL_PARSERS = tuple(PARSERS)
 
 

@@ -166,6 +166,7 @@ class FakeAsyncLLM:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         sp = sampling_params or SamplingParams()
+        self.last_params = sp
         if self.errored:
             raise EngineDeadError("engine is dead")
         if self.fail_on_submit is not None:

@@ -75,8 +75,36 @@ def test_llama3_json_answers_parse_as_calls_only_when_they_are_calls() -> None:
         assert _calls(text, "llama3_json") == (text, []), text
 
 
+def test_mistral_answers_parse_in_both_of_its_formats() -> None:
+    args = WEATHER["arguments"]
+    want = [("get_weather", args)]
+    for text in (
+        "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(args),  # v11+ (Small 3.x, Ministral 3)
+        "[TOOL_CALLS]get_weather" + json.dumps(args),
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(args) + "}]",  # before v11
+    ):
+        assert _calls(text, "mistral") == (None, want), text
+    assert _calls(
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "°C"}[TOOL_CALLS]get_time[ARGS]{}',
+        "mistral",
+    ) == (
+        "Sure.",
+        [*want, ("get_time", {})],
+    )
+    for text in (
+        "[TOOL_CALLS]get_weather[ARGS]{broken",
+        '[TOOL_CALLS]{"city": 1}',
+        "[TOOL_CALLS][1, 2]",
+        "no calls",
+    ):
+        assert _calls(text, "mistral") == (text, []), text
+    ids = {c.id for c in parse_tool_calls("[TOOL_CALLS]f{}[TOOL_CALLS]g{}", "mistral")[1]}
+    assert len(ids) == 2 and all(len(i) == 9 and i.isalnum() for i in ids)  # Mistral's templates check this
+
+
 _PIECES = {
     "hermes": ["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "text ", "\n", '{"name": "f", "arguments": {}}', "{"],
+    "mistral": ["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[", "f", "[ARGS]", '{"a": 1}', '[{"name": "g", "arguments": {}}]', " ", "x"],
     "llama3_json": ["<|python_tag|>", "<|py", "thon_tag|>", " ", "\n", "; ", "text", '{"name": "f", "parameters": {}}', "{", "}"],
 }  # fmt: skip
 
@@ -117,7 +145,7 @@ ANSWER = "<think>need weather</think>Let me check." + _block(WEATHER)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, tuple[httpx.Client, FakeAsyncLLM]]]:
-    tools_on, plain, llama = (FakeAsyncLLM(max_model_len=1024) for _ in range(3))
+    tools_on, plain, llama, mistral = (FakeAsyncLLM(max_model_len=1024) for _ in range(4))
     on = LoraStarConfig(
         async_engine=tools_on,
         enable_auto_tool_choice=True,
@@ -125,15 +153,20 @@ def servers() -> Iterator[dict[str, tuple[httpx.Client, FakeAsyncLLM]]]:
         reasoning_parser="qwen3",
     )
     llama3 = LoraStarConfig(async_engine=llama, enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    mistral_cfg = LoraStarConfig(
+        async_engine=mistral, enable_auto_tool_choice=True, tool_call_parser="mistral"
+    )
     with (
         ServerThread(create_app(on)) as a,
         ServerThread(create_app(LoraStarConfig(async_engine=plain))) as b,
         ServerThread(create_app(llama3)) as c,
+        ServerThread(create_app(mistral_cfg)) as d,
         httpx.Client(base_url=a.url, timeout=30) as ca,
         httpx.Client(base_url=b.url, timeout=30) as cb,
         httpx.Client(base_url=c.url, timeout=30) as cc,
+        httpx.Client(base_url=d.url, timeout=30) as cd,
     ):
-        yield {"on": (ca, tools_on), "plain": (cb, plain), "llama3": (cc, llama)}
+        yield {"on": (ca, tools_on), "plain": (cb, plain), "llama3": (cc, llama), "mistral": (cd, mistral)}
 
 
 def _chat(**extra: Any) -> dict[str, Any]:
@@ -286,14 +319,23 @@ def test_tokenize_renders_the_tools_as_chat_does(servers: dict) -> None:
     assert fake.rendered[-1][1] == TOOLS
 
 
-def test_the_configured_parser_reads_the_answer(servers: dict) -> None:
-    """A server with ``tool_call_parser="llama3_json"`` reads Llama 3.x's JSON answers (and leaves
-    hermes blocks as text)."""
-    http, _ = servers["llama3"]
-    answer = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+@pytest.mark.parametrize(
+    ("server", "answer"),
+    [
+        ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
+        ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
+    ],
+)
+def test_the_configured_parser_reads_the_answer(servers: dict, server: str, answer: str) -> None:
+    """A server reads its parser's format (and leaves another's, hermes blocks here, as text); its
+    tool requests are detokenized with the control tokens kept ([TOOL_CALLS] is one)."""
+    http, fake = servers[server]
     body = {**_chat(), "messages": [{"role": "user", "content": answer[::-1]}], "max_tokens": len(answer)}
     choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert fake.last_params.skip_special_tokens is False
     msg = http.post("/v1/chat/completions", json=_chat()).json()["choices"][0]["message"]
     assert msg["tool_calls"] == [] and msg["content"] == ANSWER
+    http.post("/v1/chat/completions", json={**_chat(), "tools": None})  # no tools: text as usual
+    assert fake.last_params.skip_special_tokens is True

@@ -251,6 +251,8 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         params = sampling_params(
             data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None, aliases=aliases
         )
+        if tool_parser:  # the call markers may be control tokens ([TOOL_CALLS]): keep them in the text
+            params.skip_special_tokens = False
         request_id = random_id("chatcmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
