@@ -165,11 +165,15 @@ class OutputProcessor:
                 s.cumulative_logprob = (s.cumulative_logprob or 0.0) + next(
                     (v for t, v, _ in lp if t == tok), 0.0
                 )
+            # EOS and stop token ids (the core's "stop" on the last token) come before stop strings;
+            # their own text is left out unless include_stop_str_in_output, as vLLM's detokenizer
+            # does (with skip_special_tokens=False an EOS would otherwise end the text).
+            if i == last and delta.finish_reason == "stop":
+                if p.include_stop_str_in_output:
+                    s.text += detok.add(tok)
+                break
             new_text = detok.add(tok)
             s.text += new_text
-            # EOS and stop token ids (the core's "stop" on the last token) come before stop strings.
-            if i == last and delta.finish_reason == "stop":
-                break
             if p.stop and len(s.token_ids) >= p.min_tokens:
                 hit = find_stop(s.text, len(new_text), p.stop, p.include_stop_str_in_output)
                 if hit is not None:

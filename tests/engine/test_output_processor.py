@@ -53,15 +53,30 @@ def test_stop_string_across_tokens_in_one_delta_finishes_here(tok) -> None:  # n
 
 def test_precedence_eos_and_stop_tokens_before_stop_strings_before_length(tok) -> None:  # noqa: ANN001
     ids = _ids(tok, " the end")
-    # The core ended the sample on this token for EOS / a stop token id: its reason stands.
-    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["end"]))
-    outs, stops = _step(proc, SampleDelta(0, ids, finish_reason="stop", stop_reason=ids[-1]))
-    assert stops == [] and outs[0].outputs[0].stop_reason == ids[-1] and outs[0].outputs[0].text == " the end"
+    # The core ended the sample on this token for EOS / a stop token id: its reason stands, and its
+    # text is left out unless include_stop_str_in_output (vLLM v1's detokenizer; the id stays).
+    for include, text in ((False, " the"), (True, " the end")):
+        proc = _proc(tok, SamplingParams(max_tokens=50, stop=["end"], include_stop_str_in_output=include))
+        outs, stops = _step(proc, SampleDelta(0, ids, finish_reason="stop", stop_reason=ids[-1]))
+        o = outs[0].outputs[0]
+        assert stops == [] and (o.stop_reason, o.text, o.token_ids) == (ids[-1], text, ids)
     # The core ended it on length: a stop string in the same token comes first.
     proc = _proc(tok, SamplingParams(max_tokens=len(ids), stop=["end"]))
     outs, stops = _step(proc, SampleDelta(0, ids, finish_reason="length"), finished=True)
     o = outs[0].outputs[0]
     assert stops == [("r", 0, "end")] and (o.finish_reason, o.stop_reason, o.text) == ("stop", "end", " the ")
+
+
+def test_an_eos_kept_as_a_special_token_is_no_text(tok) -> None:  # noqa: ANN001
+    """With skip_special_tokens=False (tool-call parsing keeps control tokens) the EOS that ended a
+    sample is still no text, as in vLLM; include_stop_str_in_output shows it."""
+    ids = [*_ids(tok, " done"), tok.eos_token_id]
+    for include, tail in ((False, ""), (True, tok.eos_token)):
+        proc = _proc(
+            tok, SamplingParams(max_tokens=50, skip_special_tokens=False, include_stop_str_in_output=include)
+        )
+        (out,), _ = _step(proc, SampleDelta(0, ids, finish_reason="stop"), finished=True)
+        assert out.outputs[0].text == " done" + tail and out.outputs[0].token_ids == ids
 
 
 def test_min_tokens_defers_stop_strings(tok) -> None:  # noqa: ANN001
