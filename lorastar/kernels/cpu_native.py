@@ -47,7 +47,10 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 _CSRC = Path(__file__).with_name("csrc")
 # The header first: its text is then part of the sources torch hashes (a header edit rebuilds).
-_SOURCES = [_CSRC / f for f in ("cpu_vec.h", "cpu_attention.cpp", "cpu_lora.cpp", "cpu_elementwise.cpp")]
+_SOURCES = [
+    _CSRC / f
+    for f in ("cpu_vec.h", "cpu_attention.cpp", "cpu_lora.cpp", "cpu_elementwise.cpp", "cpu_int8.cpp")
+]
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -148,6 +151,8 @@ def load() -> ModuleType | None:
                     "add_rms_norm",
                     "silu_and_mul",
                     "rotary",
+                    "int8_pack",
+                    "int8_logits",
                 ],  # fmt: skip
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
@@ -239,3 +244,16 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     or bf16 with contiguous heads (a view of the fused qkv output), cos/sin ``[T, D]`` of x's dtype (any
     ``[T, 1, D]`` view of them) -> a new contiguous ``[T, H, D]`` (``ref_rotary``)."""
     return _ops().rotary(x, cos, sin)
+
+
+def int8_pack(q: torch.Tensor) -> torch.Tensor:
+    """q ``[N, K]`` int8 -> ``[ceil(N / 16), K, 16]``: sixteen table rows side by side (rows past N
+    zero), the layout ``int8_logits`` reads."""
+    return _ops().int8_pack(q)
+
+
+def int8_logits(x: torch.Tensor, qp: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Semantics: ``(x @ q.float().T) * scale``; x ``[M, K]`` fp32 contiguous, qp ``int8_pack(q)``, scale
+    ``[N]`` fp32 -> ``[M, N]`` fp32 (``csrc/cpu_int8.cpp``; ``ref_int8_logits``): a per-row int8
+    lm_head (``quant/embedding_int8.py``) read once per step, one byte an element."""
+    return _ops().int8_logits(x, qp, scale)

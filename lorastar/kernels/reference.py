@@ -349,6 +349,12 @@ def ref_int8_linear(
     return y.to(x.dtype)
 
 
+def ref_int8_logits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Logits against a per-row int8 table: ``(x @ q.T) * scale`` in float64, then ``x.dtype``;
+    x [M, K], q [N, K] int8, scale [N] (``quant/embedding_int8.py``'s dequantized table times x)."""
+    return ((x.double() @ q.double().T) * scale.double()).to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Norm and activation
 # ---------------------------------------------------------------------------------------------

@@ -88,6 +88,12 @@ class VocabEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.logits(self, x)  # [rows, vocab] in x.dtype
 
+    def use_native_cpu_ops(self) -> None:
+        """The method's C++ form where it has one (the int8 table's logits)."""
+        hook = getattr(self.method, "use_native_cpu_ops", None)
+        if hook is not None:
+            hook(self)
+
     def extra_repr(self) -> str:
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, {type(self.method).__name__}, dtype={self.dtype}"
