@@ -90,20 +90,22 @@ class Int8EmbeddingMethod(EmbeddingMethod):
         take two bytes an element, where a tied fp32 table and its oneDNN copy take eight). Measured
         with 2 threads, SmolLM2's 49,152 x 576 table at 1 / 8 / 32 rows: 1.6 / 2.4 / 14 ms, against
         47 / 67 / 66 for the torch form below (the table widened, then ``F.linear``) and 5.5 / 6.4 / 14 for the fp32 table packed for oneDNN;
-        Gemma 3's 262,144 x 640 at 1 row: 16 ms against 295 and 31."""
+        Gemma 3's 262,144 x 640 at 1 row: 16 ms against 295 and 31. bf16 rows are widened to fp32 and
+        the logits rounded to bf16 once (torch's bf16 form rounds ``x @ q`` before the scale too)."""
         from lorastar.kernels import cpu_native
 
-        if layer.qweight.device.type == "cpu" and layer.dtype == torch.float32:  # bf16 keeps torch's form
+        if layer.qweight.device.type == "cpu" and layer.dtype in (torch.float32, torch.bfloat16):
             layer.qweight_packed = cpu_native.int8_pack(layer.qweight.data)
 
     def logits(self, layer: VocabEmbedding, x: torch.Tensor) -> torch.Tensor:
         """``x [rows, hidden] @ W.T -> [rows, vocab]`` in ``x.dtype``, a block of vocab rows at a time
-        (fp32 on CPU with the C++ ops: one pass over the packed table)."""
+        (fp32 and bf16 on CPU with the C++ ops: one pass over the packed table)."""
         packed = getattr(layer, "qweight_packed", None)
-        if packed is not None and x.dtype == torch.float32 and x.dim() == 2:
+        if packed is not None and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2:
             from lorastar.kernels import cpu_native
 
-            return cpu_native.int8_logits(x.contiguous(), packed, layer.scale)  # [rows, vocab]
+            out = cpu_native.int8_logits(x.float().contiguous(), packed, layer.scale)  # [rows, vocab] fp32
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         vocab, hidden = layer.qweight.shape
         block = max(self.chunk_elems, vocab * hidden // LOGIT_BLOCKS)
         step = max(1, block // max(hidden, 1))

@@ -30,11 +30,13 @@ def test_int8_logits_match_reference(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def test_the_int8_lm_head_takes_the_op_in_fp32_and_decodes_as_the_torch_form(
-    tiny_model_dir, monkeypatch
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_int8_lm_head_takes_the_op_and_decodes_as_the_torch_form(
+    tiny_model_dir, monkeypatch, dtype: str
 ) -> None:  # noqa: ANN001
     """``embedding_quantization="int8"`` on CPU: with the C++ ops the logits come from the op (a spy
-    counts its calls), within 1e-5 relative of the torch form's (``cpu_kernels="torch"``), same greedy
+    counts its calls), within 1e-5 relative of the torch form's (``cpu_kernels="torch"``) in fp32 and
+    two bf16 roundings in bf16 (the torch form rounds ``x @ q`` before the scale); fp32: same greedy
     tokens."""
     _op()
     calls = []
@@ -45,14 +47,23 @@ def test_the_int8_lm_head_takes_the_op_in_fp32_and_decodes_as_the_torch_form(
     outs, logits = {}, {}
     for mode in ("native", "torch"):
         llm = LLM(
-            tiny_model_dir("llama-gqa"), num_kv_blocks=64, embedding_quantization="int8", cpu_kernels=mode
-        )
+            tiny_model_dir("llama-gqa"), num_kv_blocks=64, embedding_quantization="int8", cpu_kernels=mode,
+            dtype=dtype,
+        )  # fmt: skip
         head = llm.engine.model.lm_head
         assert (getattr(head, "qweight_packed", None) is not None) == (mode == "native")
         outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         hidden = torch.randn(3, head.embedding_dim, generator=torch.Generator().manual_seed(1))
+        hidden = hidden.to(getattr(torch, dtype))
         logits[mode] = llm.engine.model.compute_logits(hidden)
     assert calls and all(shape[0] >= 1 for shape in calls)
-    assert outs["native"] == outs["torch"]
-    want = logits["torch"]
-    torch.testing.assert_close(logits["native"], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert logits["native"].dtype == getattr(torch, dtype)
+    want = logits["torch"].float()
+    if dtype == "float32":
+        assert outs["native"] == outs["torch"]
+        torch.testing.assert_close(logits["native"], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:  # two bf16 roundings apart at most: 2 ** -7 of the value (of the largest logit near 0)
+        tol = 2**-7
+        torch.testing.assert_close(
+            logits["native"].float(), want, rtol=tol, atol=tol * want.abs().max().item()
+        )
