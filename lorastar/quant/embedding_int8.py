@@ -85,13 +85,14 @@ class Int8EmbeddingMethod(EmbeddingMethod):
         return rows.view(*ids.shape, layer.embedding_dim)
 
     def use_native_cpu_ops(self, layer: VocabEmbedding) -> None:
-        """fp32 logits on CPU through the C++ op (``cpu_native.int8_logits``) on a copy of the table
-        packed sixteen rows side by side (the row-major one stays for the lookup: int8 tables then
-        take two bytes an element, where a tied fp32 table and its oneDNN copy take eight). Measured
-        with 2 threads, SmolLM2's 49,152 x 576 table at 1 / 8 / 32 rows: 1.6 / 2.4 / 14 ms, against
-        47 / 67 / 66 for the torch form below (the table widened, then ``F.linear``) and 5.5 / 6.4 / 14 for the fp32 table packed for oneDNN;
-        Gemma 3's 262,144 x 640 at 1 row: 16 ms against 295 and 31. bf16 rows are widened to fp32 and
-        the logits rounded to bf16 once (torch's bf16 form rounds ``x @ q`` before the scale too)."""
+        """fp32 and bf16 logits on CPU through the C++ op (``cpu_native.int8_logits``) on a copy of the
+        table packed sixteen rows side by side (the row-major one stays for the lookup: int8 tables
+        then take two bytes an element, where a tied fp32 table and its oneDNN copy take eight).
+        Measured with 2 threads, SmolLM2's 49,152 x 576 table at 1 / 8 / 32 rows: 1.6 / 2.4 / 14 ms,
+        against 47 / 67 / 66 for the torch form below (the table widened, then ``F.linear``) and
+        5.5 / 6.4 / 14 for the fp32 table packed for oneDNN; Gemma 3's 262,144 x 640 at 1 row: 16 ms
+        against 295 and 31. bf16 rows are widened to fp32 and the logits rounded to bf16 once (torch's
+        bf16 form rounds ``x @ q`` before the scale too)."""
         from lorastar.kernels import cpu_native
 
         if layer.qweight.device.type == "cpu" and layer.dtype in (torch.float32, torch.bfloat16):
