@@ -28,7 +28,13 @@ from lorastar.forward_context import ForwardContext
 from lorastar.layers.embedding import EmbeddingMethod
 from lorastar.layers.norm import GemmaRMSNorm
 from lorastar.layers.rotary import RotaryEmbedding
-from lorastar.models.llama import MLP, Attention, LlamaForCausalLM
+from lorastar.models.llama import (
+    MLP,
+    Attention,
+    LlamaForCausalLM,
+    layer_type_rope_config,
+    multimodal_text_config,
+)
 from lorastar.quant.base import QuantConfig
 
 GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
@@ -38,12 +44,15 @@ def _rope_config(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
     """The config one layer type's RoPE reads: Gemma 3 nests ``rope_parameters`` by layer type
     (transformers 5) or keeps the local base in ``rope_local_base_freq`` (older configs)."""
     params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and layer_type in params:
-        return {**cfg, "rope_parameters": params[layer_type], "rope_scaling": None}
-    if cfg.get("model_type") in ("gemma3", "gemma3_text") and layer_type == "sliding_attention":
+    nested = isinstance(params, dict) and layer_type in params
+    if (
+        not nested
+        and cfg.get("model_type") in ("gemma3", "gemma3_text")
+        and layer_type == "sliding_attention"
+    ):
         theta = float(cfg.get("rope_local_base_freq", 10000.0))
         return {**cfg, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
-    return cfg
+    return layer_type_rope_config(cfg, layer_type)
 
 
 class GemmaAttention(Attention):
@@ -95,6 +104,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     per-layer-type RoPE and final-logit soft-capping. Same checkpoint and LoRA module names."""
 
     architectures: ClassVar[dict[str, str]] = GEMMA_ARCHITECTURES
+    rope_per_layer_type: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -106,22 +116,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
     ) -> None:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (embedding models) is not supported")
-        self._max_positions = max_positions
-        self._ropes: dict[str, RotaryEmbedding] = {}
         super().__init__(cfg, dtype, quant, max_positions, embedding_method)
-        self.local_rope = self._ropes.get("sliding_attention")  # registered as submodules
-        self.global_rope = self._ropes.get("full_attention")
         self.final_softcap = float(cfg.get("final_logit_softcapping") or 0.0)
 
-    def _rope_for(self, cfg: dict[str, Any], layer_type: str) -> RotaryEmbedding:
-        if layer_type not in self._ropes:
-            self._ropes[layer_type] = RotaryEmbedding(
-                _rope_config(cfg, layer_type), self.head_dim, self._max_positions
-            )
-        return self._ropes[layer_type]
-
-    def make_rope(self, cfg: dict[str, Any], max_positions: int) -> RotaryEmbedding:
-        return self._rope_for(cfg, "full_attention")
+    def rope_config(self, cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+        return _rope_config(cfg, layer_type)
 
     def make_layer(
         self,
@@ -132,21 +131,14 @@ class GemmaForCausalLM(LlamaForCausalLM):
         rope: RotaryEmbedding,
         sliding_window: int,
     ) -> nn.Module:
-        layer_type = "sliding_attention" if sliding_window > 0 else "full_attention"
-        rope = self._rope_for(cfg, layer_type)
         return GemmaDecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
 
     def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
         return GemmaRMSNorm(size, eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        x = x * torch.tensor(self.config["hidden_size"] ** 0.5, dtype=x.dtype)  # as transformers rounds it
-        # Two RoPE bases (local / global): each layer reads its own table (no step-wide cos/sin).
-        ctx.attn.rope_cos = ctx.attn.rope_sin = None
-        for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+        return x * torch.tensor(self.config["hidden_size"] ** 0.5, dtype=x.dtype)  # as transformers rounds it
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)  # [rows, vocab]
@@ -174,11 +166,4 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
         configs list only what differs from them: 4B's omits heads, head size, vocabulary, RoPE bases),
         then the top level's own fields (``eos_token_id``, ``tie_word_embeddings``, ``dtype``,
         ``quantization_config``) over it."""
-        from transformers import Gemma3TextConfig
-
-        text = cfg.get("text_config")
-        if not isinstance(text, dict):
-            raise ValueError("Gemma3ForConditionalGeneration: config.json has no text_config object")
-        full = Gemma3TextConfig(**text).to_dict()
-        top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
-        return {**full, **top}
+        return multimodal_text_config(cfg, "Gemma3TextConfig")

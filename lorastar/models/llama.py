@@ -34,6 +34,35 @@ SUPPORTED_ARCHITECTURES = {
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 
 
+def layer_type_rope_config(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The config one layer type's RoPE reads: ``rope_parameters`` nested by layer type (transformers
+    5 writes them so for Gemma 3 and OLMo 3), else the model's one set."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:
+        return {**cfg, "rope_parameters": params[layer_type], "rope_scaling": None}
+    return cfg
+
+
+def transformers_defaults(cfg: dict[str, Any], config_class: str) -> dict[str, Any]:
+    """``cfg`` as transformers' ``config_class`` completes it (``to_dict()``): the fields a file omits,
+    and those it derives (layer types, RoPE parameters), as transformers fills them."""
+    import transformers
+
+    fields = {k: v for k, v in cfg.items() if k != "quantization_config"}  # read as it is, by the caller
+    return getattr(transformers, config_class)(**fields).to_dict()
+
+
+def multimodal_text_config(cfg: dict[str, Any], config_class: str) -> dict[str, Any]:
+    """A text-and-image config's decoder: ``text_config`` completed with ``config_class``'s defaults,
+    then the top level's own fields over it (``eos_token_id``, ``tie_word_embeddings`` where written,
+    ``dtype``, ``quantization_config``)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{cfg.get('architectures', ['?'])[0]}: config.json has no text_config object")
+    top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    return {**transformers_defaults(text, config_class), **top}
+
+
 def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SUPPORTED_ARCHITECTURES) -> str:
     """The config's first architecture in ``supported`` (HF class name -> model_type); a config saved
     without ``architectures`` is matched by its ``model_type``."""
@@ -212,6 +241,9 @@ class LlamaForCausalLM(nn.Module):
     key_map: ClassVar[KeyMap] = KeyMap()
     # LoRA targets that exist only in the unserved parts (their tensors are skipped with them).
     unserved_lora_modules: ClassVar[tuple[str, ...]] = ()
+    # A RoPE per layer type (Gemma 2/3, OLMo 3): each layer gets its type's table (``rope_config``)
+    # and reads it itself, no step-wide cos/sin.
+    rope_per_layer_type: ClassVar[bool] = False
 
     @classmethod
     def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -243,11 +275,23 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         table = embedding_method or UnquantizedEmbeddingMethod
         self.embed_tokens = VocabEmbedding(self.vocab_size, hidden, dtype, table())
-        rope = self.make_rope(cfg, max_positions)
-        self.rope = rope
         self.layer_windows = layer_windows(cfg)  # per layer: sliding window (0: full attention)
+        if self.rope_per_layer_type:
+            types = cfg.get("layer_types") or [
+                "sliding_attention" if w > 0 else "full_attention" for w in self.layer_windows
+            ]
+            self.ropes = nn.ModuleDict(
+                {t: RotaryEmbedding(self.rope_config(cfg, t), self.head_dim, max_positions)
+                 for t in sorted({"full_attention", *types})}
+            )  # fmt: skip
+            self.rope = self.ropes["full_attention"]
+            layer_ropes = [self.ropes[t] for t in types]
+        else:
+            self.rope = self.make_rope(cfg, max_positions)
+            layer_ropes = [self.rope] * self.num_layers
         self.layers = nn.ModuleList(
-            self.make_layer(cfg, i, dtype, quant, rope, self.layer_windows[i]) for i in range(self.num_layers)
+            self.make_layer(cfg, i, dtype, quant, layer_ropes[i], self.layer_windows[i])
+            for i in range(self.num_layers)
         )
         self.norm = self.make_norm(hidden, cfg.get("rms_norm_eps", 1e-6), dtype)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
@@ -273,6 +317,10 @@ class LlamaForCausalLM(nn.Module):
     def make_rope(self, cfg: dict[str, Any], max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(cfg, self.head_dim, max_positions)
 
+    def rope_config(self, cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
+        """The config one layer type's RoPE reads (``rope_per_layer_type``)."""
+        return layer_type_rope_config(cfg, layer_type)
+
     def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
         return RMSNorm(size, eps, dtype)
 
@@ -282,7 +330,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed(input_ids)  # [T, hidden]
-        ctx.attn.rope_cos, ctx.attn.rope_sin = self.rope.cos_sin(positions, x.dtype)
+        if self.rope_per_layer_type:
+            ctx.attn.rope_cos = ctx.attn.rope_sin = None  # each layer reads its own table
+        else:
+            ctx.attn.rope_cos, ctx.attn.rope_sin = self.rope.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)

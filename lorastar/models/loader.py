@@ -142,22 +142,18 @@ class WeightLoader:
             layer.quant_method.process_weights_after_loading(layer)
 
 
-def _stores_its_own_lm_head(files: list[Path], key_map: KeyMap) -> bool:
+def _stores_its_own_lm_head(names: dict[Path, list[str]], key_map: KeyMap) -> bool:
     """Whether a checkpoint whose config ties the embeddings stores an lm_head that differs from its
     embed_tokens. transformers (5.x) then leaves them untied: Mistral 3's config class defaults the
     top-level ``tie_word_embeddings`` to true, so a fine-tune of Mistral Small 3.1 saved by it says
     "tied" beside the model's own lm_head. A stored copy equal to the table (some checkpoints keep
     one) stays tied. Reads the two tables only when both are stored."""
     where: dict[str, tuple[Path, str]] = {}
-    for f in files:
-        with (
-            contextlib.suppress(OSError, RuntimeError),
-            safe_open(str(f), framework="pt", device="cpu") as sf,
-        ):
-            for name in sf.keys():
-                served = key_map(name)
-                if served in ("lm_head.weight", "model.embed_tokens.weight"):
-                    where[served] = (f, name)
+    for f, keys in names.items():
+        for name in keys:
+            served = key_map(name)
+            if served in ("lm_head.weight", "model.embed_tokens.weight"):
+                where[served] = (f, name)
     if len(where) < 2:
         return False
     tables = []
@@ -187,8 +183,15 @@ def load_model(
     ``embedding_method``: how the embedding / lm_head tables are stored (None: as loaded).
     """
     files = safetensors_files(model_dir)
+    names: dict[Path, list[str]] = {}  # headers only: the tie check and the bar's total
+    for f in files:
+        with (
+            contextlib.suppress(OSError, RuntimeError),
+            safe_open(str(f), framework="pt", device="cpu") as sf,
+        ):
+            names[f] = list(sf.keys())
     cls = model_class(cfg)
-    if cfg.get("tie_word_embeddings") and _stores_its_own_lm_head(files, cls.key_map):
+    if cfg.get("tie_word_embeddings") and _stores_its_own_lm_head(names, cls.key_map):
         logger.warning(
             "%s: config.json ties the lm_head to embed_tokens but the checkpoint stores a different "
             "lm_head: serving it untied, as transformers loads it",
@@ -198,13 +201,7 @@ def load_model(
     with torch.device(device):
         model = cls(cfg, dtype, quant, max_positions, embedding_method)
     loader = WeightLoader(model)
-    total = 0
-    for f in files:  # headers only: the bar knows its total
-        with (
-            contextlib.suppress(OSError, RuntimeError),
-            safe_open(str(f), framework="pt", device="cpu") as sf,
-        ):
-            total += len(sf.keys())
+    total = sum(len(k) for k in names.values())
     # A per-tensor bar on a terminal (tqdm's disable=None: off when stderr is not a TTY, e.g. logs).
     bar = tqdm(total=total, desc=f"Loading {Path(model_dir).name}", unit="tensor", disable=None)
     for f in files:

@@ -21,7 +21,7 @@ from torch import nn
 
 from lorastar.checkpoint_keys import LLAVA_LAYOUT, KeyMap
 from lorastar.layers.rotary import RotaryEmbedding
-from lorastar.models.llama import LlamaForCausalLM
+from lorastar.models.llama import LlamaForCausalLM, multimodal_text_config, transformers_defaults
 from lorastar.quant.base import QuantConfig
 
 # text_config.model_type -> the transformers config class whose defaults complete it
@@ -46,10 +46,7 @@ class Ministral3ForCausalLM(LlamaForCausalLM):
     def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         """``config.json`` completed with transformers' ``Ministral3Config`` defaults (its YaRN and
         query-scaling parameters where the file has none)."""
-        from transformers import Ministral3Config
-
-        fields = {k: v for k, v in cfg.items() if k != "quantization_config"}  # read as it is, below
-        return {**Ministral3Config(**fields).to_dict(), **cfg}
+        return {**transformers_defaults(cfg, "Ministral3Config"), **cfg}
 
     def make_layer(
         self,
@@ -84,16 +81,10 @@ class Mistral3ForConditionalGeneration(Ministral3ForCausalLM):
         ``Ministral3Config``), then the top level's own fields (``tie_word_embeddings`` where it is
         written, ``dtype``, ``quantization_config``) over it. Another text model is refused, naming it."""
         text = cfg.get("text_config")
-        if not isinstance(text, dict):
-            raise ValueError("Mistral3ForConditionalGeneration: config.json has no text_config object")
-        text_type = text.get("model_type", "mistral")
+        text_type = text.get("model_type", "mistral") if isinstance(text, dict) else "mistral"
         if text_type not in _TEXT_CONFIGS:
             raise ValueError(
                 f"Mistral3ForConditionalGeneration with a {text_type!r} text model is not supported "
                 "(served: Mistral Small 3.1 / 3.2's 'mistral' and Ministral 3's 'ministral3')"
             )
-        import transformers
-
-        full = getattr(transformers, _TEXT_CONFIGS[text_type])(**text).to_dict()
-        top = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
-        return {**full, **top}
+        return multimodal_text_config(cfg, _TEXT_CONFIGS[text_type])

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lorastar.layers.rotary import RotaryEmbedding
-from lorastar.models.llama import LlamaForCausalLM
+from lorastar.models.llama import LlamaForCausalLM, transformers_defaults
 from lorastar.quant.base import QuantConfig
 
 
@@ -25,10 +25,7 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         """``config.json`` completed with transformers' ``SmolLM3Config`` defaults: ``no_rope_layers``
         and ``layer_types`` derived as transformers derives them, the RoPE base its 2,000,000."""
-        from transformers import SmolLM3Config
-
-        fields = {k: v for k, v in cfg.items() if k != "quantization_config"}  # read as it is, below
-        return {**SmolLM3Config(**fields).to_dict(), **cfg}
+        return {**transformers_defaults(cfg, "SmolLM3Config"), **cfg}
 
     def make_layer(
         self,

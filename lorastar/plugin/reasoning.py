@@ -21,7 +21,7 @@ REASONING_PARSERS = ("deepseek_r1", "qwen3")
 THINK_START, THINK_END = "<think>", "</think>"
 
 
-def _held(text: str, tag: str) -> int:
+def held_tail(text: str, tag: str) -> int:
     """Length of the longest tail of ``text`` that is a proper prefix of ``tag`` (it may become it)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -60,7 +60,7 @@ class ReasoningSplitter:
         if self.state == "reasoning":
             end = buf.find(THINK_END)
             if end < 0:
-                keep = 0 if final else _held(buf, THINK_END)
+                keep = 0 if final else held_tail(buf, THINK_END)
                 reasoning, self.buf = buf[: len(buf) - keep], buf[len(buf) - keep :]
                 return reasoning, ""
             reasoning, buf = buf[:end], buf[end + len(THINK_END) :]

@@ -37,6 +37,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from lorastar.plugin.reasoning import held_tail
+
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
@@ -69,14 +71,6 @@ def _mistral_id() -> str:
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
-def _held(text: str, tag: str) -> int:
-    """Length of the longest tail of ``text`` that may still become ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         """A whole answer's (content, calls); no calls: (the text, [])."""
@@ -106,7 +100,7 @@ class HermesParser:
 
     def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
         start = buf.find(START)
-        return (start, 0) if start >= 0 else (None, 0 if final else _held(buf, START))
+        return (start, 0) if start >= 0 else (None, 0 if final else held_tail(buf, START))
 
 
 class Llama3JsonParser:
@@ -183,7 +177,7 @@ class MistralParser:
 
     def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
         start = buf.find(self.TAG)
-        return (start, 0) if start >= 0 else (None, 0 if final else _held(buf, self.TAG))
+        return (start, 0) if start >= 0 else (None, 0 if final else held_tail(buf, self.TAG))
 
 
 PARSERS: dict[str, ToolCallParser] = {
