@@ -43,6 +43,7 @@ from lorastar.engine.sampler import (
 )
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_words_token_ids
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
+from lorastar.engine.structured import GrammarCompiler, GrammarRow
 from lorastar.errors import (
     AdapterError,
     AdapterNotFoundError,
@@ -75,7 +76,7 @@ class _InFlight:
 def _needs_sync(req: Request) -> bool:
     """Requests whose sampling reads the previous token on the host or forks sequences there
     (beams; n > 1 until its samples have forked, after which they are n plain sequences; a bad
-    word of several tokens; guided_choice), or whose prompt logprobs go through the host: while
+    word of several tokens; guided_choice; a grammar), or whose prompt logprobs go through the host: while
     one is live, async scheduling runs steps one at a time. Penalties read the previous token on
     the device (``PendingTokens``)."""
     params = req.params
@@ -85,6 +86,7 @@ def _needs_sync(req: Request) -> bool:
         or params.prompt_logprobs is not None
         or (req.bad_words is not None and bool(req.bad_words.multi))
         or req.choices is not None
+        or req.grammar is not None
     )
 
 
@@ -221,6 +223,8 @@ class LLMEngine:
             self.tokenizer_loader.get()
         self.eos_token_ids = _eos_ids(self.model_dir, lambda: self.tokenizer.eos_token_id)
         self.vocab_size = self.model.vocab_size
+        # Structured outputs: the tokenizer's table is built at the first request with a grammar.
+        self.grammars = GrammarCompiler(self.tokenizer_loader.get, self.vocab_size, self.eos_token_ids)
 
         # Adapter slots before the KV cache takes what memory is left (stacked A rows, layers/lora.py).
         self.model_spec = ModelSpec.from_model(self.model)
@@ -471,6 +475,15 @@ class LLMEngine:
         self._check_vocab("guided_choice", itertools.chain.from_iterable(paths))
         return ChoicePaths.from_token_ids(paths, self.eos_token_ids)
 
+    def _grammar(self, params: SamplingParams) -> Any:
+        """``params``' JSON schema, regex or grammar compiled for this model (None: none), once its
+        text passes the prompt's byte bound (``max_prompt_bytes``)."""
+        spec = params.grammar_spec
+        if spec is None:
+            return None
+        self.inputs.check_prompt_size([spec[1]], spec[0])
+        return self.grammars.compile(params)
+
     def num_queued_requests(self) -> int:
         """Requests waiting for their first step (preempted sequences of started ones excluded)."""
         return sum(
@@ -515,7 +528,7 @@ class LLMEngine:
             raise InvalidParamError("stop", "stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
         self.check_limits(params, len(ids))
-        bad_words, choices = self._bad_words(params), self._choices(params)
+        bad_words, choices, grammar = self._bad_words(params), self._choices(params), self._grammar(params)
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
@@ -539,7 +552,7 @@ class LLMEngine:
             if _frontend:
                 self.output_processor.add_request(rid, text, ids, params, adapter)
             self.requests[rid] = req
-            req.bad_words, req.choices = bad_words, choices
+            req.bad_words, req.choices, req.grammar = bad_words, choices, grammar
             req.holds_sync = _needs_sync(req)
             self._num_sync_requests += req.holds_sync
             self.scheduler.add(seq)
@@ -886,8 +899,10 @@ class LLMEngine:
         """The sampler's view of ``seq``: its fields never change, so it is built once (a fork's at
         the fork); the output ids are read in place."""
         req = seq.request
+        grammar = GrammarRow(req.grammar, self.eos_token_ids) if req.grammar is not None else None
         return SamplingRow(req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
-                           generator, self.eos_token_ids, bad_words=req.bad_words, choices=req.choices)  # fmt: skip
+                           generator, self.eos_token_ids, bad_words=req.bad_words, choices=req.choices,
+                           grammar=grammar)  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None

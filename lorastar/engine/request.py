@@ -133,6 +133,7 @@ class Request:
     beam: Any = None  # BeamState when params.use_beam_search
     bad_words: Any = None  # sampler.BadWords: params.bad_words as token ids (None: none)
     choices: Any = None  # sampler.ChoicePaths: params.guided_choice as token paths (None: none)
+    grammar: Any = None  # xgrammar CompiledGrammar of params' JSON schema / regex / grammar (None: none)
     # params.prompt_logprobs set: one entry per prompt position, None until its chunk has run
     # (position 0 stays None: nothing predicts it). Entries are PromptTokenLogprobs.
     prompt_logprobs: list[Any] | None = None

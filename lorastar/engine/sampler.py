@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.structured import GrammarRow, apply_grammars
 from lorastar.forward_context import to_device
 
 # A row's logprobs: {token_id: (logprob, rank)}, rank 1-based (vLLM's Logprob.rank).
@@ -115,6 +116,9 @@ class SamplingRow:
     bad_words: BadWords | None = None
     # The request's guided_choice as token paths (the engine tokenizes them once); None: none.
     choices: ChoicePaths | None = None
+    # This sequence's matcher of the request's compiled JSON schema / regex / grammar (its own:
+    # structured.GrammarRow); None: none.
+    grammar: GrammarRow | None = None
 
 
 @dataclass(slots=True)
@@ -211,7 +215,7 @@ _COLUMNS: tuple[tuple[str, Callable[[SamplingParams], object], type], ...] = (
     ("logit_bias", lambda p: bool(p.logit_bias), np.bool_),
     ("allowed", lambda p: p.allowed_token_ids is not None, np.bool_),
     ("bad_words", lambda p: bool(p.bad_words), np.bool_),
-    ("guided", lambda p: p.guided_choice is not None, np.bool_),
+    ("guided", lambda p: p.guided_choice is not None or p.grammar_spec is not None, np.bool_),
 )
 
 
@@ -235,7 +239,7 @@ class SamplingMetadata:
     logit_bias: np.ndarray  # [R] bool: the row has a logit_bias (its dict is on its params)
     allowed: np.ndarray  # [R] bool: the row has allowed_token_ids (on its params)
     bad_words: np.ndarray  # [R] bool: the row has bad_words (token ids on its SamplingRow)
-    guided: np.ndarray  # [R] bool: the row has guided_choice (token paths on its SamplingRow)
+    guided: np.ndarray  # [R] bool: the row has guided_choice or a grammar (on its SamplingRow)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
@@ -640,11 +644,15 @@ def _apply_allowed(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list
 
 def _apply_choices(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
     """Rows ``idx`` keep only the tokens that continue their guided_choice paths (EOS where the
-    output spells a whole choice). Reads the output on the host: the request holds steps
-    synchronous (engine ``_needs_sync``)."""
+    output spells a whole choice), or that their grammar accepts next (EOS once it is complete).
+    Reads the output on the host: the request holds steps synchronous (engine ``_needs_sync``)."""
     kept = [i for i in idx if rows[i].choices is not None]
+    allowed = [rows[i].choices.allowed(rows[i].output_token_ids) for i in kept]  # type: ignore[union-attr]
+    ended = apply_grammars(x, rows, [i for i in idx if rows[i].grammar is not None])
+    kept += ended
+    allowed += [rows[i].grammar.eos for i in ended]  # type: ignore[union-attr]
     if kept:
-        _keep_only(x, kept, [rows[i].choices.allowed(rows[i].output_token_ids) for i in kept], vocab)  # type: ignore[union-attr]
+        _keep_only(x, kept, allowed, vocab)
 
 
 def _keep_only(x: Tensor, idx: list[int], per_row: list[np.ndarray], vocab: int) -> None:

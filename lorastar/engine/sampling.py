@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ _SAMPLING_EPS = 1e-5
 # vLLM's OpenAI server caps top-logprobs at 20.
 MAX_LOGPROBS = 20
 MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64)
+# The structured-output fields: at most one per request.
+GUIDED_FIELDS = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "guided_json_object")
 
 
 # Finite ranges of the float fields. vLLM's where it has one (top_p, min_p, presence and
@@ -109,6 +112,15 @@ class SamplingParams:
     # output spells a whole choice. Each choice is its own tokenization (vLLM's grammar also takes
     # other token splits of the same text). Not with beam search.
     guided_choice: list[str] | None = None
+    # Structured outputs (vLLM's guided_json / guided_regex / guided_grammar / json_object, on
+    # xgrammar, vLLM's default backend; engine/structured.py): each step may take only a token the
+    # grammar accepts, then EOS once the output is complete. A JSON schema (an object, or its JSON
+    # text; kept as its JSON text), a regular expression, a grammar (xgrammar's EBNF, or Lark), or
+    # any JSON object. At most one guided_* field per request. Not with beam search.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool = False
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -234,8 +246,9 @@ class SamplingParams:
                     "guided_choice", "guided_choice must be a non-empty list of non-empty strings."
                 )
             self.guided_choice = list(dict.fromkeys(choices))
+        self._check_grammar()
         if self.use_beam_search:  # beam proposals read the raw logits: no mask reaches them
-            for name in ("allowed_token_ids", "bad_words", "guided_choice"):
+            for name in ("allowed_token_ids", "bad_words", *GUIDED_FIELDS):
                 if getattr(self, name):
                     raise InvalidParamError(name, f"{name} is not supported with use_beam_search.")
 
@@ -254,12 +267,53 @@ class SamplingParams:
                     "output_kind",
                     f"output_kind must be 0, 1 or 2 (RequestOutputKind), got {self.output_kind!r}.",
                 ) from None
-        for name in ("ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens"):
+        for name in (
+            "ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens", "guided_json_object"
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise InvalidParamError(name, f"{name} must be a boolean, got {value!r}.")
 
+    def _check_grammar(self) -> None:
+        """The structured-output fields' types; a JSON schema kept as its JSON text; one at most."""
+        schema = self.guided_json
+        if schema is not None:
+            if isinstance(schema, str):
+                try:
+                    parsed = json.loads(schema)
+                except ValueError as exc:
+                    raise InvalidParamError("guided_json", f"guided_json is not valid JSON: {exc}.") from None
+            else:
+                parsed = schema
+            if not isinstance(parsed, dict):
+                raise InvalidParamError(
+                    "guided_json", "guided_json must be a JSON schema: an object, or its JSON text."
+                )
+            if not isinstance(schema, str):
+                try:
+                    self.guided_json = json.dumps(schema)
+                except (TypeError, ValueError) as exc:
+                    raise InvalidParamError("guided_json", f"guided_json is not JSON: {exc}.") from None
+        for name in ("guided_regex", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InvalidParamError(name, f"{name} must be a non-empty string.")
+        given = [n for n in GUIDED_FIELDS if getattr(self, n) not in (None, False)]
+        if len(given) > 1:
+            raise InvalidParamError(
+                given[1], f"{given[1]}: only one of {', '.join(given)} may be set in one request."
+            )
+
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def grammar_spec(self) -> tuple[str, str] | None:
+        """The structured-output constraint other than a choice, as (field, text), or None."""
+        for name in ("guided_json", "guided_regex", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return ("guided_json_object", "") if self.guided_json_object else None
 
     @property
     def is_greedy(self) -> bool:

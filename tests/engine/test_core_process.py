@@ -94,6 +94,13 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
             temperature=0.0, max_tokens=20, bad_words=["Paris", "the", "four five"], ignore_eos=True
         ),
         SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, guided_choice=["Paris", "a city", "a"]),
+        SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=5,
+            max_tokens=12,
+            guided_json={"type": "object", "properties": {"a": {"type": "integer"}}},
+        ),
     ],
     ids=[
         "greedy",
@@ -105,6 +112,7 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fib(n):"]
         "allowed-ids",
         "bad-words",
         "choice",
+        "json-schema",
     ],
 )
 async def test_outputs_equal_the_in_process_engine(

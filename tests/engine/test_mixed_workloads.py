@@ -1,6 +1,6 @@
 """Every kind of request at once, at random steps, on a cache small enough to preempt: greedy,
 seeded and unseeded sampling, ``n > 1``, beam search, penalties, logprobs, prompt logprobs, stop
-tokens and strings, ``min_tokens``, ``logit_bias``, aborts, three adapters over two slots, prompts
+tokens and strings, ``min_tokens``, ``logit_bias``, guided choices and regexes, aborts, three adapters over two slots, prompts
 that share cached blocks; with and without async scheduling, and on a sliding-window model (blocks
 left behind the window are freed as sequences grow) with an FP8 KV cache.
 
@@ -72,7 +72,12 @@ def params(draw: st.DrawFn) -> SamplingParams:
         logit_bias=draw(st.one_of(st.none(), st.just({7: 5.0}))),
         allowed_token_ids=draw(st.one_of(st.none(), st.just([5, 7, 9, 11]))),
         bad_words=draw(st.sampled_from([None, None, ["the"], ["a b"]])),  # one token; two (holds sync)
-        guided_choice=draw(st.sampled_from([None, None, None, ["yes", "no way"]])),
+        # a choice, or a grammar (its own matcher per sequence, caught up after preemption)
+        **draw(
+            st.sampled_from(
+                [{}, {}, {}, {"guided_choice": ["yes", "no way"]}, {"guided_regex": "[a-c ]{1,9}"}]
+            )
+        ),
         cache_salt=draw(st.sampled_from([None, None, "s"])),  # salted prefixes share only with salted
         **kw,
     )

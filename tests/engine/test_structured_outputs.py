@@ -1,0 +1,227 @@
+"""Structured outputs (``guided_json`` / ``guided_regex`` / ``guided_grammar`` /
+``guided_json_object``) on the embedded SmolLM2, against HF transformers ``generate`` with
+xgrammar's own logits processor (``xgrammar.contrib.hf``) compiling the same constraint: greedy
+tokens are equal, every output satisfies its constraint, and the batch's other rows are free."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from lorastar import LLM, SamplingParams
+from lorastar.engine.structured import GrammarRow, bitmask_to_bool, is_lark, validate_grammar
+from lorastar.errors import InvalidParamError
+
+xgr = pytest.importorskip("xgrammar")
+
+MESSAGES = [{"role": "user", "content": "Describe a cat called Tom, aged 3, as JSON."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer"},
+        "colour": {"enum": ["black", "white", "ginger"]},
+    },
+    "required": ["name", "age", "colour"],
+}
+SHORT = [{"role": "user", "content": 'Reply with the JSON {"name": "Tom"} and nothing else.'}]
+REGEX = r"(Tom|Cat) is [1-9] years? old\."
+EBNF = 'root ::= "The cat is " ("black" | "white") "."'
+LARK = 'start: "The cat is " COLOUR "."\nCOLOUR: "black" | "white"'
+CONSTRAINTS = {
+    "guided_json": SCHEMA,
+    "guided_regex": REGEX,
+    "guided_grammar": EBNF,
+    "guided_json_object": True,
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from lorastar.models.default import default_model_dir
+
+    return str(default_model_dir(progress=False))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> LLM:
+    return LLM(model_dir, num_kv_blocks=128, max_model_len=512)
+
+
+def _satisfies(field: str, text: str) -> bool:
+    if field == "guided_json":
+        obj = json.loads(text)
+        return (
+            set(obj) == {"name", "age", "colour"}
+            and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 12
+            and type(obj["age"]) is int
+            and obj["colour"] in ("black", "white", "ginger")
+        )
+    if field == "guided_regex":
+        return re.fullmatch(REGEX, text) is not None
+    if field == "guided_grammar":
+        return text in ("The cat is black.", "The cat is white.")
+    return isinstance(json.loads(text), dict)
+
+
+def test_greedy_equals_transformers_with_xgrammars_logits_processor(model_dir: str, llm: LLM) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # Any JSON object: asked for a short one (the long description greedy writes loops past 96 tokens)
+    short = tok.apply_chat_template(SHORT, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompts = {f: short if f == "guided_json_object" else ids for f in CONSTRAINTS}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
+    compiler = xgr.GrammarCompiler(info)
+    compiled = {
+        "guided_json": compiler.compile_json_schema(json.dumps(SCHEMA)),
+        "guided_regex": compiler.compile_regex(REGEX),
+        "guided_grammar": compiler.compile_grammar(EBNF),
+        "guided_json_object": compiler.compile_builtin_json_grammar(),
+    }
+    refs: dict[str, list[int]] = {}
+    with torch.inference_mode():
+        for field, grammar in compiled.items():
+            out = model.generate(
+                torch.tensor([prompts[field]]), max_new_tokens=48, do_sample=False, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id, logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
+            )[0, len(prompts[field]) :].tolist()  # fmt: skip
+            refs[field] = out
+        free = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
+
+    params = [SamplingParams(temperature=0, max_tokens=48, **{f: v}) for f, v in CONSTRAINTS.items()]
+    outs = llm.generate([*prompts.values(), ids], [*params, SamplingParams(temperature=0, max_tokens=16)])
+    for (field, ref), out in zip(refs.items(), outs):
+        got = out.outputs[0]
+        assert got.finish_reason == "stop", (field, got.text)
+        assert got.token_ids == ref[: len(got.token_ids)], field  # HF's ends with the EOS too
+        assert got.text == tok.decode(ref, skip_special_tokens=True), field
+        assert _satisfies(field, got.text), (field, got.text)
+    assert outs[-1].outputs[0].token_ids == free  # the batch's other rows are free
+    assert not _satisfies_any_json(tok.decode(free, skip_special_tokens=True))
+    llm.engine.check_invariants()
+    assert not llm.engine.requests
+
+
+def _satisfies_any_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_lark_grammar_equals_its_ebnf(llm: LLM) -> None:
+    assert is_lark(LARK) and not is_lark(EBNF)
+    lark, ebnf = llm.chat(
+        [MESSAGES] * 2,
+        [SamplingParams(temperature=0, max_tokens=16, guided_grammar=g) for g in (LARK, EBNF)],
+    )
+    assert lark.outputs[0].text == ebnf.outputs[0].text and _satisfies("guided_grammar", lark.outputs[0].text)
+
+
+@pytest.mark.parametrize("field", list(CONSTRAINTS))
+def test_sampled_n_and_seeds_satisfy_the_constraint(llm: LLM, field: str) -> None:
+    # n > 1 forks after the first token: each sample's matcher catches up on its own output.
+    sp = SamplingParams(temperature=1.0, seed=7, n=4, max_tokens=64, **{field: CONSTRAINTS[field]})
+    out = llm.chat([MESSAGES], sp)[0]
+    done = [c for c in out.outputs if c.finish_reason == "stop"]
+    assert len(done) >= 2, [c.text for c in out.outputs]  # small models can ramble to max_tokens
+    for c in done:
+        assert _satisfies(field, c.text), c.text
+    llm.engine.check_invariants()
+
+
+def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
+    bad = [
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+        ({"guided_json": [1, 2]}, "guided_json", "JSON schema"),
+        ({"guided_regex": ""}, "guided_regex", "non-empty"),
+        ({"guided_grammar": 3}, "guided_grammar", "non-empty"),
+        ({"guided_json_object": "yes"}, "guided_json_object", "boolean"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex", "only one of"),
+        ({"guided_regex": "a", "use_beam_search": True, "n": 2, "temperature": 0}, "guided_regex", "beam"),
+    ]
+    for kw, field, words in bad:
+        with pytest.raises(InvalidParamError, match=words) as e:
+            SamplingParams(**kw)
+        assert e.value.param == field and str(e.value).startswith(field)
+    compiled_bad = [
+        ({"guided_json": {"type": "foo"}}, "guided_json", 'invalid JSON schema: Unsupported type "foo"'),
+        ({"guided_regex": "(["}, "guided_regex", "invalid regular expression: Regex parsing error"),
+        ({"guided_grammar": "root ::= "}, "guided_grammar", "invalid grammar: EBNF parser error"),
+    ]
+    for kw, field, words in compiled_bad:
+        sp = SamplingParams(max_tokens=4, **kw)
+        for refuse in (lambda: llm.generate("hi", sp), lambda: validate_grammar(sp)):  # engine, frontend
+            with pytest.raises(InvalidParamError) as e:
+                refuse()
+            assert e.value.param == field and str(e.value).startswith(f"{field}: {words}"), str(e.value)
+            assert "/project/cpp" not in str(e.value)  # xgrammar's log prefix is cut
+    for ok in (
+        {"guided_json": SCHEMA},
+        {"guided_regex": REGEX},
+        {"guided_grammar": EBNF},
+        {"guided_grammar": LARK},
+    ):
+        validate_grammar(SamplingParams(**ok))
+    assert not llm.engine.requests
+    llm.engine.check_invariants()
+    req = llm.engine.add_request("hi", SamplingParams(guided_regex="a+", max_tokens=3))
+    assert req.holds_sync  # the matcher reads the output on the host
+    while llm.engine.requests:
+        llm.engine.step()
+    assert llm.engine._num_sync_requests == 0
+
+
+def test_schema_as_json_text_equals_the_object() -> None:
+    a = SamplingParams(guided_json=SCHEMA)
+    b = SamplingParams(guided_json=json.dumps(SCHEMA))
+    assert a.grammar_spec == ("guided_json", json.dumps(SCHEMA)) and json.loads(b.grammar_spec[1]) == SCHEMA
+    assert SamplingParams(guided_json_object=True).grammar_spec == ("guided_json_object", "")
+    assert SamplingParams().grammar_spec is None
+
+
+def test_bitmask_to_bool_equals_xgrammars_apply() -> None:
+    g = torch.Generator().manual_seed(0)
+    for vocab in (32, 100, 49152):
+        words = -(-vocab // 32)
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(
+            torch.int32
+        )
+        logits = torch.randn(3, vocab, generator=g)
+        want = logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask)
+        got = logits.masked_fill(~bitmask_to_bool(bitmask, vocab), float("-inf"))
+        assert torch.equal(got, want)
+
+
+def test_grammar_row_catches_up_and_ends_on_eos(model_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    eos = tok.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152, stop_token_ids=[eos])
+    compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "yes" | "no"')
+    yes = tok.encode("yes", add_special_tokens=False)
+    mask = xgr.allocate_token_bitmask(1, 49152)
+
+    def allowed(row: GrammarRow, output: list[int]) -> list[int] | None:
+        if not row.fill(output, mask, 0):
+            return None
+        return bitmask_to_bool(mask, 49152)[0].nonzero().flatten().tolist()
+
+    row = GrammarRow(compiled, [eos])
+    first = allowed(row, [])
+    assert first is not None and yes[0] in first and eos not in first
+    late = GrammarRow(compiled, [eos])  # built after the output grew (a fork, a rebuilt row)
+    assert allowed(late, yes) == allowed(row, yes) == [eos]  # the whole word: EOS only
+    assert allowed(row, [*yes, eos]) is None and row.eos.tolist() == [eos]  # ended
+    off = GrammarRow(compiled, [eos])
+    assert allowed(off, [tok.encode("maybe", add_special_tokens=False)[0]]) is None and off.off
