@@ -121,6 +121,10 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_json_object: bool = False
+    # JSON (a schema, json_object) without free whitespace between tokens: one space after ':' and
+    # ',' and no newlines, where xgrammar's default lets a model write any run of whitespace there
+    # (small models can loop on it until max_tokens). vLLM's disable_any_whitespace.
+    disable_any_whitespace: bool = False
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -268,7 +272,8 @@ class SamplingParams:
                     f"output_kind must be 0, 1 or 2 (RequestOutputKind), got {self.output_kind!r}.",
                 ) from None
         for name in (
-            "ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens", "guided_json_object"
+            "ignore_eos", "include_stop_str_in_output", "use_beam_search", "skip_special_tokens", "guided_json_object",
+            "disable_any_whitespace",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -41,6 +41,7 @@ def is_lark(grammar: str) -> bool:
     return not any("::=" in line for line in grammar.splitlines())
 
 
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
 _WHAT = {"guided_json": "JSON schema", "guided_regex": "regular expression"}
 
 
@@ -54,13 +55,13 @@ def validate_grammar(params: SamplingParams) -> None:
     for a small schema, xgrammar imported at the first one). ``InvalidParamError`` where it fails."""
     spec = params.grammar_spec
     if spec is None or spec[0] == "guided_json_object":
-        return
+        return  # its schema is fixed
     import xgrammar as xgr
 
     field, text = spec
     try:
         if field == "guided_json":
-            xgr.Grammar.from_json_schema(text)
+            xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace)
         elif field == "guided_regex":
             xgr.Grammar.from_regex(text)
         elif is_lark(text):
@@ -101,14 +102,16 @@ class GrammarCompiler:
             return None
         field, text = spec
         compiler = self.compiler()
+        any_whitespace = not params.disable_any_whitespace
         try:
             if field == "guided_json":
-                return compiler.compile_json_schema(text)
+                return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
             if field == "guided_regex":
                 return compiler.compile_regex(text)
             if field == "guided_grammar":
                 return compiler.compile_lark(text) if is_lark(text) else compiler.compile_grammar(text)
-            return compiler.compile_builtin_json_grammar()
+            # any JSON object (OpenAI's json_object; vLLM compiles the same schema)
+            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise _refusal(field, exc) from None
 

@@ -19,11 +19,6 @@ from lorastar.engine.sampling import MAX_CACHE_SALT
 
 # Why each refused vLLM field is refused: the 400 that names it says f"{field}{why}".
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_grammar"),
-        ": structured output other than a choice (guided_choice) is not supported.",
-    ),
-    "structured_outputs": ': only {"choice": [strings]} is served; JSON schema, regex and grammar are not supported.',
     "logits_processors": " is not supported.",
     "priority": " is not supported: requests are served first come, first served (priority 0).",
     "return_tokens_as_token_ids": " is not supported.",
@@ -40,9 +35,16 @@ Choices = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Me
 
 
 class StructuredOutputsParam(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """vLLM's ``structured_outputs``: of its constraints only ``choice`` is served."""
+    """vLLM's ``structured_outputs``: one of ``choice``, ``json`` (a JSON schema), ``regex``,
+    ``grammar`` (EBNF or Lark) and ``json_object``; its other keys (structural_tag, whitespace
+    options) are refused as unknown."""
 
-    choice: Choices
+    choice: Choices | None = None
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # JSON without free whitespace between tokens
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -85,7 +87,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ) = None
     # vLLM's: the output is one of these strings (structured_outputs' choice, the older name)
     guided_choice: Choices | None = None
+    # vLLM's older names of structured_outputs' json (a JSON schema), regex and grammar
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParam | None = None
+    # OpenAI's: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: dict[str, Any] | None = None
     # vLLM's: words never generated (with and without a leading space)
     bad_words: list[str] | None = None
     # vLLM's: prompt blocks shared only with requests of the same salt
@@ -95,9 +103,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM fields lorastar does not implement (UNSUPPORTED_FIELDS). Each changes what comes back,
     # so they are typed to take only their unset values (null; vLLM's defaults 0 and []): anything
     # else fails validation, a 400 naming the field (plugin/errors.py), never silently ignored.
-    guided_json: None = None
-    guided_regex: None = None
-    guided_grammar: None = None
     logits_processors: None = None
     priority: Literal[0] | None = None
     return_tokens_as_token_ids: Literal[False] | None = None
@@ -112,7 +117,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. on text prompts
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}, as on the chat route
     prompt_embeds: None = None  # refused (UNSUPPORTED_FIELDS)
 
 
@@ -152,7 +156,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template: None = None  # refused (UNSUPPORTED_FIELDS): the server's template is its operator's
     tools: list[Any] | None = None  # OpenAI function definitions, rendered by the chat template
     tool_choice: Any = None  # "auto" (the default with tools; needs a tool_call_parser) or "none"
-    response_format: dict[str, Any] | None = None
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):

@@ -41,6 +41,7 @@ from lorastar.plugin.reasoning import held_tail
 
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+REQUIRED = "required"  # the parser of tool_choice "required" (not a --tool-call-parser choice)
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
@@ -69,6 +70,11 @@ def _openai_id() -> str:
 
 def _mistral_id() -> str:
     return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def call_id(parser: str | None) -> str:
+    """A new call id in ``parser``'s form (Mistral's 9 characters; OpenAI's otherwise)."""
+    return _mistral_id() if parser == "mistral" else _openai_id()
 
 
 class ToolCallParser(Protocol):
@@ -180,12 +186,31 @@ class MistralParser:
         return (start, 0) if start >= 0 else (None, 0 if final else held_tail(buf, self.TAG))
 
 
+class RequiredParser:
+    """``tool_choice: "required"``'s answer, decoded under the tools' JSON schema (vLLM's):
+    ``[{"name": ..., "parameters": {...}}, ...]``, calls from its first character."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        try:
+            objs = json.loads(text)
+        except ValueError:
+            return text, []  # cut short (max_tokens): the text stays content
+        calls = [_call(o) for o in objs] if isinstance(objs, list) and objs else [None]
+        if any(c is None for c in calls):
+            return text, []
+        return None, calls  # type: ignore[return-value]
+
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        return 0, 0
+
+
 PARSERS: dict[str, ToolCallParser] = {
     "hermes": HermesParser(),
     "llama3_json": Llama3JsonParser(),
     "mistral": MistralParser(),
 }
-TOOL_CALL_PARSERS = tuple(PARSERS)
+TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
+PARSERS[REQUIRED] = RequiredParser()
 
 
 def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ParsedToolCall]]:

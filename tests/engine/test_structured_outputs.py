@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -83,8 +84,10 @@ def test_greedy_equals_transformers_with_xgrammars_logits_processor(model_dir: s
         "guided_json": compiler.compile_json_schema(json.dumps(SCHEMA)),
         "guided_regex": compiler.compile_regex(REGEX),
         "guided_grammar": compiler.compile_grammar(EBNF),
-        "guided_json_object": compiler.compile_builtin_json_grammar(),
+        "guided_json_object": compiler.compile_json_schema('{"type": "object"}'),  # vLLM's json_object
+        "compact": compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False),
     }
+    prompts["compact"] = ids
     refs: dict[str, list[int]] = {}
     with torch.inference_mode():
         for field, grammar in compiled.items():
@@ -96,8 +99,13 @@ def test_greedy_equals_transformers_with_xgrammars_logits_processor(model_dir: s
         free = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
 
     params = [SamplingParams(temperature=0, max_tokens=48, **{f: v}) for f, v in CONSTRAINTS.items()]
+    params.append(
+        SamplingParams(temperature=0, max_tokens=48, guided_json=SCHEMA, disable_any_whitespace=True)
+    )
     outs = llm.generate([*prompts.values(), ids], [*params, SamplingParams(temperature=0, max_tokens=16)])
-    for (field, ref), out in zip(refs.items(), outs):
+    assert "\n" in outs[0].outputs[0].text and "\n" not in outs[4].outputs[0].text  # free whitespace, compact
+    for (name, ref), out in zip(refs.items(), outs):
+        field = "guided_json" if name == "compact" else name
         got = out.outputs[0]
         assert got.finish_reason == "stop", (field, got.text)
         assert got.token_ids == ref[: len(got.token_ids)], field  # HF's ends with the EOS too
@@ -159,9 +167,9 @@ def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
     ]
     for kw, field, words in compiled_bad:
         sp = SamplingParams(max_tokens=4, **kw)
-        for refuse in (lambda: llm.generate("hi", sp), lambda: validate_grammar(sp)):  # engine, frontend
+        for refuse in (partial(llm.generate, "hi"), validate_grammar):  # the engine, a frontend
             with pytest.raises(InvalidParamError) as e:
-                refuse()
+                refuse(sp)
             assert e.value.param == field and str(e.value).startswith(f"{field}: {words}"), str(e.value)
             assert "/project/cpp" not in str(e.value)  # xgrammar's log prefix is cut
     for ok in (

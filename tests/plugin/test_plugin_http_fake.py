@@ -244,10 +244,6 @@ def test_stream_options_without_stream_is_400_as_in_vllm(http: httpx.Client) -> 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "a+"),
-        ("guided_grammar", "root ::= 'a'"),
-        ("structured_outputs", {"json": {}}),
         ("logits_processors", ["m.P"]),
         ("priority", 1),
         ("return_tokens_as_token_ids", True),
@@ -257,7 +253,7 @@ def test_stream_options_without_stream_is_400_as_in_vllm(http: httpx.Client) -> 
 )
 def test_vllm_fields_lorastar_lacks_are_400_not_ignored(http: httpx.Client, field: str, value: Any) -> None:
     """Each of these changes what vLLM returns; ignoring one would hand back something else than
-    was asked for (unconstrained text for a guided_json request)."""
+    was asked for (unconstrained text for a logits processor's request)."""
     bodies = {
         "/v1/completions": {"prompt": "x", "max_tokens": 2},
         "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
@@ -274,10 +270,19 @@ def test_vllm_fields_lorastar_lacks_are_400_not_ignored(http: httpx.Client, fiel
         400,
         "prompt_embeds",
     )
-    fmt = {"type": "json_object"}
-    assert_error(
-        http.post("/v1/completions", json={"prompt": "x", "response_format": fmt}), 400, "response_format"
-    )
+    for fmt, words in [
+        ({"type": "yaml"}, "type must be"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "needs {'json_schema'"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+            "invalid JSON schema",
+        ),
+    ]:
+        for route, body in bodies.items():
+            err = assert_error(
+                http.post(route, json={**body, "response_format": fmt}), 400, "response_format"
+            )
+            assert err["message"].startswith("response_format: ") and words in err["message"], err
 
 
 def test_completions_add_special_tokens_reaches_the_tokenizer(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -184,7 +185,7 @@ def test_guided_choice_on_both_routes_equals_llm_generate(
     client: openai.OpenAI, real_server: ServerThread, reference: Any
 ) -> None:
     """vLLM's ``guided_choice`` (and ``structured_outputs: {"choice": ...}``): the answer is one of
-    the choices, the offline engine's; other structured outputs and both fields at once are 400s."""
+    the choices, the offline engine's; structural tags and both fields at once are 400s."""
     choices = ["red", "green", "blue sky", "blue"]
     want = reference.generate(PROMPT, greedy(guided_choice=choices), adapter="alpha")[0].outputs[0]
     assert want.text in choices and want.finish_reason == "stop"
@@ -202,12 +203,103 @@ def test_guided_choice_on_both_routes_equals_llm_generate(
         ("/v1/chat/completions", {"messages": MESSAGES}),
     ]:
         for extra, param in [
-            ({"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+            ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
             ({"guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, "guided_choice"),
             ({"guided_choice": []}, "guided_choice"),
         ]:
             r = httpx.post(real_server.url + route, json={"model": "alpha", **body, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["colour", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_on_both_routes_equal_llm_generate(
+    client: openai.OpenAI, real_server: ServerThread, reference: Any
+) -> None:
+    """A regex, a JSON schema (guided_json, structured_outputs.json, response_format json_schema) and
+    any JSON object (response_format json_object): the server's greedy text is the offline engine's
+    under the same constraint, and satisfies it; bad ones are 400s naming the field the client sent."""
+    regex = "[a-e]{3,8}"
+    want = reference.generate(PROMPT, greedy(20, guided_regex=regex), adapter="alpha")[0].outputs[0]
+    assert re.fullmatch(regex, want.text) and want.finish_reason == "stop"
+    got = client.completions.create(
+        model="alpha", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"guided_regex": regex}
+    )
+    assert got.choices[0].text == want.text
+    # compact JSON: the random model would write whitespace runs to max_tokens where xgrammar allows them
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}
+    chat_want = reference.chat(
+        MESSAGES, greedy(40, guided_json=SCHEMA, disable_any_whitespace=True), adapter="alpha"
+    )[0].outputs[0]
+    assert chat_want.finish_reason == "stop" and json.loads(chat_want.text)["colour"] in ("red", "blue"), (
+        repr(chat_want.text)
+    )
+    fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}
+    for kw in (
+        {"response_format": fmt, "extra_body": compact},
+        {"extra_body": {"structured_outputs": {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}}},
+    ):
+        chat = client.chat.completions.create(
+            model="alpha", messages=MESSAGES, max_tokens=40, temperature=0, **kw
+        )
+        assert chat.choices[0].message.content == chat_want.text, kw
+    obj_want = reference.chat(MESSAGES, greedy(40, guided_json_object=True), adapter="alpha")[0].outputs[0]
+    obj = client.chat.completions.create(
+        model="alpha",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert obj.choices[0].message.content == obj_want.text
+    for route, body in [
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ]:
+        for extra, param in [
+            ({"guided_regex": "(["}, "guided_regex"),
+            ({"guided_grammar": "root ::= "}, "guided_grammar"),
+            ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs"),
+            ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),
+            ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+        ]:
+            r = httpx.post(real_server.url + route, json={"model": "alpha", **body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
+def test_tool_choice_required_and_named_on_the_real_engine(client: openai.OpenAI, reference: Any) -> None:
+    """Forced tool calls need no parser: decoded under the tools' schema, the tiny random model's
+    answer is a call of one of the tools with arguments that satisfy its parameters."""
+    compact = {"structured_outputs": {"disable_any_whitespace": True}}  # see the test above
+    params = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+              "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "parameters": params}} for n in ("temp", "rain")]
+    named = client.chat.completions.create(
+        model="alpha", messages=MESSAGES, max_tokens=40, temperature=0, tools=tools,
+        tool_choice={"type": "function", "function": {"name": "rain"}}, extra_body=compact,
+    )  # fmt: skip
+    [call] = named.choices[0].message.tool_calls
+    want = reference.chat(
+        MESSAGES, greedy(40, guided_json=params, disable_any_whitespace=True), adapter="alpha"
+    )[0].outputs[0]
+    assert call.function.name == "rain" and call.function.arguments == want.text
+    assert json.loads(call.function.arguments)["unit"] in ("c", "f")
+    required = client.chat.completions.create(
+        model="alpha", messages=MESSAGES, max_tokens=80, temperature=0, tools=tools, tool_choice="required",
+        extra_body=compact,
+    )  # fmt: skip
+    choice = required.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls and all(
+        c.function.name in ("temp", "rain") for c in choice.message.tool_calls
+    )
+    assert all(json.loads(c.function.arguments)["unit"] in ("c", "f") for c in choice.message.tool_calls)
 
 
 def test_cache_salt_keeps_prefix_cache_hits_within_a_salt(real_server: ServerThread) -> None:

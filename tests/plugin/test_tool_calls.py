@@ -242,12 +242,22 @@ def test_tool_call_history_reaches_the_template_with_parsed_arguments(servers: d
     ("server", "extra", "param", "message"),
     [
         ("plain", {}, "tool_choice", '"auto" tool choice requires --enable-auto-tool-choice'),
-        ("on", {"tool_choice": "required"}, "tool_choice", "only 'auto' and 'none'"),
+        ("on", {"tool_choice": "sometimes"}, "tool_choice", "must be 'none', 'auto', 'required'"),
         (
             "on",
-            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+            {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
             "tool_choice",
-            "named",
+            "not in tools",
+        ),
+        ("on", {"tool_choice": "required", "guided_regex": "a"}, "tool_choice", "both set"),
+        (
+            "plain",
+            {
+                "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            },
+            "tools",
+            "invalid JSON schema",
         ),
         ("on", {"tools": None, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
         ("on", {"tools": [{"type": "function"}]}, "tools", "tools[0]"),
@@ -339,3 +349,85 @@ def test_the_configured_parser_reads_the_answer(servers: dict, server: str, answ
     assert msg["tool_calls"] == [] and msg["content"] == ANSWER
     http.post("/v1/chat/completions", json={**_chat(), "tools": None})  # no tools: text as usual
     assert fake.last_params.skip_special_tokens is True
+
+
+REQUIRED_ANSWER = json.dumps(
+    [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
+)
+TWO_TOOLS = [
+    *TOOLS,
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"$ref": "#/$defs/Zone"}}, "$defs": {"Zone": {"enum": ["utc"]}}}}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("server", ["plain", "on"])
+def test_tool_choice_required_decodes_under_the_tools_schema(servers: dict, server: str) -> None:
+    """``tool_choice: "required"`` needs no parser (vLLM's rule): the answer is decoded under a list-of-calls
+    schema built from the tools (their $defs at the top) and read back as the calls; finish_reason tool_calls."""
+    http, fake = servers[server]
+    body = {**_chat(tool_choice="required", tools=TWO_TOOLS), "max_tokens": len(REQUIRED_ANSWER),
+            "messages": [{"role": "user", "content": REQUIRED_ANSWER[::-1]}]}  # fmt: skip
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in choice["message"]["tool_calls"]
+    ]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    schema = json.loads(fake.last_params.guided_json)
+    assert (
+        schema["type"] == "array"
+        and schema["minItems"] == 1
+        and schema["$defs"] == {"Zone": {"enum": ["utc"]}}
+    )
+    names = [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]] and '"$defs":' not in json.dumps(schema["items"])
+    assert fake.last_params.skip_special_tokens is True  # JSON: no control tokens to keep
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        frames = [
+            json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"
+        ]
+    deltas = [ch["delta"] for f in frames for ch in f["choices"]]
+    streamed = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for d in deltas
+        for c in d.get("tool_calls", [])
+    ]
+    assert streamed == calls and not "".join(d.get("content", "") for d in deltas)
+    assert frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_tool_choice_streams_its_arguments_as_they_come(servers: dict) -> None:
+    """A named function: the answer, decoded under its parameters' schema, is its arguments; a stream
+    sends them piece by piece under one call (id and name in the first piece), as vLLM does."""
+    import openai
+
+    http, fake = servers["plain"]
+    args = '{"city": "Paris"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {
+        **_chat(tool_choice=named),
+        "max_tokens": len(args),
+        "messages": [{"role": "user", "content": args[::-1]}],
+    }
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert (call["function"]["name"], call["function"]["arguments"]) == ("get_weather", args)
+    # the engine's own reason (the fake always runs to max_tokens), not "tool_calls": vLLM's and OpenAI's rule
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+    assert json.loads(fake.last_params.guided_json) == TOOLS[0]["function"]["parameters"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        frames = [
+            json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"
+        ]
+    pieces = [c for f in frames for ch in f["choices"] for c in ch["delta"].get("tool_calls", [])]
+    assert len(pieces) == len(args)  # one character a token here: the arguments come incrementally
+    assert pieces[0]["function"]["name"] == "get_weather" and pieces[0]["id"].startswith("chatcmpl-tool-")
+    assert all("id" not in p and "name" not in p["function"] and p["index"] == 0 for p in pieces[1:])
+    assert "".join(p["function"]["arguments"] for p in pieces) == args
+    client = openai.OpenAI(base_url=f"{str(http.base_url).rstrip('/')}/v1", api_key="x")
+    kw = {k: body[k] for k in ("model", "messages", "max_tokens", "tools", "tool_choice")}
+    stream = client.chat.completions.create(**kw, extra_body={"add_generation_prompt": False}, stream=True)
+    got = [c for chunk in stream for ch in chunk.choices for c in ch.delta.tool_calls or []]
+    assert got[0].function.name == "get_weather" and "".join(c.function.arguments for c in got) == args

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -58,7 +59,13 @@ from lorastar.plugin.schemas import (
 )
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
 from lorastar.plugin.sse import sse_response
-from lorastar.plugin.tool_parsers import ParsedToolCall, ToolCallStream, parse_tool_calls
+from lorastar.plugin.tool_parsers import (
+    REQUIRED,
+    ParsedToolCall,
+    ToolCallStream,
+    call_id,
+    parse_tool_calls,
+)
 
 
 def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
@@ -113,13 +120,23 @@ def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]
     return out
 
 
-def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfig) -> bool:
-    """Whether the answers' function calls are parsed (``tool_choice`` "auto"); a 400 naming the
-    field, with vLLM's messages, for what cannot be served."""
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """How a request's ``tools`` and ``tool_choice`` shape its answer (vLLM's rules)."""
+
+    parser: str | None = None  # reads calls out of the answer ("auto": the server's; "required")
+    schema: dict[str, Any] | None = None  # the answer is decoded under it ("required", a named function)
+    function: str | None = None  # a named function: the whole answer is its arguments
+
+
+def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfig) -> ToolChoice:
+    """What ``tool_choice`` asks of the answer; a 400 naming the field, with vLLM's messages, for
+    what cannot be served. ``"required"`` and a named function decode under a JSON schema built
+    from the tools' parameters (as vLLM does), so they need no tool-call parser."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
-        return False
+        return ToolChoice()
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
@@ -128,19 +145,61 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
             raise APIError(f"tools[{i}].function needs a name.", param="tools")
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
-        return False
+        return ToolChoice()
     if choice == "auto":
         if not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise APIError(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
                 param="tool_choice",
             )
-        return True
-    raise APIError(
-        "tool_choice: only 'auto' and 'none' are supported ('required' and a named function need "
-        "decoding guided by the tools' JSON schemas).",
-        param="tool_choice",
-    )
+        return ToolChoice(parser=config.tool_call_parser)
+    functions = [t["function"] for t in tools]
+    if choice == "required":
+        return ToolChoice(parser=REQUIRED, schema=required_tools_schema(functions))
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (
+        isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(name, str)
+    ):
+        raise APIError(
+            "tool_choice must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}.",
+            param="tool_choice",
+        )
+    fn = next((f for f in functions if f["name"] == name), None)
+    if fn is None:
+        raise APIError(f"tool_choice names {name!r}, which is not in tools.", param="tool_choice")
+    return ToolChoice(schema=_parameters(fn), function=name)
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    params = fn.get("parameters")
+    if params is None:
+        return {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise APIError(f"tools: {fn['name']}'s parameters must be a JSON schema object.", param="tools")
+    return params
+
+
+def required_tools_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's schema for ``tool_choice: "required"``: a non-empty JSON list of
+    ``{"name": one of the tools, "parameters": that tool's parameters}``. Each tool's ``$defs`` move
+    to the top (its ``#/$defs/...`` references resolve from the root); two tools defining one name
+    differently are a 400."""
+    defs: dict[str, Any] = {}
+    variants = []
+    for fn in functions:
+        params = dict(_parameters(fn))
+        for key, value in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(key, value) != value:
+                raise APIError(f"tools: two tools define $defs {key!r} differently.", param="tools")
+        variants.append({
+            "properties": {"name": {"type": "string", "enum": [fn["name"]]}, "parameters": params},
+            "required": ["name", "parameters"],
+        })  # fmt: skip
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
 
 
 class _AnswerParts:
@@ -224,13 +283,8 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
     ) -> Response[Any] | Stream:
         engine = await service.ready()
         adapter = await service.resolve_adapter(data.model, data.adapter_id)
-        tool_parser = (
-            service.config.tool_call_parser
-            if check_tools(data.tools, data.tool_choice, service.config)
-            else None
-        )
-        if data.response_format and data.response_format.get("type", "text") != "text":
-            raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
+        tools = check_tools(data.tools, data.tool_choice, service.config)
+        tool_parser, forced = tools.parser, tools.function
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
         messages, prompt_ids = await render_messages(
@@ -249,10 +303,13 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         if data.max_completion_tokens is not None:
             aliases["max_tokens"] = "max_completion_tokens"
         params = sampling_params(
-            data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None, aliases=aliases
-        )
-        if tool_parser:  # the call markers may be control tokens ([TOOL_CALLS]): keep them in the text
+            data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None, aliases=aliases,
+            guided_json=tools.schema,
+        )  # fmt: skip
+        if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
             params.skip_special_tokens = False
+        # A named function's call id, one per choice (Mistral's templates take only their own ids).
+        forced_ids = [call_id(service.config.tool_call_parser) for _ in range(params.n)] if forced else []
         request_id = random_id("chatcmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
@@ -295,12 +352,24 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     if reasoning_style or tool_parser
                     else {}
                 )
+                started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
                     lp = _chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
                     finish = o.finish_reason
-                    if parts:
+                    if forced:  # the answer is the named function's arguments: they stream as they come
+                        first = o.index not in started
+                        started.add(o.index)
+                        if d.text or first:
+                            delta = DeltaMessage(tool_calls=[DeltaToolCall(
+                                index=0, id=forced_ids[o.index] if first else UNSET,
+                                type="function" if first else UNSET,
+                                function=DeltaFunctionCall(name=forced if first else UNSET, arguments=d.text),
+                            )])  # fmt: skip
+                        else:
+                            delta = DeltaMessage()
+                    elif parts:
                         reasoning, content, calls = parts[o.index].feed(d.text, final=finish is not None)
                         if not data.include_reasoning:
                             reasoning = ""
@@ -350,7 +419,9 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 ReasoningSplitter(reasoning_style).split(o.text) if reasoning_style else (None, o.text)
             )
             calls: list[ParsedToolCall] = []
-            if tool_parser and content:
+            if forced:
+                content, calls = None, [ParsedToolCall(forced, o.text, forced_ids[o.index])]
+            elif tool_parser and content:
                 content, calls = parse_tool_calls(content, tool_parser)
             if echo_text:
                 content = echo_text + (content or "")
@@ -363,7 +434,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     tool_calls=[ToolCall(id=c.id, function=FunctionCall(c.name, c.arguments)) for c in calls],
                 ),
                 logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
-                finish_reason="tool_calls" if calls else o.finish_reason,
+                finish_reason="tool_calls" if calls and not forced else o.finish_reason,  # vLLM's
                 stop_reason=o.stop_reason,
             )
 

@@ -17,6 +17,7 @@ from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.structured import validate_grammar
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, error_responses
@@ -78,10 +79,12 @@ def sampling_params(
     logprobs: int | None,
     aliases: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
+    guided_json: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's parameters from a request body. ``aliases`` renames engine fields to the
     wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``).
-    ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's."""
+    ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's.
+    ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint)."""
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:  # vLLM's rule: usage would be silently absent
@@ -101,15 +104,18 @@ def sampling_params(
     }
     for name in SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
-    if req.structured_outputs is not None:
-        if req.guided_choice is not None:
+    guided, wire = structured_fields(req)
+    if guided_json is not None:  # the tools' schema (tool_choice "required" or a named function)
+        flags = {k: v for k, v in guided.items() if k == "disable_any_whitespace"}
+        if len(guided) > len(flags):
             raise APIError(
-                "guided_choice and structured_outputs both set: send the choice in one of them.",
-                param="guided_choice",
+                f"tool_choice and {wire.get(next(iter(guided)), next(iter(guided)))} both set: "
+                "a forced tool call already constrains the answer.",
+                param="tool_choice",
             )
-        kw["guided_choice"] = req.structured_outputs.choice
-    else:
-        kw["guided_choice"] = req.guided_choice
+        guided, wire = {"guided_json": guided_json, **flags}, {"guided_json": "tools"}
+    kw.update(guided)
+    aliases = {**(aliases or {}), **wire}
     if req.logit_bias:
         try:  # OpenAI sends token ids as strings
             kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
@@ -118,13 +124,83 @@ def sampling_params(
                 "logit_bias keys must be token ids (integers as strings).", param="logit_bias"
             ) from exc
     try:
-        return SamplingParams.from_dict(kw)
+        params = SamplingParams.from_dict(kw)
+        validate_grammar(params)  # a schema, regex or grammar xgrammar cannot parse: 400 here
+        return params
     except InvalidParamError as exc:
         message, param = str(exc), exc.param
-        wire = (aliases or {}).get(param or "")
-        if param and wire:  # name the field the client sent, in the message too
-            message, param = message.replace(param, wire, 1), wire
+        name = aliases.get(param or "")
+        if param and name:  # name the field the client sent, in the message too
+            message, param = message.replace(param, name, 1), name
         raise APIError(message, param=param) from exc
+
+
+# structured_outputs' keys -> the engine's fields
+_STRUCTURED_KEYS = {
+    "choice": "guided_choice",
+    "json": "guided_json",
+    "regex": "guided_regex",
+    "grammar": "guided_grammar",
+    "json_object": "guided_json_object",
+}
+
+
+def structured_fields(req: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """The engine's ``guided_*`` fields from a body's ``guided_*``, ``structured_outputs`` or
+    ``response_format`` (one of the three; ``structured_outputs.disable_any_whitespace`` goes with
+    any), with the wire field each came from (for messages)."""
+    given = {
+        name: value
+        for name in ("guided_choice", "guided_json", "guided_regex", "guided_grammar")
+        if (value := getattr(req, name)) is not None
+    }
+    wire: dict[str, str] = {}
+    if (so := req.structured_outputs) is not None:
+        if given:
+            first = next(iter(given))
+            raise APIError(
+                f"{first} and structured_outputs both set: send the constraint in one of them.", param=first
+            )
+        given = {
+            field: value
+            for key, field in _STRUCTURED_KEYS.items()
+            if (value := getattr(so, key)) is not None and value is not False
+        }
+        wire = dict.fromkeys(given, "structured_outputs")
+    if fmt := response_format_fields(req.response_format):
+        if given:
+            first = wire.get(next(iter(given)), next(iter(given)))
+            raise APIError(
+                f"response_format and {first} both set: send the constraint in one of them.",
+                param="response_format",
+            )
+        given, wire = fmt, dict.fromkeys(fmt, "response_format")
+    if so is not None and so.disable_any_whitespace:  # applies to the JSON of any of the three
+        given["disable_any_whitespace"] = True
+    return given, wire
+
+
+def response_format_fields(fmt: dict[str, Any] | None) -> dict[str, Any]:
+    """OpenAI's ``response_format`` as the engine's fields: ``text`` none, ``json_object`` any
+    JSON object, ``json_schema`` its ``schema``."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"guided_json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema") if fmt else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                "response_format: json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}.",
+                param="response_format",
+            )
+        return {"guided_json": schema}
+    raise APIError(
+        f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+        param="response_format",
+    )
 
 
 def prompt_logprobs_of(out: RequestOutput, requested: int | None) -> PromptLogprobs | None:

@@ -173,8 +173,6 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             raise APIError("suffix is not supported.", param="suffix")
         if data.best_of is not None and data.best_of != data.n:
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
-        if data.response_format and data.response_format.get("type", "text") != "text":
-            raise APIError("response_format: only {'type': 'text'} is supported.", param="response_format")
         tokenizer = engine.tokenizer
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         limit = engine.max_waiting
