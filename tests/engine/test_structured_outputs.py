@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from lorastar import LLM, SamplingParams
-from lorastar.engine.structured import GrammarRow, bitmask_to_bool, is_lark, validate_grammar
+from lorastar.engine.structured import (
+    GrammarRow,
+    apply_grammars,
+    bitmask_to_additive,
+    bitmask_to_bool,
+    is_lark,
+    validate_grammar,
+)
 from lorastar.errors import InvalidParamError
 
 xgr = pytest.importorskip("xgrammar")
@@ -196,18 +203,52 @@ def test_schema_as_json_text_equals_the_object() -> None:
     assert SamplingParams().grammar_spec is None
 
 
-def test_bitmask_to_bool_equals_xgrammars_apply() -> None:
+def test_bitmask_forms_equal_xgrammars_apply() -> None:
     g = torch.Generator().manual_seed(0)
     for vocab in (32, 100, 49152):
         words = -(-vocab // 32)
-        bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64).to(
-            torch.int32
-        )
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=g, dtype=torch.int64)
+        bitmask = bitmask.to(torch.int32)
+        bitmask[1] = -1  # all allowed
+        bitmask[2, 0] = 0  # the first 32 refused
         logits = torch.randn(3, vocab, generator=g)
         want = logits.clone()
         xgr.apply_token_bitmask_inplace(want, bitmask)
-        got = logits.masked_fill(~bitmask_to_bool(bitmask, vocab), float("-inf"))
-        assert torch.equal(got, want)
+        assert torch.equal(logits.masked_fill(~bitmask_to_bool(bitmask, vocab), float("-inf")), want)
+        assert torch.equal(logits + bitmask_to_additive(bitmask, vocab), want)
+
+
+def test_apply_grammars_masks_only_its_rows_and_never_makes_nan() -> None:
+    class Row:  # the two fields of a SamplingRow that apply_grammars reads
+        def __init__(self, mask: list[int] | None) -> None:
+            self.output_token_ids: list[int] = []
+            self.grammar = None if mask is None else self
+            self.mask = mask
+
+        def fill(self, output: list[int], bitmask: torch.Tensor, index: int) -> bool:
+            if self.mask == []:
+                return False  # ended: EOS only, left to the caller
+            bitmask[index] = 0
+            for t in self.mask or []:
+                bitmask[index, t // 32] |= 1 << (t % 32)
+            return True
+
+    x = torch.randn(4, 70)
+    x[1, 3], x[1, 60] = float("inf"), float("nan")  # hostile logits on refused tokens
+    rows = [Row(None), Row([0, 40, 69]), Row([]), Row([5])]
+    for idx in ([1, 2, 3], [0, 1, 2, 3]):
+        if len(idx) == 4:
+            rows[0] = Row([7])  # every row masked: the in-place path
+            rows[2] = Row([8])
+        y = x.clone()
+        assert apply_grammars(y, rows, idx) == ([2] if len(idx) == 3 else [])
+        assert not y.isnan().any()
+        for i, r in enumerate(rows):
+            if r.grammar is None or r.mask == []:
+                assert torch.equal(y[i].nan_to_num(), x[i].nan_to_num())  # untouched
+            else:
+                kept = torch.isfinite(y[i]).nonzero().flatten().tolist()
+                assert kept == r.mask and torch.equal(y[i, kept], x[i, kept])
 
 
 def test_grammar_row_catches_up_and_ends_on_eos(model_dir: str) -> None:
