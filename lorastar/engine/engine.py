@@ -413,6 +413,9 @@ class LLMEngine:
             )
         self._check_vocab("logit_bias", params.logit_bias or ())
         self._check_vocab("allowed_token_ids", params.allowed_token_ids or ())
+        for name in ("reasoning_start_token_id", "reasoning_end_token_id"):
+            if (tok := getattr(params, name)) is not None:
+                self._check_vocab(name, (tok,))
         if len(params.guided_choice or ()) > cfg.max_guided_choices:
             raise LimitExceededError(
                 "guided_choice",
@@ -899,7 +902,12 @@ class LLMEngine:
         """The sampler's view of ``seq``: its fields never change, so it is built once (a fork's at
         the fork); the output ids are read in place."""
         req = seq.request
-        grammar = GrammarRow(req.grammar, self.eos_token_ids) if req.grammar is not None else None
+        p = req.params
+        grammar = (
+            GrammarRow(req.grammar, self.eos_token_ids, p.reasoning_start_token_id, p.reasoning_end_token_id)
+            if req.grammar is not None
+            else None
+        )
         return SamplingRow(req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
                            generator, self.eos_token_ids, bad_words=req.bad_words, choices=req.choices,
                            grammar=grammar)  # fmt: skip

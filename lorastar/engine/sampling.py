@@ -125,6 +125,15 @@ class SamplingParams:
     # ',' and no newlines, where xgrammar's default lets a model write any run of whitespace there
     # (small models can loop on it until max_tokens). vLLM's disable_any_whitespace.
     disable_any_whitespace: bool = False
+    # A reasoning model's thinking block comes before its structured output (vLLM applies the
+    # constraint after the reasoning parser's end, as here): the constraint starts after the output's
+    # first ``reasoning_end_token_id`` (``</think>``). With ``reasoning_start_token_id`` (``<think>``:
+    # Qwen3's style) the block is open only if the first output token opens it, and the first
+    # token may do so whatever the constraint; without it (DeepSeek-R1's: the template leaves the
+    # prompt inside the block) the output is reasoning from its first token. The chat route sets
+    # both from the server's reasoning parser.
+    reasoning_start_token_id: int | None = None
+    reasoning_end_token_id: int | None = None
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -303,6 +312,14 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise InvalidParamError(name, f"{name} must be a non-empty string.")
+        for name in ("reasoning_start_token_id", "reasoning_end_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= _MAX_INT):
+                raise InvalidParamError(name, f"{name} must be a token id (an integer >= 0), got {value!r}.")
+        if self.reasoning_start_token_id is not None and self.reasoning_end_token_id is None:
+            raise InvalidParamError(
+                "reasoning_start_token_id", "reasoning_start_token_id needs reasoning_end_token_id."
+            )
         given = [n for n in GUIDED_FIELDS if getattr(self, n) not in (None, False)]
         if len(given) > 1:
             raise InvalidParamError(

@@ -10,7 +10,8 @@ rebuilt later all catch up from the output ids alone, as ``ChoicePaths`` derives
 them.
 
 Invariant: the matcher of a row has accepted exactly the row's output ids up to ``accepted``
-(or went off the grammar there, after which only EOS is allowed, as for a choice).
+that follow its reasoning block, if the request has one (or went off the grammar there, after
+which only EOS is allowed, as for a choice).
 """
 
 from __future__ import annotations
@@ -119,37 +120,64 @@ class GrammarCompiler:
             raise _refusal(field, exc) from None
 
 
+# What ``GrammarRow.fill`` left for the next token.
+FREE = 0  # no constraint yet (inside the reasoning block): the row is not masked
+MASKED = 1  # the mask is written
+ENDED = 2  # only EOS may follow: the grammar has ended, or the output left it
+
+
 class GrammarRow:
-    """One sampling sequence's matcher over its compiled grammar."""
+    """One sampling sequence's matcher over its compiled grammar, which applies after the
+    sequence's reasoning block when the request names one (``reasoning_end_token_id``)."""
 
-    __slots__ = ("matcher", "accepted", "off", "eos")
+    __slots__ = ("matcher", "accepted", "off", "eos", "think_start", "think_end", "reasoning")
 
-    def __init__(self, compiled: Any, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        compiled: Any,
+        eos_token_ids: Sequence[int],
+        think_start: int | None = None,
+        think_end: int | None = None,
+    ) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.accepted = 0  # output ids the matcher has seen
+        self.accepted = 0  # output ids seen (the matcher's, and the reasoning block's)
         self.off = False  # an output id the grammar refused (a fallback row's token): EOS only
         self.eos = np.asarray(sorted(set(eos_token_ids)), dtype=np.int64)
+        self.think_start, self.think_end = think_start, think_end
+        # inside the reasoning block: DeepSeek-R1's style opens it before the first token
+        self.reasoning = think_end is not None and think_start is None
 
-    def fill(self, output: Sequence[int], bitmask: Tensor, index: int) -> bool:
-        """Advance over ``output``'s new ids, then write the next token's mask into
-        ``bitmask[index]``. False (mask untouched): only EOS may follow (the grammar has ended
-        or the output left it)."""
+    def fill(self, output: Sequence[int], bitmask: Tensor, index: int) -> int:
+        """Advance over ``output``'s new ids, then, where the grammar applies, write the next
+        token's mask into ``bitmask[index]``: ``FREE``, ``MASKED`` or ``ENDED`` (module constants)."""
         n = len(output)
         if n < self.accepted:  # an output never shrinks; a guard, not a path
             self.matcher.reset()
             self.accepted, self.off = 0, False
+            self.reasoning = self.think_end is not None and self.think_start is None
         m = self.matcher
         for i in range(self.accepted, n):
-            if self.off or m.is_terminated() or not m.accept_token(int(output[i])):
+            tok = int(output[i])
+            if self.reasoning:
+                self.reasoning = tok != self.think_end
+            elif i == 0 and tok == self.think_start:
+                self.reasoning = True
+            elif self.off or m.is_terminated() or not m.accept_token(tok):
                 self.off = True
                 break
         self.accepted = n
+        if self.reasoning:
+            return FREE
         if self.off or m.is_terminated():
-            return False
+            return ENDED
         m.fill_next_token_bitmask(bitmask, index)
-        return True
+        if n == 0 and self.think_start is not None:  # the first token may open the block instead
+            word, bit = divmod(self.think_start, 32)
+            value = int(bitmask[index, word]) | (1 << bit)
+            bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
+        return MASKED
 
 
 _BIT = torch.arange(32, dtype=torch.int32)
@@ -198,9 +226,10 @@ def apply_grammars(x: Tensor, rows: Sequence[Any], idx: list[int]) -> list[int]:
     eos_only: list[int] = []
     for j, i in enumerate(idx):
         row = rows[i]
-        if row.grammar.fill(row.output_token_ids, bitmask, j):
+        state = row.grammar.fill(row.output_token_ids, bitmask, j)
+        if state == MASKED:
             masked.append(j)
-        else:
+        elif state == ENDED:
             eos_only.append(i)
     if masked:
         keep = masked if len(masked) < len(idx) else slice(None)

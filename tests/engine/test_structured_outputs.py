@@ -14,6 +14,9 @@ import torch
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.structured import (
+    ENDED,
+    FREE,
+    MASKED,
     GrammarRow,
     apply_grammars,
     bitmask_to_additive,
@@ -225,13 +228,13 @@ def test_apply_grammars_masks_only_its_rows_and_never_makes_nan() -> None:
             self.grammar = None if mask is None else self
             self.mask = mask
 
-        def fill(self, output: list[int], bitmask: torch.Tensor, index: int) -> bool:
+        def fill(self, output: list[int], bitmask: torch.Tensor, index: int) -> int:
             if self.mask == []:
-                return False  # ended: EOS only, left to the caller
+                return ENDED  # EOS only, left to the caller
             bitmask[index] = 0
             for t in self.mask or []:
                 bitmask[index, t // 32] |= 1 << (t % 32)
-            return True
+            return MASKED
 
     x = torch.randn(4, 70)
     x[1, 3], x[1, 60] = float("inf"), float("nan")  # hostile logits on refused tokens
@@ -262,8 +265,9 @@ def test_grammar_row_catches_up_and_ends_on_eos(model_dir: str) -> None:
     mask = xgr.allocate_token_bitmask(1, 49152)
 
     def allowed(row: GrammarRow, output: list[int]) -> list[int] | None:
-        if not row.fill(output, mask, 0):
-            return None
+        state = row.fill(output, mask, 0)
+        if state != MASKED:
+            return None if state == ENDED else []  # [] here: free (inside a reasoning block)
         return bitmask_to_bool(mask, 49152)[0].nonzero().flatten().tolist()
 
     row = GrammarRow(compiled, [eos])
@@ -274,3 +278,79 @@ def test_grammar_row_catches_up_and_ends_on_eos(model_dir: str) -> None:
     assert allowed(row, [*yes, eos]) is None and row.eos.tolist() == [eos]  # ended
     off = GrammarRow(compiled, [eos])
     assert allowed(off, [tok.encode("maybe", add_special_tokens=False)[0]]) is None and off.off
+
+
+def test_grammar_row_waits_for_the_reasoning_block(model_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    eos = tok.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152, stop_token_ids=[eos])
+    compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "yes" | "no"')
+    yes = tok.encode("yes", add_special_tokens=False)[0]
+    think, end, word = 31, 63, 500  # bit 31 of a word: the int32 sign bit
+    mask = xgr.allocate_token_bitmask(1, 49152)
+
+    def allowed(row: GrammarRow, output: list[int]) -> set[int] | str:
+        state = row.fill(output, mask, 0)
+        return {FREE: "free", ENDED: "ended"}.get(state) or set(
+            bitmask_to_bool(mask, 49152)[0].nonzero().flatten().tolist()
+        )
+
+    r1 = GrammarRow(compiled, [eos], think_end=end)  # DeepSeek-R1: reasoning from the first token
+    assert allowed(r1, []) == allowed(r1, [word, yes]) == "free"
+    assert yes in allowed(r1, [word, yes, end])  # the grammar starts after the end tag
+    assert allowed(r1, [word, yes, end, yes]) == {eos}
+    plain = allowed(GrammarRow(compiled, [eos]), [])
+    r2 = GrammarRow(compiled, [eos], think_start=think, think_end=end)  # Qwen3: the first token may open it
+    assert allowed(r2, []) == plain | {think}
+    assert allowed(r2, [think, word, think]) == "free" and allowed(r2, [think, word, think, end]) == plain
+    r3 = GrammarRow(compiled, [eos], think_start=think, think_end=end)
+    assert allowed(r3, [yes]) == {eos}  # no block opened: constrained from the first token
+    assert allowed(GrammarRow(compiled, [eos], think_start=think, think_end=end), [word]) == "ended"
+
+
+def test_greedy_structured_output_after_a_reasoning_block_equals_transformers(
+    model_dir: str, llm: LLM
+) -> None:
+    """With a newline as the end of a reasoning block, the output is free text up to its first
+    newline ("```json"), then the schema's JSON: HF greedy up to that newline, then HF under
+    xgrammar's processor from there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    dot = tok.convert_tokens_to_ids("Ċ")  # "\n"
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    with torch.inference_mode():
+        think = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=dot)
+        assert think[0, -1].item() == dot
+        out = model.generate(
+            think, max_new_tokens=40, do_sample=False, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id, logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
+        )[0, len(ids) :].tolist()  # fmt: skip
+    first = think[0, len(ids)].item()
+    kw = dict(temperature=0, max_tokens=80, guided_json=SCHEMA, disable_any_whitespace=True)
+    r1, r2, plain = llm.generate(
+        [ids] * 3,
+        [
+            SamplingParams(**kw, reasoning_end_token_id=dot),
+            SamplingParams(**kw, reasoning_start_token_id=first, reasoning_end_token_id=dot),
+            SamplingParams(**kw),
+        ],
+    )
+    assert (
+        r1.outputs[0].token_ids == out[: len(r1.outputs[0].token_ids)]
+        and r1.outputs[0].finish_reason == "stop"
+    )
+    assert r2.outputs[0].token_ids == r1.outputs[0].token_ids  # the first token opened the block
+    text = r1.outputs[0].text
+    assert text.startswith("```json\n") and _satisfies("guided_json", text[len("```json\n") :])
+    assert _satisfies("guided_json", plain.outputs[0].text) and plain.outputs[0].text != text
+    with pytest.raises(InvalidParamError, match="reasoning_end_token_id"):
+        SamplingParams(reasoning_start_token_id=1)
+    with pytest.raises(InvalidParamError, match="outside the vocabulary") as e:
+        llm.generate("hi", SamplingParams(guided_regex="a", reasoning_end_token_id=10**6))
+    assert e.value.param == "reasoning_end_token_id"

@@ -431,3 +431,45 @@ def test_a_named_tool_choice_streams_its_arguments_as_they_come(servers: dict) -
     stream = client.chat.completions.create(**kw, extra_body={"add_generation_prompt": False}, stream=True)
     got = [c for chunk in stream for ch in chunk.choices for c in ch.delta.tool_calls or []]
     assert got[0].function.name == "get_weather" and "".join(c.function.arguments for c in got) == args
+
+
+class _TagTokenizer:
+    """One id for each thinking tag, one per character otherwise (the fake's tokenizer)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def encode(self, text: str, **kw: Any) -> list[int]:
+        return {"<think>": [900], "</think>": [901]}.get(text) or self.inner.encode(text, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_structured_outputs_follow_the_reasoning_block(servers: dict) -> None:
+    """With a reasoning parser, a constrained request names the thinking tags' ids, so the engine
+    applies the constraint after the block (vLLM's behaviour); unconstrained requests do not, and
+    a tokenizer whose tags are several tokens leaves the constraint from the first token."""
+    from lorastar.plugin.routes.chat import reasoning_token_ids
+
+    http, fake = servers["on"]  # reasoning_parser="qwen3"
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    inner = fake.tokenizer
+    fake.tokenizer = _TagTokenizer(inner)
+    try:
+        for extra in (
+            {"guided_regex": "a+"},
+            {"response_format": {"type": "json_object"}},
+            {"tools": TOOLS, "tool_choice": "required"},
+        ):
+            assert http.post("/v1/chat/completions", json={**body, **extra}).status_code == 200
+            p = fake.last_params
+            assert (p.reasoning_start_token_id, p.reasoning_end_token_id) == (900, 901), extra
+        http.post("/v1/chat/completions", json=body)
+        assert fake.last_params.reasoning_end_token_id is None
+        assert reasoning_token_ids(fake.tokenizer, "deepseek_r1") == (None, 901)
+    finally:
+        fake.tokenizer = inner
+    assert reasoning_token_ids(inner, "qwen3") is None  # "<think>" is 7 tokens here
+    http.post("/v1/chat/completions", json={**body, "guided_regex": "a+"})
+    assert fake.last_params.reasoning_end_token_id is None

@@ -18,7 +18,7 @@ from lorastar.engine.outputs import CompletionOutput
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
-from lorastar.plugin.reasoning import ReasoningSplitter
+from lorastar.plugin.reasoning import THINK_END, THINK_START, ReasoningSplitter
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
     ChoiceDelta,
@@ -202,6 +202,23 @@ def required_tools_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     return schema
 
 
+def reasoning_token_ids(tokenizer: Any, style: str) -> tuple[int | None, int] | None:
+    """The reasoning block's (start, end) token ids for a structured output that follows it:
+    ``qwen3`` gives both (the model opens the block itself), ``deepseek_r1`` only the end (the
+    prompt is left inside it). None where a tag is not one token of this tokenizer: the
+    constraint then applies from the first token."""
+
+    def single(tag: str) -> int | None:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    end = single(THINK_END)
+    start = single(THINK_START) if style == "qwen3" else None
+    if end is None or (style == "qwen3" and start is None):
+        return None
+    return start, end
+
+
 class _AnswerParts:
     """One choice's streamed text through the reasoning splitter and the tool-call parser (each
     where configured): (reasoning, content, calls) per delta."""
@@ -308,6 +325,11 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         )  # fmt: skip
         if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
             params.skip_special_tokens = False
+        reasoning_style = service.config.reasoning_parser
+        if reasoning_style and params.grammar_spec is not None:  # the constraint follows the thinking
+            tags = reasoning_token_ids(engine.tokenizer, reasoning_style)
+            if tags is not None:
+                params.reasoning_start_token_id, params.reasoning_end_token_id = tags
         # A named function's call id, one per choice (Mistral's templates take only their own ids).
         forced_ids = [call_id(service.config.tool_call_parser) for _ in range(params.n)] if forced else []
         request_id = random_id("chatcmpl")
@@ -320,7 +342,6 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         echo_text = ""
         if data.echo and messages and messages[-1].get("role") == "assistant":
             echo_text = messages[-1]["content"] or ""
-        reasoning_style = service.config.reasoning_parser
 
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
