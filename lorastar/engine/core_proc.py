@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -79,6 +79,11 @@ class EngineCoreProc:
         self.clients: dict[str, zmq.Socket] = {}
         self.owner: dict[str, str] = {}  # request id -> client id
         self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
+        # Requests whose JSON schema / regex / grammar compiles: xgrammar releases the GIL, and a
+        # long maxLength alone took 1.4 s on this VM, so it compiles off the step loop (as vLLM
+        # does) and only that request waits.
+        self.compiling: list[tuple[AddRequest, concurrent.futures.Future[Any]]] = []
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lorastar-grammar")
         self.stop = threading.Event()
         self.drain_deadline: float | None = None
         self.restarting = False
@@ -145,6 +150,9 @@ class EngineCoreProc:
         if isinstance(msg, AddRequest):
             self._add(msg)
         elif isinstance(msg, Abort):
+            if self.compiling:
+                gone = set(msg.request_ids)
+                self._drop_compiling(lambda m: m.request_id not in gone)
             for rid in msg.request_ids:
                 out = self.engine.abort_core_request(rid)
                 if out is not None:
@@ -170,20 +178,44 @@ class EngineCoreProc:
             for rid in [r for r, c in self.owner.items() if c == msg.client_id]:
                 self.engine.abort_core_request(rid)
                 del self.owner[rid]
+            self._drop_compiling(lambda m: m.client_id != msg.client_id)
             if (sock := self.clients.pop(msg.client_id, None)) is not None:
                 sock.close()
 
-    def _add(self, msg: AddRequest) -> None:
+    def _add(self, msg: AddRequest, grammar: Any = None) -> None:
+        if grammar is None and msg.params.grammar_spec is not None and self.drain_deadline is None:
+            self.compiling.append((msg, self.grammar_pool.submit(self.engine.compile_grammar, msg.params)))
+            return
         try:
             if self.drain_deadline is not None:
                 raise EngineUnavailableError("The engine is shutting down.", 1.0)
             self.engine.add_core_request(
-                msg.prompt_token_ids, msg.params, adapter=msg.adapter, request_id=msg.request_id
-            )
+                msg.prompt_token_ids, msg.params, adapter=msg.adapter, request_id=msg.request_id,
+                grammar=grammar,
+            )  # fmt: skip
         except Exception as exc:  # validation, overload, unknown adapter: the client raises it
             self._send(msg.client_id, Outputs([], [(msg.request_id, error_info(exc))]))
             return
         self.owner[msg.request_id] = msg.client_id
+
+    def _finish_compiles(self) -> None:
+        """Queue the requests whose grammar has compiled (in arrival order among them); a grammar
+        that failed to compile is the request's error."""
+        if not any(fut.done() for _, fut in self.compiling):
+            return
+        pending = []
+        for msg, fut in self.compiling:
+            if not fut.done():
+                pending.append((msg, fut))
+            elif (exc := fut.exception()) is not None:
+                self._send(msg.client_id, Outputs([], [(msg.request_id, error_info(exc))]))
+            else:
+                self._add(msg, fut.result())
+        self.compiling = pending
+
+    def _drop_compiling(self, keep: Callable[[AddRequest], bool]) -> None:
+        """Forget the compiling requests ``keep`` refuses (aborted; their client left)."""
+        self.compiling = [(m, f) for m, f in self.compiling if keep(m)]
 
     def _call(self, msg: Call) -> None:
         if msg.method == "load_adapter" and len(msg.args) == 2:
@@ -252,8 +284,10 @@ class EngineCoreProc:
         try:
             while not self.stop.is_set():
                 busy = self.engine.has_unfinished()
-                self._drain_inputs(0 if busy else (10 if self.jobs else int(IDLE_POLL_S * 1000)))
+                waiting = self.jobs or self.compiling
+                self._drain_inputs(0 if busy else (10 if waiting else int(IDLE_POLL_S * 1000)))
                 self._finish_jobs()
+                self._finish_compiles()
                 if self.drain_deadline is not None and (
                     not self.engine.has_unfinished() or time.monotonic() >= self.drain_deadline
                 ):
@@ -297,6 +331,7 @@ class EngineCoreProc:
             logger.warning("lorastar: engine rebuilt after a failed step (%s)", type(exc).__name__)
 
     def close(self) -> None:
+        self.grammar_pool.shutdown(wait=False, cancel_futures=True)
         for sock in self.clients.values():
             sock.close(linger=1000)
         self.clients.clear()

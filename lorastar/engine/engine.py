@@ -478,7 +478,7 @@ class LLMEngine:
         self._check_vocab("guided_choice", itertools.chain.from_iterable(paths))
         return ChoicePaths.from_token_ids(paths, self.eos_token_ids)
 
-    def _grammar(self, params: SamplingParams) -> Any:
+    def compile_grammar(self, params: SamplingParams) -> Any:
         """``params``' JSON schema, regex or grammar compiled for this model (None: none), once its
         text passes the prompt's byte bound (``max_prompt_bytes``)."""
         spec = params.grammar_spec
@@ -515,12 +515,15 @@ class LLMEngine:
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        grammar: Any = None,
         _frontend: bool = False,
     ) -> Request:
         """``add_request`` for the core alone: its outputs come from ``step_core`` (a frontend in
         another process detokenizes them). ``_frontend``: ``add_request``'s registration with the
         in-process output processor, under the same lock as the queueing (else a step on the
-        engine thread could run the request before the processor knows it, and drop its outputs)."""
+        engine thread could run the request before the processor knows it, and drop its outputs).
+        ``grammar``: ``params``' structured-output constraint compiled already (``self.grammars``;
+        a core process compiles off its step loop)."""
         if params is None:
             params = SamplingParams()
         elif isinstance(params, Mapping):
@@ -531,7 +534,9 @@ class LLMEngine:
             raise InvalidParamError("stop", "stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
         self.check_limits(params, len(ids))
-        bad_words, choices, grammar = self._bad_words(params), self._choices(params), self._grammar(params)
+        bad_words, choices = self._bad_words(params), self._choices(params)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests:

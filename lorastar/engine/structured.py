@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,16 +87,18 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._compiler: Any = None
+        self._lock = threading.Lock()  # a core process compiles on a worker thread
 
     def compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(
-                self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids)
-            )
-            self._compiler = xgr.GrammarCompiler(info)
-        return self._compiler
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids)
+                )
+                self._compiler = xgr.GrammarCompiler(info)
+            return self._compiler
 
     def compile(self, params: SamplingParams) -> Any:
         """``params``' constraint as an xgrammar ``CompiledGrammar``, or None where it has none.

@@ -175,6 +175,32 @@ async def test_errors_cross_the_boundary_with_their_type_and_param(client: Async
     await gen.aclose()
 
 
+async def test_a_slow_grammar_compiles_off_the_step_loop(client: AsyncCoreClient) -> None:
+    """A schema that takes long to compile (a string's maxLength of a million: 1.4 s on the dev VM)
+    holds back only its own request: a request sent after it ends first. One aborted while it
+    compiles never runs; a regex the core cannot compile is that request's InvalidParamError."""
+    order: list[str] = []
+
+    async def run(tag: str, sp: SamplingParams) -> None:
+        await _collect(client, "hi", sp)
+        order.append(tag)
+
+    slow = SamplingParams(max_tokens=4, guided_json={"type": "string", "maxLength": 10**6 + 1})
+    await asyncio.gather(run("slow", slow), run("plain", SamplingParams(max_tokens=4)))
+    assert order == ["plain", "slow"]
+    long = SamplingParams(
+        max_tokens=200, ignore_eos=True, guided_json={"type": "string", "maxLength": 10**6 + 2}
+    )
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(_collect(client, "hi", long), 0.3)  # cancelled while compiling: aborted
+    await asyncio.sleep(3.0)  # past its compile: it would be running now had it been queued
+    s = client.stats()
+    assert s.num_running == 0 and s.num_waiting == 0 and s.num_used_blocks == 0
+    with pytest.raises(InvalidParamError) as e:  # this client checks no grammar: the core's compile does
+        await _collect(client, "hi", SamplingParams(guided_regex="(["))
+    assert e.value.param == "guided_regex" and "Unclosed" in str(e.value)
+
+
 def _wait(predicate: Any, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -160,6 +160,9 @@ def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
     bad = [
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_json": [1, 2]}, "guided_json", "JSON schema"),
+        ({"guided_json": _nested(65)}, "guided_json", "deeper than 64 levels"),
+        ({"guided_json": json.dumps(_nested(65))}, "guided_json", "deeper than 64 levels"),
+        ({"guided_json": '{"a":' * 100_000 + "1" + "}" * 100_000}, "guided_json", "not valid JSON"),
         ({"guided_regex": ""}, "guided_regex", "non-empty"),
         ({"guided_grammar": 3}, "guided_grammar", "non-empty"),
         ({"guided_json_object": "yes"}, "guided_json_object", "boolean"),
@@ -198,7 +201,16 @@ def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
     assert llm.engine._num_sync_requests == 0
 
 
+def _nested(depth: int) -> dict:
+    """A schema whose document nests ``depth`` objects and arrays deep (arrays of arrays of ...)."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def test_schema_as_json_text_equals_the_object() -> None:
+    SamplingParams(guided_json=_nested(64))  # the deepest taken
     a = SamplingParams(guided_json=SCHEMA)
     b = SamplingParams(guided_json=json.dumps(SCHEMA))
     assert a.grammar_spec == ("guided_json", json.dumps(SCHEMA)) and json.loads(b.grammar_spec[1]) == SCHEMA

@@ -319,10 +319,10 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         aliases = {"logprobs": "top_logprobs"}
         if data.max_completion_tokens is not None:
             aliases["max_tokens"] = "max_completion_tokens"
-        params = sampling_params(
-            data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None, aliases=aliases,
-            guided_json=tools.schema,
-        )  # fmt: skip
+        params = await in_thread(partial(  # a schema's check can take long: never on the event loop
+            sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
+            aliases=aliases, guided_json=tools.schema,
+        ))  # fmt: skip
         if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
             params.skip_special_tokens = False
         reasoning_style = service.config.reasoning_parser

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from litestar import Request, Response
@@ -213,12 +214,10 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             max_tokens = max(1, min([16, *(max_model_len - len(ids) for ids in token_ids)]))
         for ids in token_ids:
             check_length(max_model_len, len(ids), max_tokens, chat=False)
-        params = sampling_params(
-            data,
-            max_tokens=max_tokens,
-            logprobs=data.logprobs,
+        params = await in_thread(partial(  # a schema's check can take long: never on the event loop
+            sampling_params, data, max_tokens=max_tokens, logprobs=data.logprobs,
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
-        )
+        ))  # fmt: skip
         request_id = random_id("cmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
