@@ -273,9 +273,14 @@ class AsyncLLM:
     def _add_request(
         self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str
     ) -> None:
+        grammar = None
+        if isinstance(params, SamplingParams) and params.grammar_spec is not None:
+            # Compiling can take seconds: outside the lock, so other requests' adds do not queue
+            # behind it (xgrammar releases the GIL: the step loop runs on meanwhile).
+            grammar = self.engine.compile_grammar(params)
         with self._swap_lock:
             self._check_available()
-            self.engine.add_request(prompt, params, adapter=adapter, request_id=rid)
+            self.engine.add_request(prompt, params, adapter=adapter, request_id=rid, grammar=grammar)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()

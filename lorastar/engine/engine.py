@@ -503,10 +503,14 @@ class LLMEngine:
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        grammar: Any = None,
     ) -> Request:
         """Validate and queue one request; on any error nothing is queued or held. Its outputs
-        come from ``step`` (text, stop strings: the output processor)."""
-        return self.add_core_request(prompt, params, adapter=adapter, request_id=request_id, _frontend=True)
+        come from ``step`` (text, stop strings: the output processor). ``grammar``: as for
+        ``add_core_request``."""
+        return self.add_core_request(
+            prompt, params, adapter=adapter, request_id=request_id, grammar=grammar, _frontend=True
+        )
 
     def add_core_request(
         self,

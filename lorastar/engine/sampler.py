@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lorastar.engine.grammar_mask import apply_grammars
 from lorastar.engine.sampling import SamplingParams
-from lorastar.engine.structured import GrammarRow, apply_grammars
+from lorastar.engine.structured import GrammarRow
 from lorastar.forward_context import to_device
 
 # A row's logprobs: {token_id: (logprob, rank)}, rank 1-based (vLLM's Logprob.rank).

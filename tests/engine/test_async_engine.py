@@ -100,3 +100,22 @@ async def test_failed_step_fails_its_request_and_moves_queued_ones(tiny_model_di
     engine.engine.check_invariants()
     assert engine.kv_cache_usage()["num_used_blocks"] == 0
     await engine.shutdown(drain_timeout=0)
+
+
+async def test_a_slow_grammar_holds_back_only_its_own_request(tiny_model_dir) -> None:  # noqa: ANN001
+    """Compiling a grammar can take seconds (a string maxLength of a million: 1.4 s on the dev VM):
+    it runs before the add takes its lock, so a request sent after it is added, runs and ends first,
+    and the step loop serves running requests meanwhile."""
+    engine = AsyncLLM(model=tiny_model_dir("llama-gqa"), num_kv_blocks=128)
+    await engine.start()
+    order: list[str] = []
+
+    async def run(tag: str, sp: SamplingParams) -> None:
+        await _collect(engine, [5, 6, 7], sp)
+        order.append(tag)
+
+    slow = SamplingParams(max_tokens=4, guided_json={"type": "string", "maxLength": 10**6 + 3})
+    await asyncio.gather(run("slow", slow), run("plain", SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert order == ["plain", "slow"]
+    assert not engine.engine.requests and engine.kv_cache_usage()["num_used_blocks"] == 0
+    await engine.shutdown()

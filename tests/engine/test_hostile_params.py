@@ -120,6 +120,24 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     ),
     "bad_words": st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3)),
     "guided_choice": st.one_of(st.none(), st.lists(st.text(max_size=4), max_size=3)),
+    "guided_regex": st.one_of(st.none(), st.text(max_size=6)),  # often no regex: a refusal naming it
+    "guided_json": st.one_of(
+        st.none(),
+        st.text(max_size=6),
+        st.dictionaries(
+            st.sampled_from(["type", "enum", "minLength", "maxLength", "items", "properties", "$ref"]),
+            st.one_of(
+                st.sampled_from(["string", "integer", "object", "array", "#/x"]),
+                st.integers(-3, 3),
+                st.lists(st.integers(0, 3), max_size=2),
+                st.just({"a": {"type": "integer"}}),
+            ),
+            max_size=3,
+        ),
+    ),  # fmt: skip
+    "guided_json_object": st.booleans(),
+    "disable_any_whitespace": st.booleans(),
+    "reasoning_end_token_id": st.one_of(st.none(), st.integers(0, 60), EXTREME_INTS),
 }
 
 

@@ -13,17 +13,8 @@ import pytest
 import torch
 
 from lorastar import LLM, SamplingParams
-from lorastar.engine.structured import (
-    ENDED,
-    FREE,
-    MASKED,
-    GrammarRow,
-    apply_grammars,
-    bitmask_to_additive,
-    bitmask_to_bool,
-    is_lark,
-    validate_grammar,
-)
+from lorastar.engine.grammar_mask import apply_grammars, bitmask_to_additive, bitmask_to_bool
+from lorastar.engine.structured import ENDED, FREE, MASKED, GrammarRow, is_lark, validate_grammar
 from lorastar.errors import InvalidParamError
 
 xgr = pytest.importorskip("xgrammar")
