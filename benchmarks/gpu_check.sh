@@ -18,7 +18,7 @@ per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  
 t0=$(date +%s)
 PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cacheprovider $per_test -rfE \
   tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py tests/models/test_gpu_engine.py \
-  tests/quant > "$out/gpu_tests.log" 2>&1
+  tests/quant tests/engine/test_structured_outputs.py > "$out/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/gpu_tests.log"
 t0=$(date +%s)
 PYTHONPATH=$base$PWD timeout "${TPUT_S:-400}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \

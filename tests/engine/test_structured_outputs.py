@@ -11,13 +11,12 @@ from functools import partial
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.grammar_mask import apply_grammars, bitmask_to_additive, bitmask_to_bool
 from lorastar.engine.structured import ENDED, FREE, MASKED, GrammarRow, is_lark, validate_grammar
 from lorastar.errors import InvalidParamError
-
-xgr = pytest.importorskip("xgrammar")
 
 MESSAGES = [{"role": "user", "content": "Describe a cat called Tom, aged 3, as JSON."}]
 SCHEMA = {
@@ -357,3 +356,26 @@ def test_greedy_structured_output_after_a_reasoning_block_equals_transformers(
     with pytest.raises(InvalidParamError, match="outside the vocabulary") as e:
         llm.generate("hi", SamplingParams(guided_regex="a", reasoning_end_token_id=10**6))
     assert e.value.param == "reasoning_end_token_id"
+
+
+@pytest.mark.gpu
+def test_on_cuda_masks_and_greedy_equal_transformers(model_dir: str) -> None:
+    """On a GPU: the additive mask equals the CPU one, and greedy output under a schema equals HF
+    on the same device with xgrammar's own processor (its CUDA bitmask kernel)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 1536), dtype=torch.int64).to(torch.int32)
+    assert torch.equal(bitmask_to_additive(bitmask.cuda(), 49152).cpu(), bitmask_to_additive(bitmask, 49152))
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).cuda()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA))
+    with torch.inference_mode():
+        ref = model.generate(
+            torch.tensor([ids], device="cuda"), max_new_tokens=48, do_sample=False, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id, logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
+        )[0, len(ids) :].tolist()  # fmt: skip
+    llm = LLM(model_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=512)
+    got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=48, guided_json=SCHEMA))[0].outputs[0]
+    assert got.token_ids == ref[: len(got.token_ids)] and _satisfies("guided_json", got.text)
