@@ -139,6 +139,10 @@ class ChatMessageParam(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # an earlier answer's thinking, sent back (interleaved thinking): to the template as
+    # reasoning_content (the name Qwen3's and DeepSeek's templates read); ``reasoning``: newer vLLM's
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -281,6 +285,7 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text: newer vLLM's name (clients read one or the other)
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
@@ -306,6 +311,7 @@ class DeltaMessage(msgspec.Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET  # with a reasoning parser: the thinking block's text
+    reasoning: str | UnsetType = UNSET  # the same text under newer vLLM's name
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET  # with a tool-call parser: complete calls
 
 

@@ -72,8 +72,13 @@ ANSWER = "<think>two steps</think>\n\nforty-two"
 
 
 @pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    app = create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), reasoning_parser="qwen3"))
+def fake() -> FakeAsyncLLM:
+    return FakeAsyncLLM()
+
+
+@pytest.fixture(scope="module")
+def http(fake: FakeAsyncLLM) -> Iterator[httpx.Client]:
+    app = create_app(LoraStarConfig(async_engine=fake, reasoning_parser="qwen3"))
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         yield c
 
@@ -92,8 +97,10 @@ def _chat(**extra: Any) -> dict[str, Any]:
 def test_chat_answers_carry_the_reasoning_apart(http: httpx.Client) -> None:
     msg = http.post("/v1/chat/completions", json=_chat()).json()["choices"][0]["message"]
     assert (msg["reasoning_content"], msg["content"]) == ("two steps", "\n\nforty-two")
+    assert msg["reasoning"] == "two steps"  # newer vLLM's name for the same text
     dropped = http.post("/v1/chat/completions", json=_chat(include_reasoning=False)).json()
     assert dropped["choices"][0]["message"]["reasoning_content"] is None
+    assert dropped["choices"][0]["message"]["reasoning"] is None
     assert dropped["choices"][0]["message"]["content"] == "\n\nforty-two"
 
 
@@ -114,6 +121,7 @@ def test_streamed_chat_sends_reasoning_then_content_deltas(
             delta = ch["delta"]
             assert "<" not in delta.get("reasoning_content", "") + delta.get("content", "")  # no tag leaks
             reasoning += delta.get("reasoning_content", "")
+            assert delta.get("reasoning") == delta.get("reasoning_content")  # both names, one text
             content += delta.get("content", "")
     assert reasoning == ("two steps" if include_reasoning else "")
     assert content == "\n\nforty-two"
@@ -129,3 +137,21 @@ def test_without_a_parser_the_answer_is_returned_as_generated() -> None:
     with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         msg = c.post("/v1/chat/completions", json=_chat()).json()["choices"][0]["message"]
     assert msg["content"] == ANSWER and msg["reasoning_content"] is None
+
+
+def test_an_earlier_answers_thinking_reaches_the_template(http: httpx.Client, fake: FakeAsyncLLM) -> None:
+    """Interleaved thinking: an assistant turn sent back with its reasoning (either name) reaches
+    the chat template as ``reasoning_content``, the name Qwen3's and DeepSeek's templates read."""
+    for name in ("reasoning_content", "reasoning"):
+        history = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a", name: "thought"},
+            {"role": "user", "content": "q2"},
+        ]
+        r = http.post(
+            "/v1/chat/completions", json={"model": "fake-model", "messages": history, "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+        messages, _ = fake.rendered[-1]
+        assert messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "thought"}
+        assert "reasoning_content" not in messages[0]

@@ -104,7 +104,7 @@ def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[s
 
 def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: ``{"role", "content"[, "name", "tool_calls",
-    "tool_call_id"]}``, text only."""
+    "tool_call_id", "reasoning_content"]}``, text only."""
     if not messages:
         raise APIError("messages must not be empty.", param="messages")
     out: list[dict[str, Any]] = []
@@ -114,6 +114,8 @@ def _normalize_messages(messages: list[ChatMessageParam]) -> list[dict[str, Any]
             msg["name"] = m.name
         if m.tool_calls:
             msg["tool_calls"] = _template_tool_calls(m.tool_calls, i)
+        if (thinking := m.reasoning_content if m.reasoning_content is not None else m.reasoning) is not None:
+            msg["reasoning_content"] = thinking
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
@@ -399,6 +401,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         delta = DeltaMessage(
                             content=content or UNSET,
                             reasoning_content=reasoning or UNSET,
+                            reasoning=reasoning or UNSET,
                             tool_calls=[
                                 DeltaToolCall(
                                     index=k, id=c.id, type="function",
@@ -452,6 +455,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     role="assistant",
                     content=content,
                     reasoning_content=reasoning if data.include_reasoning else None,
+                    reasoning=reasoning if data.include_reasoning else None,
                     tool_calls=[ToolCall(id=c.id, function=FunctionCall(c.name, c.arguments)) for c in calls],
                 ),
                 logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
