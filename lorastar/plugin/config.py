@@ -94,7 +94,9 @@ class LoraStarConfig:
     """How calls are written: ``"hermes"`` (``<tool_call>{"name", "arguments"}</tool_call>``: Hermes,
     Qwen2.5, Qwen3, SmolLM3 and fine-tunes of their templates) or ``"llama3_json"`` (an answer of
     ``{"name", "parameters"}`` objects: Llama 3.1-3.3) or ``"mistral"`` (``[TOOL_CALLS]``: Mistral 7B
-    v0.3, Nemo, Small 3.x, Ministral 3). Required by ``enable_auto_tool_choice``."""
+    v0.3, Nemo, Small 3.x, Ministral 3) or ``"qwen3_coder"`` (``<tool_call><function=name>
+    <parameter=p>...``: Qwen3-Coder, its values typed by the request's tool schemas). Required by
+    ``enable_auto_tool_choice``."""
 
     max_waiting: int | None = None
     """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``

@@ -16,6 +16,9 @@
   text before the first one. Call ids are 9 letters and digits: Mistral's templates refuse others when
   the call comes back in the history.
 
+* ``qwen3_coder``: Qwen3-Coder writes ``<tool_call><function=NAME><parameter=P>value</parameter>...``
+  with every value as text; each is typed by the request's tool schema (``Qwen3CoderParser``).
+
 Control tokens such as ``[TOOL_CALLS]`` and ``<|python_tag|>`` are dropped from the text by default, so
 a request parsed for tools is detokenized with ``skip_special_tokens=False`` (vLLM does the same).
 
@@ -29,7 +32,9 @@ one piece is a valid stream, and the stream's content and calls are exactly the 
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import random
 import re
 import string
@@ -41,6 +46,7 @@ from lorastar.plugin.reasoning import held_tail
 
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+Tools = list[Any] | None  # a request's OpenAI tool definitions
 REQUIRED = "required"  # the parser of tool_choice "required" (not a --tool-call-parser choice)
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
@@ -78,8 +84,9 @@ def call_id(parser: str | None) -> str:
 
 
 class ToolCallParser(Protocol):
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
-        """A whole answer's (content, calls); no calls: (the text, [])."""
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
+        """A whole answer's (content, calls); no calls: (the text, []). ``tools``: the request's
+        (a parser whose format writes arguments untyped reads their types there)."""
         ...
 
     def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
@@ -89,7 +96,7 @@ class ToolCallParser(Protocol):
 
 
 class HermesParser:
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         start = text.find(START)
         if start < 0:
             return text, []
@@ -110,7 +117,7 @@ class HermesParser:
 
 
 class Llama3JsonParser:
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         s = text.lstrip()
         s = s[len(PYTHON_TAG) :].lstrip() if s.startswith(PYTHON_TAG) else s
         if not s.startswith("{"):
@@ -144,7 +151,7 @@ class Llama3JsonParser:
 class MistralParser:
     TAG = "[TOOL_CALLS]"
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         if self.TAG not in text:
             return text, []
         content, *segments = text.split(self.TAG)
@@ -186,11 +193,98 @@ class MistralParser:
         return (start, 0) if start >= 0 else (None, 0 if final else held_tail(buf, self.TAG))
 
 
+class Qwen3CoderParser:
+    """Qwen3-Coder (and its fine-tunes) write each call as XML, every argument as plain text::
+
+        <tool_call>
+        <function=get_weather>
+        <parameter=city>
+        Paris
+        </parameter>
+        </function>
+        </tool_call>
+
+    The content is the text before the first call. Each value is typed by the request's tool
+    schema as vLLM's ``qwen3_coder`` parser does: ``null`` is null; strings stay text; integer and
+    number types parse as numbers, booleans as ``true``; objects and arrays as JSON (or a Python
+    literal); a value that does not parse, or a parameter the schema lacks, stays text."""
+
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+    _FUNCTION = re.compile(r"<function=(.*?)(?:</function>|\Z)", re.DOTALL)
+    _PARAM = re.compile(r"<parameter=(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL)
+
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
+        start = text.find(START)
+        if start < 0:
+            return text, []
+        calls: list[ParsedToolCall] = []
+        for block in self._CALL.findall(text, start):
+            for fn in self._FUNCTION.findall(block):
+                name, sep, body = fn.partition(">")
+                name = name.strip()
+                if not sep or not name:
+                    return text, []
+                props = _properties(tools, name)
+                args: dict[str, Any] = {}
+                for param in self._PARAM.findall(body):
+                    key, sep, value = param.partition(">")
+                    if not sep or not key.strip():
+                        return text, []
+                    value = value[1:] if value.startswith("\n") else value
+                    value = value[:-1] if value.endswith("\n") else value
+                    args[key.strip()] = _typed(value, props.get(key.strip()))
+                calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False), _openai_id()))
+        return (text[:start] or None, calls) if calls else (text, [])
+
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        start = buf.find(START)
+        return (start, 0) if start >= 0 else (None, 0 if final else held_tail(buf, START))
+
+
+def _properties(tools: Tools, name: str) -> dict[str, Any]:
+    """The JSON-schema properties of the request's tool ``name`` ({} where it has none)."""
+    for t in tools or ():
+        fn = t.get("function") if isinstance(t, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            props = (
+                (fn.get("parameters") or {}).get("properties")
+                if isinstance(fn.get("parameters"), dict)
+                else None
+            )
+            return props if isinstance(props, dict) else {}
+    return {}
+
+
+def _typed(value: str, spec: Any) -> Any:
+    """``value`` as its schema ``spec`` types it (vLLM's qwen3_coder conversion; text otherwise)."""
+    if value.lower() == "null":
+        return None
+    kind = str(spec.get("type", "string")).strip().lower() if isinstance(spec, dict) else "string"
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(value)
+        if kind.startswith(("num", "float", "double")):
+            number = float(value)
+            if not math.isfinite(number):
+                return value  # no JSON number
+            return int(number) if number.is_integer() else number
+        if kind.startswith("bool"):
+            return value.strip().lower() == "true"
+        if kind in ("object", "array", "dict", "list") or kind.startswith(("object", "array")):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value
+    return value
+
+
 class RequiredParser:
     """``tool_choice: "required"``'s answer, decoded under the tools' JSON schema (vLLM's):
     ``[{"name": ..., "parameters": {...}}, ...]``, calls from its first character."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         try:
             objs = json.loads(text)
         except ValueError:
@@ -208,22 +302,26 @@ PARSERS: dict[str, ToolCallParser] = {
     "hermes": HermesParser(),
     "llama3_json": Llama3JsonParser(),
     "mistral": MistralParser(),
+    "qwen3_coder": Qwen3CoderParser(),
 }
 TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
 PARSERS[REQUIRED] = RequiredParser()
 
 
-def parse_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ParsedToolCall]]:
+def parse_tool_calls(
+    text: str, parser: str = "hermes", tools: Tools = None
+) -> tuple[str | None, list[ParsedToolCall]]:
     """A whole answer's (content, calls) by ``parser``; no calls: (the text, [])."""
-    return PARSERS[parser].parse(text)
+    return PARSERS[parser].parse(text, tools)
 
 
 class ToolCallStream:
     """One choice's streamed content, fed in deltas: content passes until calls may begin; from there
     everything is held and parsed when the choice ends."""
 
-    def __init__(self, parser: str = "hermes") -> None:
+    def __init__(self, parser: str = "hermes", tools: Tools = None) -> None:
         self.parser = PARSERS[parser]
+        self.tools = tools
         self.buf = ""
         self.in_calls = False
         self.at_start = True
@@ -243,5 +341,5 @@ class ToolCallStream:
         self.buf = "" if final else buf
         if not (final and self.in_calls):
             return out, []
-        content, calls = self.parser.parse(buf)
+        content, calls = self.parser.parse(buf, self.tools)
         return (out, calls) if calls else (out + buf, [])

@@ -106,7 +106,47 @@ _PIECES = {
     "hermes": ["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "text ", "\n", '{"name": "f", "arguments": {}}', "{"],
     "mistral": ["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[", "f", "[ARGS]", '{"a": 1}', '[{"name": "g", "arguments": {}}]', " ", "x"],
     "llama3_json": ["<|python_tag|>", "<|py", "thon_tag|>", " ", "\n", "; ", "text", '{"name": "f", "parameters": {}}', "{", "}"],
+    "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>", "</parameter>", "\n", "1", "x ", "<"],
 }  # fmt: skip
+
+
+QWEN_TOOLS = [{"type": "function", "function": {"name": "book", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "nights": {"type": "integer"}, "price": {"type": "number"}, "pets": {"type": "boolean"},
+    "rooms": {"type": "array"}, "extra": {"type": "object"}, "note": {"type": "string"}}}}}]  # fmt: skip
+
+
+def test_qwen3_coder_answers_parse_with_values_typed_by_the_schema() -> None:
+    """Qwen3-Coder's XML calls, typed as vLLM's qwen3_coder parser types them: by the tool's schema,
+    text where the schema says string, lacks the parameter, or the value does not parse."""
+    call = (
+        "<tool_call>\n<function=book>\n<parameter=city>\nNew York\n</parameter>\n"
+        "<parameter=nights>\n3\n</parameter>\n<parameter=price>\n99.5\n</parameter>\n"
+        "<parameter=pets>\nTrue\n</parameter>\n<parameter=rooms>\n[1, 2]\n</parameter>\n"
+        "<parameter=extra>\n{'view': 'sea'}\n</parameter>\n<parameter=note>\n42\n</parameter>\n"
+        "<parameter=unknown>\n7\n</parameter>\n</function>\n</tool_call>"
+    )
+    content, calls = parse_tool_calls("Booking.\n\n" + call, "qwen3_coder", QWEN_TOOLS)
+    assert content == "Booking.\n\n" and [c.name for c in calls] == ["book"]
+    assert json.loads(calls[0].arguments) == {
+        "city": "New York", "nights": 3, "price": 99.5, "pets": True, "rooms": [1, 2],
+        "extra": {"view": "sea"}, "note": "42", "unknown": "7",
+    }  # fmt: skip
+    two = (
+        call.replace("book", "other")
+        + "\n"
+        + "<tool_call>\n<function=book>\n<parameter=nights>\nmany\n</parameter>\n"
+    )
+    content, calls = parse_tool_calls(two, "qwen3_coder", QWEN_TOOLS)  # the last call cut short
+    assert content is None and [c.name for c in calls] == ["other", "book"]
+    assert json.loads(calls[0].arguments)["nights"] == "3"  # no schema for "other": text
+    assert json.loads(calls[1].arguments) == {"nights": "many"}  # not an integer: kept as text
+    nulls = "<tool_call><function=book><parameter=price>null</parameter><parameter=nights>inf</parameter></function></tool_call>"
+    assert json.loads(parse_tool_calls(nulls, "qwen3_coder", QWEN_TOOLS)[1][0].arguments) == {
+        "price": None,
+        "nights": "inf",
+    }
+    for text in ("no calls", "<tool_call><function=>x</function></tool_call>", "<tool_call>junk</tool_call>"):
+        assert _calls(text, "qwen3_coder") == (text, []), text
 
 
 @settings(max_examples=300, deadline=None)
@@ -145,7 +185,7 @@ ANSWER = "<think>need weather</think>Let me check." + _block(WEATHER)
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, tuple[httpx.Client, FakeAsyncLLM]]]:
-    tools_on, plain, llama, mistral = (FakeAsyncLLM(max_model_len=1024) for _ in range(4))
+    tools_on, plain, llama, mistral, qwen = (FakeAsyncLLM(max_model_len=1024) for _ in range(5))
     on = LoraStarConfig(
         async_engine=tools_on,
         enable_auto_tool_choice=True,
@@ -156,17 +196,21 @@ def servers() -> Iterator[dict[str, tuple[httpx.Client, FakeAsyncLLM]]]:
     mistral_cfg = LoraStarConfig(
         async_engine=mistral, enable_auto_tool_choice=True, tool_call_parser="mistral"
     )
+    qwen_cfg = LoraStarConfig(async_engine=qwen, enable_auto_tool_choice=True, tool_call_parser="qwen3_coder")
     with (
         ServerThread(create_app(on)) as a,
         ServerThread(create_app(LoraStarConfig(async_engine=plain))) as b,
         ServerThread(create_app(llama3)) as c,
         ServerThread(create_app(mistral_cfg)) as d,
+        ServerThread(create_app(qwen_cfg)) as e,
         httpx.Client(base_url=a.url, timeout=30) as ca,
         httpx.Client(base_url=b.url, timeout=30) as cb,
         httpx.Client(base_url=c.url, timeout=30) as cc,
         httpx.Client(base_url=d.url, timeout=30) as cd,
+        httpx.Client(base_url=e.url, timeout=30) as ce,
     ):
-        yield {"on": (ca, tools_on), "plain": (cb, plain), "llama3": (cc, llama), "mistral": (cd, mistral)}
+        yield {"on": (ca, tools_on), "plain": (cb, plain), "llama3": (cc, llama), "mistral": (cd, mistral),
+               "qwen3_coder": (ce, qwen)}  # fmt: skip
 
 
 def _chat(**extra: Any) -> dict[str, Any]:
@@ -334,6 +378,10 @@ def test_tokenize_renders_the_tools_as_chat_does(servers: dict) -> None:
     [
         ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
         ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'),
+        (
+            "qwen3_coder",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>",
+        ),
     ],
 )
 def test_the_configured_parser_reads_the_answer(servers: dict, server: str, answer: str) -> None:

@@ -225,9 +225,9 @@ class _AnswerParts:
     """One choice's streamed text through the reasoning splitter and the tool-call parser (each
     where configured): (reasoning, content, calls) per delta."""
 
-    def __init__(self, reasoning_style: str | None, tool_parser: str | None) -> None:
+    def __init__(self, reasoning_style: str | None, tool_parser: str | None, tools: list[Any] | None) -> None:
         self.reasoning = ReasoningSplitter(reasoning_style) if reasoning_style else None
-        self.tools = ToolCallStream(tool_parser) if tool_parser else None
+        self.tools = ToolCallStream(tool_parser, tools) if tool_parser else None
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
@@ -371,7 +371,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
                 parts = (
-                    {i: _AnswerParts(reasoning_style, tool_parser) for i in range(n)}
+                    {i: _AnswerParts(reasoning_style, tool_parser, data.tools) for i in range(n)}
                     if reasoning_style or tool_parser
                     else {}
                 )
@@ -446,7 +446,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             if forced:
                 content, calls = None, [ParsedToolCall(forced, o.text, forced_ids[o.index])]
             elif tool_parser and content:
-                content, calls = parse_tool_calls(content, tool_parser)
+                content, calls = parse_tool_calls(content, tool_parser, data.tools)
             if echo_text:
                 content = echo_text + (content or "")
             return ChatCompletionResponseChoice(
