@@ -3,7 +3,8 @@ masks from xgrammar (vLLM's default structured-output backend). Torch-free at im
 checks grammars with it); xgrammar, which imports torch, is imported at the first grammar. The
 masks reach the logits in ``grammar_mask``.
 
-A request's constraint is compiled once when it is added (``GrammarCompiler``; xgrammar caches
+A request's constraint is compiled once when it is added, off the step loop (a core process on a
+worker thread, ``AsyncLLM`` before its add takes the engine's lock; ``GrammarCompiler``; xgrammar caches
 compiled grammars, so a repeated schema costs nothing: SmolLM2's vocabulary, a three-field schema
 4.4 ms the first time, 26 us after, the tokenizer's table 0.15 s once per engine). Each sampling
 sequence gets its own matcher (``GrammarRow``), advanced lazily over the sequence's output just
@@ -36,9 +37,10 @@ if TYPE_CHECKING:
 _LOG_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(?:Check failed: .*? is false:\s*)?", re.S)
 
 
-def _clean(exc: BaseException) -> str:
-    text = _LOG_PREFIX.sub("", str(exc)).strip()
-    return text.split("\n", 1)[0].rstrip(".") or type(exc).__name__
+def _clean(exc: BaseException, limit: int = 300) -> str:
+    """xgrammar's message, its first line, cut to ``limit`` characters (it may quote the input)."""
+    text = _LOG_PREFIX.sub("", str(exc)).strip().split("\n", 1)[0].rstrip(".")
+    return (text[:limit] + " ...") if len(text) > limit else (text or type(exc).__name__)
 
 
 def is_lark(grammar: str) -> bool:
