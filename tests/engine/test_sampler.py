@@ -621,3 +621,29 @@ def test_copied_out_results_equal_the_direct_ones(ks: tuple[int | None, ...]) ->
     copied = PendingSample(p.token_ids, p._raw_logprobs, p._ks, p._lp_idx, copy_out=True)
     assert copied.result() == direct.result()
     _check_logprobs(x, copied.result(), {i: k for i, k in enumerate(ks) if k is not None})
+
+
+def test_probs_of_masked_rows_are_exact_zeros_and_other_values_unchanged() -> None:
+    """Rows that mask most tokens (top-k here, allowed ids) take a floored exp on CPU (the -inf
+    path of torch's exp is slow): their masked tokens get exactly 0, every value above 1e-30 is
+    bitwise torch's exp, and an unmasked row's values do not depend on what else is in the batch."""
+    from lorastar.engine.sampler import SamplingMetadata
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 500, generator=g) * 30  # gaps past 87 below the max: exp underflows there
+    params = [SamplingParams(top_k=50), SamplingParams(allowed_token_ids=[1, 2, 3]), SamplingParams()]
+    x[1, 4:] = float("-inf")  # what the allowed-ids mask did
+    meta = SamplingMetadata.from_params(params)
+    got = Sampler._probs(x.clone(), meta)
+    alone = Sampler._probs(x[2:].clone(), SamplingMetadata.from_params(params[2:]))
+    assert torch.equal(got[2], alone[0])  # the unmasked row: as if alone
+    for r in range(3):
+        want = (x[r] - x[r].max()).exp()
+        if r == 0:  # top-k: the 50 largest kept
+            keep = torch.zeros(500, dtype=torch.bool)
+            keep[x[0].topk(50).indices] = True
+            want = want.masked_fill(~keep, 0.0)
+        big = want > 1e-30
+        assert torch.equal(got[r][big], want[big]) and (got[r][~big] <= 1e-30).all()
+        assert (got[r][torch.isinf(x[r])] == 0).all() and ((got[r] > 0) == big).sum() >= big.sum()
+    assert (got[0] > 0).sum() == 50 and (got[1] > 0).sum() == 4
