@@ -19,6 +19,7 @@ which only EOS is allowed, as for a choice).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -49,6 +50,11 @@ def is_lark(grammar: str) -> bool:
 
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar keeps compiled grammars without bound by default: every distinct schema a client sends
+# would stay in memory. vLLM's default bound (VLLM_XGRAMMAR_CACHE_MB).
+GRAMMAR_CACHE_BYTES = 512 << 20
+# Its compile threads (8 by default) compete with the step loop's torch threads: half the cores.
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 _WHAT = {"guided_json": "JSON schema", "guided_regex": "regular expression"}
 
 
@@ -99,7 +105,9 @@ class GrammarCompiler:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids)
                 )
-                self._compiler = xgr.GrammarCompiler(info)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=COMPILE_THREADS, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
             return self._compiler
 
     def compile(self, params: SamplingParams) -> Any:

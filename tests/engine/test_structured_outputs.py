@@ -199,6 +199,12 @@ def _nested(depth: int) -> dict:
     return schema
 
 
+def test_the_compiler_cache_is_bounded(llm: LLM) -> None:
+    llm.generate("hi", SamplingParams(max_tokens=2, guided_regex="a+"))
+    compiler = llm.engine.grammars.compiler()
+    assert compiler.cache_limit_bytes == 512 << 20 and 0 < compiler.get_cache_size_bytes() <= 512 << 20
+
+
 def test_schema_as_json_text_equals_the_object() -> None:
     SamplingParams(guided_json=_nested(64))  # the deepest taken
     a = SamplingParams(guided_json=SCHEMA)
