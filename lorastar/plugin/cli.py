@@ -292,7 +292,7 @@ main.add_command(make_lora_group())
     default=None,
     type=click.Choice(TOOL_CALL_PARSERS),
     help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>; llama3_json: Llama "
-    "3.x's JSON; mistral: [TOOL_CALLS]; qwen3_coder: <function=...><parameter=...> XML).",
+    "3.x's JSON; mistral: [TOOL_CALLS]; qwen3_coder: <function=...><parameter=...> XML; pythonic: [f(a=1)]).",
 )
 @click.option(
     "--reasoning-parser",

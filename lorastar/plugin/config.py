@@ -96,7 +96,7 @@ class LoraStarConfig:
     ``{"name", "parameters"}`` objects: Llama 3.1-3.3) or ``"mistral"`` (``[TOOL_CALLS]``: Mistral 7B
     v0.3, Nemo, Small 3.x, Ministral 3) or ``"qwen3_coder"`` (``<tool_call><function=name>
     <parameter=p>...``: Qwen3-Coder, its values typed by the request's tool schemas). Required by
-    ``enable_auto_tool_choice``."""
+    ``enable_auto_tool_choice``. ``"pythonic"``: ``[f(a=1), g()]`` (Llama 3.2 / 4)."""
 
     max_waiting: int | None = None
     """Most requests queued and not yet started; past it requests get 503 + ``Retry-After``

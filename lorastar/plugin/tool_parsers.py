@@ -19,6 +19,9 @@
 * ``qwen3_coder``: Qwen3-Coder writes ``<tool_call><function=NAME><parameter=P>value</parameter>...``
   with every value as text; each is typed by the request's tool schema (``Qwen3CoderParser``).
 
+* ``pythonic``: Llama 3.2 / 4 and others answer ``[f(a=1), g()]``, a Python list of calls
+  (``PythonicParser``).
+
 Control tokens such as ``[TOOL_CALLS]`` and ``<|python_tag|>`` are dropped from the text by default, so
 a request parsed for tools is detokenized with ``skip_special_tokens=False`` (vLLM does the same).
 
@@ -272,12 +275,55 @@ def _typed(value: str, spec: Any) -> Any:
             return value.strip().lower() == "true"
         if kind in ("object", "array", "dict", "list") or kind.startswith(("object", "array")):
             try:
-                return json.loads(value)
+                obj = json.loads(value)
             except ValueError:
-                return ast.literal_eval(value)
+                obj = ast.literal_eval(value)
+            json.dumps(obj, allow_nan=False)  # JSON, finite (else ValueError / TypeError: kept as text)
+            return obj
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return value
     return value
+
+
+class PythonicParser:
+    """Llama 3.2 / 4 and other pythonic-call models answer a call as a Python list of calls,
+    ``[get_weather(city="Paris"), get_time()]``, optionally after ``<|python_start|>`` and before
+    ``<|python_end|>`` (vLLM's ``pythonic`` parser). Keyword values are Python literals. An answer is
+    calls only when it opens with ``[`` (or the tag) and is nothing but that list."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
+        s = text.strip()
+        s = s.removeprefix(self.START).removesuffix(self.END).strip()
+        if not s.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(s, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return text, []
+            calls = []
+            for call in tree.elts:
+                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                    return text, []
+                args = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
+                if len(args) != len(call.keywords):
+                    return text, []  # **kwargs
+                arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)  # no Infinity: not JSON
+                calls.append(ParsedToolCall(call.func.id, arguments, _openai_id()))
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return text, []
+        return None, calls
+
+    def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
+        if not at_start:
+            return None, 0  # content already went out: this answer is no call
+        s = buf.lstrip()
+        if s.startswith(("[", self.START)):
+            return 0, 0
+        if not final and self.START.startswith(s):
+            return None, len(buf)  # whitespace or a partial tag so far: not decided yet
+        return None, 0
 
 
 class RequiredParser:
@@ -303,6 +349,7 @@ PARSERS: dict[str, ToolCallParser] = {
     "llama3_json": Llama3JsonParser(),
     "mistral": MistralParser(),
     "qwen3_coder": Qwen3CoderParser(),
+    "pythonic": PythonicParser(),
 }
 TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
 PARSERS[REQUIRED] = RequiredParser()

@@ -106,6 +106,7 @@ _PIECES = {
     "hermes": ["<tool_call>", "</tool_call>", "<tool", "_call>", "<", "text ", "\n", '{"name": "f", "arguments": {}}', "{"],
     "mistral": ["[TOOL_CALLS]", "[TOOL", "_CALLS]", "[", "f", "[ARGS]", '{"a": 1}', '[{"name": "g", "arguments": {}}]', " ", "x"],
     "llama3_json": ["<|python_tag|>", "<|py", "thon_tag|>", " ", "\n", "; ", "text", '{"name": "f", "parameters": {}}', "{", "}"],
+    "pythonic": ["[", "]", "f(", ")", "a=1", ", ", "g()", " ", "<|python_start|>", "<|python_", "text", "x='y'"],
     "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=f>", "</function>", "<parameter=a>", "</parameter>", "\n", "1", "x ", "<"],
 }  # fmt: skip
 
@@ -145,6 +146,9 @@ def test_qwen3_coder_answers_parse_with_values_typed_by_the_schema() -> None:
         "price": None,
         "nights": "inf",
     }
+    odd = "<tool_call><function=book><parameter=rooms>[1e999]</parameter><parameter=extra>{1, 2}</parameter></function></tool_call>"
+    got = json.loads(parse_tool_calls(odd, "qwen3_coder", QWEN_TOOLS)[1][0].arguments)
+    assert got == {"rooms": "[1e999]", "extra": "{1, 2}"}  # not finite JSON (a set): kept as text
     for text in ("no calls", "<tool_call><function=>x</function></tool_call>", "<tool_call>junk</tool_call>"):
         assert _calls(text, "qwen3_coder") == (text, []), text
 
@@ -171,7 +175,7 @@ def test_a_stream_split_anywhere_gives_the_whole_answers_calls(
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"tool_call_parser": "pythonic"}, "tool_call_parser"),
+        ({"tool_call_parser": "python"}, "tool_call_parser"),
         ({"enable_auto_tool_choice": True}, "tool_call_parser"),
     ],
 )
@@ -521,3 +525,23 @@ def test_structured_outputs_follow_the_reasoning_block(servers: dict) -> None:
     assert reasoning_token_ids(inner, "qwen3") is None  # "<think>" is 7 tokens here
     http.post("/v1/chat/completions", json={**body, "guided_regex": "a+"})
     assert fake.last_params.reasoning_end_token_id is None
+
+
+def test_pythonic_answers_parse_as_calls_only_when_they_are_a_list_of_calls() -> None:
+    text = '[get_weather(city="Paris", days=2, opts={"unit": "C"}), get_time()]'
+    for answer in (text, f"<|python_start|>{text}<|python_end|>", f"  {text}\n"):
+        assert _calls(answer, "pythonic") == (
+            None, [("get_weather", {"city": "Paris", "days": 2, "opts": {"unit": "C"}}), ("get_time", {})]
+        )  # fmt: skip
+    for answer in (
+        "The answer is [f(a=1)]",  # prose first: no call
+        "[f(1)]",  # positional arguments
+        "[f(a=b)]",  # not a literal
+        "[f(**k)]",
+        "[os.system(a='x')]",  # not a plain name
+        "[]",
+        "[f(a=1)] and more",
+        "[" * 10_000 + "]" * 10_000,  # too deep to parse
+        "[f(a=1e999)]",  # infinity is no JSON
+    ):
+        assert _calls(answer, "pythonic") == (answer, []), answer
