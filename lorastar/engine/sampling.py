@@ -385,17 +385,12 @@ class SamplingParams:
 def _depth(obj: Any, limit: int) -> int:
     """Nesting depth of JSON ``obj`` (a scalar: 0), counted no further than ``limit + 1``."""
     depth, level = 0, [obj]
-    while level and depth <= limit:
-        nxt: list[Any] = []
-        for x in level:
-            if isinstance(x, dict):
-                nxt.extend(x.values())
-            elif isinstance(x, (list, tuple)):
-                nxt.extend(x)
-        if not nxt and not any(isinstance(x, (dict, list, tuple)) for x in level):
+    while depth <= limit:
+        containers = [x for x in level if isinstance(x, (dict, list, tuple))]
+        if not containers:
             break
         depth += 1
-        level = nxt
+        level = [c for x in containers for c in (x.values() if isinstance(x, dict) else x)]
     return depth
 
 

@@ -5,8 +5,9 @@ masks reach the logits in ``grammar_mask``.
 
 A request's constraint is compiled once when it is added, off the step loop (a core process on a
 worker thread, ``AsyncLLM`` before its add takes the engine's lock; ``GrammarCompiler``; xgrammar caches
-compiled grammars, so a repeated schema costs nothing: SmolLM2's vocabulary, a three-field schema
-4.4 ms the first time, 26 us after, the tokenizer's table 0.15 s once per engine). Each sampling
+compiled grammars, so a repeated schema costs only its parse: SmolLM2's vocabulary, a three-field
+schema 4.4-6.7 ms the first time, 0.1-0.2 ms after, the tokenizer's table 0.15 s once per engine;
+one ``parse_grammar`` serves the frontend's check and the engine's compile). Each sampling
 sequence gets its own matcher (``GrammarRow``), advanced lazily over the sequence's output just
 before its next mask is written: a fork (n > 1), a preempted and recomputed sequence or a row
 rebuilt later all catch up from the output ids alone, as ``ChoicePaths`` derives its mask from
@@ -62,25 +63,27 @@ def _refusal(field: str, exc: BaseException) -> InvalidParamError:
     return InvalidParamError(field, f"{field}: invalid {_WHAT.get(field, 'grammar')}: {_clean(exc)}.")
 
 
-def validate_grammar(params: SamplingParams) -> None:
-    """Parse ``params``' JSON schema, regex or grammar without a tokenizer (a frontend's check,
-    as vLLM's, so a bad one is a 400 naming the field before it reaches the engine; microseconds
-    for a small schema, xgrammar imported at the first one). ``InvalidParamError`` where it fails."""
+def parse_grammar(params: SamplingParams) -> Any:
+    """``params``' constraint as an xgrammar ``Grammar`` (no tokenizer needed), or None where it has
+    none; ``InvalidParamError`` naming the field where xgrammar cannot parse it. Also a frontend's
+    check, as vLLM's: a bad one is a 400 before it reaches the engine (microseconds for a small
+    schema; xgrammar is imported at the first one)."""
     spec = params.grammar_spec
-    if spec is None or spec[0] == "guided_json_object":
-        return  # its schema is fixed
+    if spec is None:
+        return None
     import xgrammar as xgr
 
     field, text = spec
+    any_whitespace = not params.disable_any_whitespace
     try:
         if field == "guided_json":
-            xgr.Grammar.from_json_schema(text, any_whitespace=not params.disable_any_whitespace)
-        elif field == "guided_regex":
-            xgr.Grammar.from_regex(text)
-        elif is_lark(text):
-            xgr.Grammar.from_lark(text)
-        else:
-            xgr.Grammar.from_ebnf(text)
+            return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
+        if field == "guided_regex":
+            return xgr.Grammar.from_regex(text)
+        if field == "guided_grammar":
+            return xgr.Grammar.from_lark(text) if is_lark(text) else xgr.Grammar.from_ebnf(text)
+        # any JSON object (OpenAI's json_object; vLLM compiles the same schema)
+        return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise _refusal(field, exc) from None
 
@@ -114,23 +117,13 @@ class GrammarCompiler:
         """``params``' constraint as an xgrammar ``CompiledGrammar``, or None where it has none.
         Raises ``InvalidParamError`` naming the field for a schema, expression or grammar that
         xgrammar cannot compile (nothing is queued then)."""
-        spec = params.grammar_spec
-        if spec is None:
+        grammar = parse_grammar(params)
+        if grammar is None:
             return None
-        field, text = spec
-        compiler = self.compiler()
-        any_whitespace = not params.disable_any_whitespace
         try:
-            if field == "guided_json":
-                return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
-            if field == "guided_regex":
-                return compiler.compile_regex(text)
-            if field == "guided_grammar":
-                return compiler.compile_lark(text) if is_lark(text) else compiler.compile_grammar(text)
-            # any JSON object (OpenAI's json_object; vLLM compiles the same schema)
-            return compiler.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
+            return self.compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise _refusal(field, exc) from None
+            raise _refusal(params.grammar_spec[0], exc) from None
 
 
 # What ``GrammarRow.fill`` left for the next token.

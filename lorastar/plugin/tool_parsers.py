@@ -119,6 +119,19 @@ class HermesParser:
         return (start, 0) if start >= 0 else (None, 0 if final else held_tail(buf, START))
 
 
+def _opens_with(buf: str, final: bool, at_start: bool, opener: str, tag: str) -> tuple[int | None, int]:
+    """``calls_start`` of formats whose answer is calls only when it opens with ``opener`` or
+    ``tag`` (after whitespace)."""
+    if not at_start:
+        return None, 0  # content already went out: this answer is no call
+    s = buf.lstrip()
+    if s.startswith((opener, tag)):
+        return 0, 0
+    if not final and tag.startswith(s):
+        return None, len(buf)  # whitespace or a partial tag so far: not decided yet
+    return None, 0
+
+
 class Llama3JsonParser:
     def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         s = text.lstrip()
@@ -141,14 +154,7 @@ class Llama3JsonParser:
             calls.append(call)
 
     def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
-        if not at_start:
-            return None, 0  # content already went out: this answer is no call
-        s = buf.lstrip()
-        if s.startswith(("{", PYTHON_TAG)):
-            return 0, 0
-        if not final and PYTHON_TAG.startswith(s):
-            return None, len(buf)  # whitespace or a partial tag so far: not decided yet
-        return None, 0
+        return _opens_with(buf, final, at_start, "{", PYTHON_TAG)
 
 
 class MistralParser:
@@ -249,11 +255,8 @@ def _properties(tools: Tools, name: str) -> dict[str, Any]:
     for t in tools or ():
         fn = t.get("function") if isinstance(t, dict) else None
         if isinstance(fn, dict) and fn.get("name") == name:
-            props = (
-                (fn.get("parameters") or {}).get("properties")
-                if isinstance(fn.get("parameters"), dict)
-                else None
-            )
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
             return props if isinstance(props, dict) else {}
     return {}
 
@@ -316,14 +319,7 @@ class PythonicParser:
         return None, calls
 
     def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
-        if not at_start:
-            return None, 0  # content already went out: this answer is no call
-        s = buf.lstrip()
-        if s.startswith(("[", self.START)):
-            return 0, 0
-        if not final and self.START.startswith(s):
-            return None, len(buf)  # whitespace or a partial tag so far: not decided yet
-        return None, 0
+        return _opens_with(buf, final, at_start, "[", self.START)
 
 
 class RequiredParser:

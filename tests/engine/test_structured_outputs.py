@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.grammar_mask import apply_grammars, bitmask_to_additive, bitmask_to_bool
-from lorastar.engine.structured import ENDED, FREE, MASKED, GrammarRow, is_lark, validate_grammar
+from lorastar.engine.structured import ENDED, FREE, MASKED, GrammarRow, is_lark, parse_grammar
 from lorastar.errors import InvalidParamError
 
 MESSAGES = [{"role": "user", "content": "Describe a cat called Tom, aged 3, as JSON."}]
@@ -170,7 +170,7 @@ def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
     ]
     for kw, field, words in compiled_bad:
         sp = SamplingParams(max_tokens=4, **kw)
-        for refuse in (partial(llm.generate, "hi"), validate_grammar):  # the engine, a frontend
+        for refuse in (partial(llm.generate, "hi"), parse_grammar):  # the engine, a frontend
             with pytest.raises(InvalidParamError) as e:
                 refuse(sp)
             assert e.value.param == field and str(e.value).startswith(f"{field}: {words}"), str(e.value)
@@ -181,7 +181,7 @@ def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
         {"guided_grammar": EBNF},
         {"guided_grammar": LARK},
     ):
-        validate_grammar(SamplingParams(**ok))
+        parse_grammar(SamplingParams(**ok))
     assert not llm.engine.requests
     llm.engine.check_invariants()
     req = llm.engine.add_request("hi", SamplingParams(guided_regex="a+", max_tokens=3))

@@ -17,7 +17,7 @@ from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
-from lorastar.engine.structured import validate_grammar
+from lorastar.engine.structured import parse_grammar
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, error_responses
@@ -125,7 +125,7 @@ def sampling_params(
             ) from exc
     try:
         params = SamplingParams.from_dict(kw)
-        validate_grammar(params)  # a schema, regex or grammar xgrammar cannot parse: 400 here
+        parse_grammar(params)  # a schema, regex or grammar xgrammar cannot parse: 400 here
         return params
     except InvalidParamError as exc:
         message, param = str(exc), exc.param
