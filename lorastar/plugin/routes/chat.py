@@ -15,6 +15,7 @@ from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput
+from lorastar.engine.sampling import SamplingParams
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
@@ -221,7 +222,7 @@ def reasoning_token_ids(tokenizer: Any, style: str) -> tuple[int | None, int] | 
     return start, end
 
 
-class _AnswerParts:
+class AnswerParts:
     """One choice's streamed text through the reasoning splitter and the tool-call parser (each
     where configured): (reasoning, content, calls) per delta."""
 
@@ -263,7 +264,7 @@ async def render_messages(
     return normalized, list(ids)
 
 
-def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:
+def chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:
     content: list[ChatLogprobToken] = []
     steps = out.logprobs or []
     for i, tid in enumerate(out.token_ids[start:], start=start):
@@ -289,6 +290,64 @@ def _chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: i
     return ChatChoiceLogprobs(content=content)
 
 
+@dataclass
+class ChatPlan:
+    """A chat request made ready to generate: its prompt, its parameters and how its answer is read
+    (shared by ``/chat/completions`` and ``/responses``)."""
+
+    engine: EngineClient
+    adapter: str | None
+    messages: list[dict[str, Any]]  # as the template took them
+    prompt_ids: list[int]
+    params: SamplingParams
+    tool_parser: str | None  # reads calls out of the answer (the server's, or REQUIRED)
+    forced: str | None  # a named function: the whole answer is its arguments
+    forced_ids: list[str]  # that call's id, one per choice
+    reasoning_style: str | None  # the server's reasoning parser
+
+
+async def plan_chat(service: LoraStarService, data: ChatCompletionRequest) -> ChatPlan:
+    """Resolve the adapter, check the tools, render the template and build the sampling
+    parameters (each a 400 naming the chat field at fault)."""
+    engine = await service.ready()
+    adapter = await service.resolve_adapter(data.model, data.adapter_id)
+    tools = check_tools(data.tools, data.tool_choice, service.config)
+    tool_parser, forced = tools.parser, tools.function
+    if data.top_logprobs is not None and not data.logprobs:
+        raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
+    messages, prompt_ids = await render_messages(
+        engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
+        continue_final_message=data.continue_final_message,
+        chat_template_kwargs=data.chat_template_kwargs, tools=data.tools,
+    )  # fmt: skip
+    prompt_ids = truncate_prompt(prompt_ids, data.truncate_prompt_tokens, int(engine.max_model_len))
+    requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+    if requested is not None and requested < 1:
+        field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
+        raise APIError(f"{field} must be an integer >= 1, got {requested}.", param=field)
+    max_tokens = check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
+    num_top = data.top_logprobs or 0
+    aliases = {"logprobs": "top_logprobs"}
+    if data.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    params = await in_thread(partial(  # a schema's check can take long: never on the event loop
+        sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
+        aliases=aliases, guided_json=tools.schema,
+    ))  # fmt: skip
+    if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
+        params.skip_special_tokens = False
+    reasoning_style = service.config.reasoning_parser
+    if reasoning_style and params.grammar_spec is not None:  # the constraint follows the thinking
+        tags = reasoning_token_ids(engine.tokenizer, reasoning_style)
+        if tags is not None:
+            params.reasoning_start_token_id, params.reasoning_end_token_id = tags
+    # A named function's call id, one per choice (Mistral's templates take only their own ids).
+    forced_ids = [call_id(service.config.tool_call_parser) for _ in range(params.n)] if forced else []
+    return ChatPlan(
+        engine, adapter, messages, prompt_ids, params, tool_parser, forced, forced_ids, reasoning_style
+    )
+
+
 def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
     @generation_route(
         "/chat/completions",
@@ -300,45 +359,16 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
     async def create_chat_completion(
         data: ChatCompletionRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
-        engine = await service.ready()
-        adapter = await service.resolve_adapter(data.model, data.adapter_id)
-        tools = check_tools(data.tools, data.tool_choice, service.config)
-        tool_parser, forced = tools.parser, tools.function
-        if data.top_logprobs is not None and not data.logprobs:
-            raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
-        messages, prompt_ids = await render_messages(
-            engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
-            continue_final_message=data.continue_final_message,
-            chat_template_kwargs=data.chat_template_kwargs, tools=data.tools,
-        )  # fmt: skip
-        prompt_ids = truncate_prompt(prompt_ids, data.truncate_prompt_tokens, int(engine.max_model_len))
-        requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
-        if requested is not None and requested < 1:
-            field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
-            raise APIError(f"{field} must be an integer >= 1, got {requested}.", param=field)
-        max_tokens = check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
+        plan = await plan_chat(service, data)
+        engine, messages, prompt_ids, params = plan.engine, plan.messages, plan.prompt_ids, plan.params
+        tool_parser, forced, forced_ids = plan.tool_parser, plan.forced, plan.forced_ids
+        reasoning_style = plan.reasoning_style
         num_top = data.top_logprobs or 0
-        aliases = {"logprobs": "top_logprobs"}
-        if data.max_completion_tokens is not None:
-            aliases["max_tokens"] = "max_completion_tokens"
-        params = await in_thread(partial(  # a schema's check can take long: never on the event loop
-            sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
-            aliases=aliases, guided_json=tools.schema,
-        ))  # fmt: skip
-        if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
-            params.skip_special_tokens = False
-        reasoning_style = service.config.reasoning_parser
-        if reasoning_style and params.grammar_spec is not None:  # the constraint follows the thinking
-            tags = reasoning_token_ids(engine.tokenizer, reasoning_style)
-            if tags is not None:
-                params.reasoning_start_token_id, params.reasoning_end_token_id = tags
-        # A named function's call id, one per choice (Mistral's templates take only their own ids).
-        forced_ids = [call_id(service.config.tool_call_parser) for _ in range(params.n)] if forced else []
         request_id = random_id("chatcmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
         tokenizer = engine.tokenizer
-        stream = service.generate(prompt_ids, params, adapter, request_id)
+        stream = service.generate(prompt_ids, params, plan.adapter, request_id)
         n = params.n
         want_lp = bool(data.logprobs)
         echo_text = ""
@@ -371,14 +401,14 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
                 parts = (
-                    {i: _AnswerParts(reasoning_style, tool_parser, data.tools) for i in range(n)}
+                    {i: AnswerParts(reasoning_style, tool_parser, data.tools) for i in range(n)}
                     if reasoning_style or tool_parser
                     else {}
                 )
                 started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
-                    lp = _chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
+                    lp = chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
                     finish = o.finish_reason
                     if forced:  # the answer is the named function's arguments: they stream as they come
@@ -458,7 +488,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     reasoning=reasoning if data.include_reasoning else None,
                     tool_calls=[ToolCall(id=c.id, function=FunctionCall(c.name, c.arguments)) for c in calls],
                 ),
-                logprobs=_chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
+                logprobs=chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
                 finish_reason="tool_calls" if calls and not forced else o.finish_reason,  # vLLM's
                 stop_reason=o.stop_reason,
             )
