@@ -301,6 +301,13 @@ main.add_command(make_lora_group())
     help="Split <think>...</think> into the chat answers' reasoning_content (vLLM's flag).",
 )
 @click.option(
+    "--responses-store-size",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="/v1/responses answers kept in memory for previous_response_id (0: none, vLLM's default).",
+)
+@click.option(
     "--shutdown-drain-timeout",
     default=5.0,
     show_default=True,
@@ -326,6 +333,7 @@ def serve(
     reasoning_parser: str | None,
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
+    responses_store_size: int,
     shutdown_drain_timeout: float,
     log_level: str,
     engine_process: bool,
@@ -361,6 +369,7 @@ def serve(
             enable_auto_tool_choice=enable_auto_tool_choice,
             tool_call_parser=tool_call_parser,
             enable_adapter_resolver=enable_adapter_resolver,
+            responses_store_size=responses_store_size,
             shutdown_drain_timeout=shutdown_drain_timeout,
             engine_process=engine_process,
             engine_address=engine_address,

@@ -110,6 +110,13 @@ class LoraStarConfig:
     """A request whose ``model`` names no loaded adapter but a folder directly under ``adapter_root``
     loads that folder under that name first (vLLM's LoRA resolver)."""
 
+    responses_store_size: int = 0
+    """Most ``/responses`` answers kept in this process's memory (``store``, the default in OpenAI's
+    API), least recently used dropped first, for ``previous_response_id`` and
+    ``GET /responses/{id}``. ``0``: none are kept (vLLM's default: a stored conversation is memory
+    the server holds), and ``previous_response_id`` is a 404 that says so. Each app worker keeps
+    its own."""
+
     shutdown_drain_timeout: float = 5.0
     """Seconds in-flight requests get to finish at shutdown before they are aborted."""
 
@@ -158,6 +165,14 @@ class LoraStarConfig:
             )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (e.g. 'hermes')")
+        if (
+            not isinstance(self.responses_store_size, int)
+            or isinstance(self.responses_store_size, bool)
+            or self.responses_store_size < 0
+        ):
+            raise ValueError(
+                f"responses_store_size must be an integer >= 0, got {self.responses_store_size!r}"
+            )
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")
 

@@ -49,6 +49,37 @@ def sse_response(events: AsyncIterator[Any], *, retry_after: int = 1) -> Stream:
     )
 
 
+async def sse_event_frames(
+    events: AsyncIterator[dict[str, Any]], *, retry_after: int = 1
+) -> AsyncIterator[bytes]:
+    """Typed events as the Responses API frames them: ``event: {type}\ndata: {json}\n\n``, no
+    ``[DONE]``. An error after the stream started is one ``error`` event (OpenAI's shape), numbered
+    after the last event sent."""
+    seq = 0
+    try:
+        async for event in events:
+            seq = event["sequence_number"] + 1
+            yield b"event: " + event["type"].encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+    except Exception as exc:  # CancelledError (disconnect) is a BaseException and passes through
+        info = to_api_error(exc, retry_after=retry_after).body().error
+        error = {"type": "error", "code": info.type, "message": info.message, "param": info.param,
+                 "sequence_number": seq}  # fmt: skip
+        yield b"event: error\ndata: " + _encoder.encode(error) + b"\n\n"
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def sse_event_response(events: AsyncIterator[dict[str, Any]], *, retry_after: int = 1) -> Stream:
+    return Stream(
+        sse_event_frames(events, retry_after=retry_after),
+        media_type="text/event-stream",
+        status_code=200,
+        headers=SSE_HEADERS,
+    )
+
+
 # Key of a placeholder response entry that carries a route's stream-chunk model through
 # Litestar's schema generation (so the chunk becomes a named component); StreamingOperation
 # moves it under 200's ``text/event-stream``.

@@ -60,13 +60,14 @@ def test_every_route_answers_as_documented(api_schema: Any) -> None:
     # Positive cases follow the schema (they reach the engine); negative ones break it on purpose.
     failures: list[str] = []
     operations = [r.ok() for r in api_schema.get_all_operations()]
-    assert len(operations) >= 8  # models, model, completions, chat, load, unload, health, metrics
+    # models, model, completions, chat, responses (create, get, delete), load, unload, health, metrics
+    assert len(operations) >= 11
     served: dict[str, int] = {}
 
     for op, mode in [(op, mode) for op in operations for mode in GenerationMode]:
         if mode is GenerationMode.NEGATIVE and not op.body:
             continue  # nothing to break but the path: covered by positive cases
-        generating = op.path.endswith("completions")
+        generating = op.path.endswith(("completions", "responses"))
 
         @given(case=op.as_strategy(generation_mode=mode))
         @budget(200 if generating else 25, phases=[Phase.explicit, Phase.generate], database=None)
@@ -85,9 +86,9 @@ def test_every_route_answers_as_documented(api_schema: Any) -> None:
             failures.append(f"{op.label} ({mode}): {exc}")
     assert not failures, "\n\n".join(failures)
     # The fuzzing reached the engine: schema-valid requests were served on both generating routes.
-    assert served.get("POST /v1/completions", 0) >= 10 and served.get("POST /v1/chat/completions", 0) >= 10, (
-        served
-    )
+    assert all(
+        served.get(f"POST /v1/{route}", 0) >= 10 for route in ("completions", "chat/completions", "responses")
+    ), served
 
 
 def test_engine_is_sound_after_fuzzing(fuzz_server: Any) -> None:

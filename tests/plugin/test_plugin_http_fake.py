@@ -425,6 +425,9 @@ def test_api_keys_guard_inference_routes_only() -> None:
             ("GET", "/v1/models"),
             ("POST", "/v1/completions"),
             ("POST", "/v1/chat/completions"),
+            ("POST", "/v1/responses"),
+            ("GET", "/v1/responses/resp_1"),
+            ("DELETE", "/v1/responses/resp_1"),
         ):
             assert_error(c.request(method, path, json={}), 401)
             assert_error(c.request(method, path, json={}, headers={"Authorization": "Bearer nope"}), 401)
