@@ -239,11 +239,11 @@ def test_the_build_runs_the_wheels_ninja_whatever_path_holds(tmp_path, monkeypat
     seen: list[str | None] = []
     sentinel = object()
 
-    def fake_load_inline(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def fake_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         seen.append(shutil.which("ninja"))
         return sentinel
 
-    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
+    monkeypatch.setattr(cpp, "load", fake_load)
     monkeypatch.setattr(cpu_native, "_state", {})
     assert shutil.which("ninja") == str(other)
     assert cpu_native.load() is sentinel
@@ -259,11 +259,11 @@ def test_each_source_and_flag_set_builds_in_its_own_folder(tmp_path, monkeypatch
 
     names: list[str] = []
 
-    def fake_load_inline(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def fake_load(name, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         names.append(name)
         return object()
 
-    monkeypatch.setattr(cpp, "load_inline", fake_load_inline)
+    monkeypatch.setattr(cpp, "load", fake_load)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the folders it names, not the user's
     for native in ("1", "0", "1"):
         monkeypatch.setenv("LORASTAR_CPU_NATIVE", native)

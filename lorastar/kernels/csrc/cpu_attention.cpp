@@ -20,7 +20,11 @@
 // bf16: q and each K/V row are widened to fp32 as they are read (exact), scores, softmax and the
 // weighted sum run in fp32 as above, and the output row is rounded to bf16 once, at the end.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "cpu_ops.h"
 
 #include <algorithm>
 #include <cmath>

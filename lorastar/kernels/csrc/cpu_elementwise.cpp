@@ -17,7 +17,11 @@
 // both rotary products and their sum. So rotary and the add are bit-identical to torch's bf16 forms,
 // the norm and SiLU within one bf16 ulp (their fp32 values differ by a few fp32 ulp before rounding).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "cpu_ops.h"
 
 #include <cmath>
 #include <cstdint>

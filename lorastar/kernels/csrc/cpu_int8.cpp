@@ -8,7 +8,11 @@
 // at one row). Sixteen table rows sit side by side, so each k widens 16 int8 into one vector and adds
 // x[m, k] times it into 16 outputs per row m: no sum across lanes. The sum runs over k in order.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "cpu_ops.h"
 
 #include <algorithm>
 #ifdef __AVX512F__
@@ -48,15 +52,15 @@ void int8_block(const float* X, int64_t K, const int8_t* qb, float (&out)[kMaxRo
 
 }  // namespace
 
-torch::Tensor int8_pack(torch::Tensor q) {
+at::Tensor int8_pack(at::Tensor q) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "q: [N, K] int8");
   const int64_t N = q.size(0), K = q.size(1), nb = (N + kLanes - 1) / kLanes;
-  auto padded = torch::zeros({nb * kLanes, K}, q.options());
+  auto padded = at::zeros({nb * kLanes, K}, q.options());
   padded.narrow(0, 0, N).copy_(q);
   return padded.view({nb, kLanes, K}).transpose(1, 2).contiguous();  // [nb, K, 16]
 }
 
-torch::Tensor int8_logits(torch::Tensor x, torch::Tensor qp, torch::Tensor scale) {
+at::Tensor int8_logits(at::Tensor x, at::Tensor qp, at::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous [M, K] fp32");
   TORCH_CHECK(qp.dim() == 3 && qp.scalar_type() == at::kChar && qp.is_contiguous() && qp.size(2) == kLanes,
               "qp: int8_pack's [ceil(N / 16), K, 16] int8");
@@ -65,7 +69,7 @@ torch::Tensor int8_logits(torch::Tensor x, torch::Tensor qp, torch::Tensor scale
                   scale.size(0) <= qp.size(0) * kLanes && scale.size(0) > (qp.size(0) - 1) * kLanes,
               "scale: contiguous [N] fp32, N the packed table's rows");
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), nb = qp.size(0);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const float* X = x.data_ptr<float>();
   const int8_t* QP = qp.data_ptr<int8_t>();
   const float* S = scale.data_ptr<float>();

@@ -11,7 +11,11 @@
 // Each adapter's weights are read once per step and linear, only its first r ranks: the batched
 // torch form (one bmm over a [slots, rows, H] grid) read every slot at the step's largest rank.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+
+#include "cpu_ops.h"
 
 #include <array>
 #include <type_traits>
