@@ -49,8 +49,9 @@ class LoraStarConfig:
     when that is unset too, every admin request is refused (401), never silently open."""
 
     api_keys: Sequence[str] | None = None
-    """Bearer keys accepted on the inference routes (``/models``, ``/completions``,
-    ``/chat/completions``). ``None`` or empty: those routes are open."""
+    """Keys accepted on the inference routes (``/models``, ``/completions``, ``/chat/completions``,
+    ``/responses``, ``/messages``, ...), sent as ``Authorization: Bearer KEY`` (OpenAI's clients) or
+    ``x-api-key: KEY`` (Anthropic's). ``None`` or empty: those routes are open."""
 
     path: str = "/v1"
     """Prefix of the OpenAI routes."""

@@ -150,7 +150,9 @@ def _api_key_guard(keys: list[str]) -> Any:
     # A plain closure, not a bound method: Litestar deep-copies routers, and a bound method would
     # drag the whole plugin (engine, metric locks) into the copy.
     def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-        if not token_matches(bearer_token(connection), keys):
+        # OpenAI's clients send `Authorization: Bearer KEY`; Anthropic's `x-api-key: KEY`.
+        token = bearer_token(connection) or connection.headers.get("x-api-key") or None
+        if not token_matches(token, keys):
             raise unauthorized("Invalid or missing API key.")
 
     return guard

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +13,7 @@ import msgspec
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, Reference, Schema
 from litestar.response import Stream
 
-from lorastar.plugin.errors import to_api_error
+from lorastar.plugin.errors import APIError, to_api_error
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -49,31 +49,40 @@ def sse_response(events: AsyncIterator[Any], *, retry_after: int = 1) -> Stream:
     )
 
 
+def event_frame(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+
+
 async def sse_event_frames(
-    events: AsyncIterator[dict[str, Any]], *, retry_after: int = 1
+    events: AsyncIterator[dict[str, Any]],
+    error_event: Callable[[APIError, dict[str, Any] | None], dict[str, Any]],
+    *,
+    retry_after: int = 1,
 ) -> AsyncIterator[bytes]:
-    """Typed events as the Responses API frames them: ``event: {type}\ndata: {json}\n\n``, no
-    ``[DONE]``. An error after the stream started is one ``error`` event (OpenAI's shape), numbered
-    after the last event sent."""
-    seq = 0
+    """Typed events as the Responses and Messages APIs frame them: ``event: {type}`` then
+    ``data: {json}``, no ``[DONE]``. An error after the stream started is one event,
+    ``error_event(error, the last event sent)``, in the API's own shape."""
+    last: dict[str, Any] | None = None
     try:
         async for event in events:
-            seq = event["sequence_number"] + 1
-            yield b"event: " + event["type"].encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
+            last = event
+            yield event_frame(event)
     except Exception as exc:  # CancelledError (disconnect) is a BaseException and passes through
-        info = to_api_error(exc, retry_after=retry_after).body().error
-        error = {"type": "error", "code": info.type, "message": info.message, "param": info.param,
-                 "sequence_number": seq}  # fmt: skip
-        yield b"event: error\ndata: " + _encoder.encode(error) + b"\n\n"
+        yield event_frame(error_event(to_api_error(exc, retry_after=retry_after), last))
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
 
 
-def sse_event_response(events: AsyncIterator[dict[str, Any]], *, retry_after: int = 1) -> Stream:
+def sse_event_response(
+    events: AsyncIterator[dict[str, Any]],
+    error_event: Callable[[APIError, dict[str, Any] | None], dict[str, Any]],
+    *,
+    retry_after: int = 1,
+) -> Stream:
     return Stream(
-        sse_event_frames(events, retry_after=retry_after),
+        sse_event_frames(events, error_event, retry_after=retry_after),
         media_type="text/event-stream",
         status_code=200,
         headers=SSE_HEADERS,

@@ -259,3 +259,17 @@ class FakeAsyncLLM:
         finally:
             if self.running.pop(rid, "gone") != "gone":
                 self.aborted.append(rid)
+
+
+class ScriptedLLM(FakeAsyncLLM):
+    """The fake engine answering the last message's text reversed (no role markers), so a test
+    writes the model's answer (``say``); the messages the template got are in ``rendered``."""
+
+    def apply_chat_template(self, messages: list[dict], *args: Any, **kw: Any) -> list[int]:
+        super().apply_chat_template(messages, *args, **kw)
+        return self.tokenizer.encode(messages[-1]["content"] or "x")
+
+
+def say(answer: str) -> str:
+    """The last message that makes ``ScriptedLLM`` answer ``answer``."""
+    return answer[::-1]

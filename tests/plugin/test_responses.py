@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from plugin_fake_engine import FakeAsyncLLM
+from plugin_fake_engine import ScriptedLLM, say
 from plugin_support import ServerThread, engine_config, wait_until
 
 from lorastar.plugin import LoraStarConfig, create_app
@@ -129,19 +129,6 @@ def test_text_format_json_schema_decodes_under_the_schema(client: openai.OpenAI)
 
 
 # ----------------------------------------------------------------------------- a scripted engine
-
-
-class ScriptedLLM(FakeAsyncLLM):
-    """The fake engine answering the last message's text reversed (no role markers), so a test
-    writes the model's answer; the messages the template got are in ``rendered``."""
-
-    def apply_chat_template(self, messages: list[dict], *args: Any, **kw: Any) -> list[int]:
-        super().apply_chat_template(messages, *args, **kw)
-        return self.tokenizer.encode(messages[-1]["content"] or "x")
-
-
-def say(answer: str) -> str:
-    return answer[::-1]
 
 
 @pytest.fixture(scope="module")
