@@ -33,6 +33,7 @@ from lorastar.errors import (
     EngineOverloadedError,
     EngineUnavailableError,
     InvalidParamError,
+    LoraStarError,
     RequestFailedError,
 )
 from lorastar.plugin.schemas import UNSUPPORTED_FIELDS
@@ -208,6 +209,17 @@ def make_exception_handler(retry_after: int) -> Any:
         return to_api_error(exc, retry_after=retry_after, body=body).to_response()
 
     return handler
+
+
+# Statuses our routes answer themselves: router-level entries beat the app's own handlers (status
+# codes are looked up before exception classes), so the plugin's routes always speak their API's errors.
+OWN_STATUSES = (400, 401, 403, 404, 405, 409, 413, 415, 422, 429, 500, 503)
+
+
+def handler_map(handler: Any) -> dict[Any, Any]:
+    """``handler`` for every exception class and status the plugin's routes answer themselves."""
+    classes = (Exception, APIError, LoraStarError, ValueError, HTTPException, ValidationException)
+    return {**dict.fromkeys(classes, handler), **dict.fromkeys(OWN_STATUSES, handler)}
 
 
 def scoped_handler(prefixes: tuple[str, ...], handler: Any, fallback: Any) -> Any:

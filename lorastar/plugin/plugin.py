@@ -12,13 +12,12 @@ from litestar.exceptions import (
     HTTPException,
     MethodNotAllowedException,
     NotFoundException,
-    ValidationException,
 )
 from litestar.plugins import CLIPlugin, InitPlugin
 
 from lorastar.errors import LoraStarError
 from lorastar.plugin.config import LoraStarConfig
-from lorastar.plugin.errors import APIError, make_exception_handler, scoped_handler, unauthorized
+from lorastar.plugin.errors import APIError, handler_map, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
@@ -34,10 +33,6 @@ if TYPE_CHECKING:
     from litestar.config.app import AppConfig
     from litestar.connection import ASGIConnection
     from litestar.handlers.base import BaseRouteHandler
-
-# Statuses our routes answer themselves: router-level entries beat the app's own handlers (status
-# codes are looked up before exception classes), so the plugin's routes always speak OpenAI errors.
-_OWN_STATUSES = (400, 401, 403, 404, 405, 409, 413, 415, 422, 429, 500, 503)
 
 
 class LoraStarPlugin(InitPlugin, CLIPlugin):
@@ -66,15 +61,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
     def on_app_init(self, app_config: AppConfig) -> AppConfig:
         cfg, service = self.config, self.service
         handler = make_exception_handler(cfg.retry_after_seconds)
-        own_handlers: dict[Any, Any] = {
-            Exception: handler,
-            APIError: handler,
-            LoraStarError: handler,
-            ValueError: handler,
-            HTTPException: handler,
-            ValidationException: handler,
-            **{status: handler for status in _OWN_STATUSES},
-        }
+        own_handlers = handler_map(handler)
         api_guards = [_api_key_guard(list(cfg.api_keys))] if cfg.api_keys else []
         route_handlers: list[Any] = build_openai_handlers(service, guards=api_guards)
         if cfg.allow_runtime_adapter_loading:

@@ -57,3 +57,14 @@ def real_server(tiny_model_dir: Path, adapter_root: Path) -> Iterator[Any]:
     with ServerThread(app) as srv:
         srv.plugin = plugin  # type: ignore[attr-defined]
         yield srv
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_model_dir: Path, adapter_root: Path) -> Any:
+    """The offline ``LLM`` on ``real_server``'s weights with its adapter ``alpha``: what the server's
+    answers must equal (read-only: tests must not load or unload adapters on it)."""
+    from lorastar import LLM
+
+    llm = LLM(config=engine_config(tiny_model_dir))
+    llm.load_adapter("alpha", str(adapter_root / "alpha"))
+    return llm

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from plugin_fake_engine import ScriptedLLM, say
-from plugin_support import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, wait_until
 
 from lorastar.plugin import LoraStarConfig, create_app
 
@@ -58,28 +57,19 @@ def streamed(client: Any, **kw: Any) -> tuple[Any, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path, adapter_root: Path) -> Any:
-    from lorastar import LLM
-
-    llm = LLM(config=engine_config(tiny_model_dir))
-    llm.load_adapter("alpha", str(adapter_root / "alpha"))
-    return llm
-
-
-@pytest.fixture(scope="module")
 def client(real_server: ServerThread) -> Any:
     return anthropic.Anthropic(base_url=real_server.url, api_key="unused", max_retries=0)
 
 
 @pytest.mark.parametrize("model", ["tiny", "alpha"])
-def test_greedy_messages_equal_offline_chat(client: Any, reference: Any, model: str) -> None:
+def test_greedy_messages_equal_offline_chat(client: Any, offline_llm: Any, model: str) -> None:
     from lorastar import SamplingParams
 
     adapter = None if model == "tiny" else model
     system = {"role": "system", "content": "Be brief."}
-    want = reference.chat([system, *MESSAGES], SamplingParams(temperature=0, max_tokens=12), adapter=adapter)[
-        0
-    ]
+    want = offline_llm.chat(
+        [system, *MESSAGES], SamplingParams(temperature=0, max_tokens=12), adapter=adapter
+    )[0]
     out = want.outputs[0]
     kw = {"model": model, "system": "Be brief.", "max_tokens": 12, "messages": MESSAGES, "extra_body": GREEDY}
     got = client.messages.create(**kw)

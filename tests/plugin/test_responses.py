@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,7 +16,7 @@ import jsonschema
 import openai
 import pytest
 from plugin_fake_engine import ScriptedLLM, say
-from plugin_support import ServerThread, engine_config, wait_until
+from plugin_support import ServerThread, wait_until
 
 from lorastar.plugin import LoraStarConfig, create_app
 
@@ -67,24 +66,15 @@ def streamed(client: openai.OpenAI, **kw: Any) -> tuple[Any, list[Any]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path, adapter_root: Path) -> Any:
-    from lorastar import LLM
-
-    llm = LLM(config=engine_config(tiny_model_dir))
-    llm.load_adapter("alpha", str(adapter_root / "alpha"))
-    return llm
-
-
-@pytest.fixture(scope="module")
 def client(real_server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.mark.parametrize("model", ["tiny", "alpha"])
-def test_greedy_responses_equal_offline_chat(client: openai.OpenAI, reference: Any, model: str) -> None:
+def test_greedy_responses_equal_offline_chat(client: openai.OpenAI, offline_llm: Any, model: str) -> None:
     adapter = None if model == "tiny" else model
     system = {"role": "system", "content": "Be brief."}
-    want = reference.chat([system, *MESSAGES], greedy(12), adapter=adapter)[0]
+    want = offline_llm.chat([system, *MESSAGES], greedy(12), adapter=adapter)[0]
     kw = {"model": model, "instructions": "Be brief.", "max_output_tokens": 12, "temperature": 0}
     got = client.responses.create(input=MESSAGES[0]["content"], **kw)
     out = want.outputs[0]

@@ -21,14 +21,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
-from lorastar.errors import LoraStarError
-from lorastar.plugin.errors import APIError, to_api_error
+from lorastar.plugin.errors import APIError, handler_map, to_api_error
 from lorastar.plugin.messages_schemas import (
     AnthropicErrorInfo,
     AnthropicErrorResponse,
@@ -394,15 +393,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
         s: ResponseSpec(data_container=AnthropicErrorResponse, description=_ERROR_TYPES[s])
         for s in (400, *((401,) if guards else ()), 404, 413, 503)
     }
-    handlers: dict[Any, Any] = {
-        Exception: handler,
-        APIError: handler,
-        LoraStarError: handler,
-        ValueError: handler,
-        HTTPException: handler,
-        ValidationException: handler,
-        **{status: handler for status in (400, 401, 403, 404, 405, 409, 413, 415, 422, 429, 500, 503)},
-    }
+    handlers = handler_map(handler)  # route-level: they beat the router's OpenAI-shaped ones
 
     @post(
         "/messages",
