@@ -5,12 +5,19 @@
 Per concurrency: output tokens/s of each, their ratio, and for the server vLLM's serving metrics:
 TTFT and inter-token latency (ITL, the gap between stream frames) percentiles.
 
+``--routes`` runs the same load through other APIs of the same server, one after the other:
+``chat`` (``/v1/chat/completions``), ``responses`` (OpenAI's ``/v1/responses``) and ``messages``
+(Anthropic's ``/v1/messages``) send the prompt as text in a user message (the chat template adds
+its few tokens) and count the tokens each stream's usage reports; results go to
+``serving_routes.md`` then.
+
 The default model is the 1-layer, hidden-32 random Llama of ``host_overhead.py`` (SmolLM2's
 tokenizer): the model costs almost nothing, so the ratio measures what the HTTP layer and the step
 loop cost each other. ``--model smollm2`` uses the embedded SmolLM2-135M.
 
     .venv/bin/python benchmarks/serving.py                      # 1, 16, 64 clients
     .venv/bin/python benchmarks/serving.py --model smollm2 --clients 16 --prompt-len 128 --new-tokens 64
+    .venv/bin/python benchmarks/serving.py --modes process --routes completions,chat,responses,messages
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +60,70 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--client", default="aiohttp", choices=["aiohttp", "httpx"], help="the load generator's HTTP library"
     )
+    p.add_argument(
+        "--routes", default="completions", help=f"the APIs each server is driven through: {', '.join(ROUTES)}"
+    )
     p.add_argument("--out", type=Path, default=common.RESULTS)
     return p.parse_args()
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one API is driven: its path, a streamed request for a prompt (token ids and text), and
+    what a frame says: (it carries new text, the output tokens its usage reports or None)."""
+
+    path: str
+    body: Callable[[list[int], str, int], dict[str, Any]]
+    frame: Callable[[dict[str, Any]], tuple[bool, int | None]]
+
+
+def _usage(msg: dict[str, Any], key: str) -> int | None:
+    return (msg.get("usage") or {}).get(key)
+
+
+ROUTES = {
+    "completions": Route(
+        "/v1/completions",
+        lambda ids, _, n: {
+            "prompt": ids,
+            "max_tokens": n,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },  # fmt: skip
+        lambda m: (bool(m.get("choices") and m["choices"][0].get("text")), _usage(m, "completion_tokens")),
+    ),
+    "chat": Route(
+        "/v1/chat/completions",
+        lambda _, text, n: {
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": n,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },  # fmt: skip
+        lambda m: (
+            bool(m.get("choices") and m["choices"][0]["delta"].get("content")),
+            _usage(m, "completion_tokens"),
+        ),
+    ),
+    "responses": Route(
+        "/v1/responses",
+        lambda _, text, n: {"input": text, "max_output_tokens": n},
+        lambda m: (
+            m["type"] == "response.output_text.delta" and bool(m["delta"]),
+            _usage(m["response"], "output_tokens")
+            if m["type"] in ("response.completed", "response.incomplete")
+            else None,
+        ),
+    ),
+    "messages": Route(
+        "/v1/messages",
+        lambda _, text, n: {"messages": [{"role": "user", "content": text}], "max_tokens": n},
+        lambda m: (
+            m["type"] == "content_block_delta" and m["delta"].get("type") == "text_delta",
+            _usage(m, "output_tokens") if m["type"] == "message_delta" else None,
+        ),
+    ),
+}
 
 
 def offline(model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> float:
@@ -106,8 +176,8 @@ async def aiohttp_events(session: Any, url: str, body: dict[str, Any]) -> AsyncI
             now = time.perf_counter()
             buf += chunk
             *events, buf = buf.split(b"\n\n")
-            for ev in events:
-                data = ev.removeprefix(b"data: ")
+            for ev in events:  # `data: {...}`, or `event: type` then `data: {...}`
+                data = next((ln[6:] for ln in ev.split(b"\n") if ln.startswith(b"data: ")), b"")
                 if data and data != b"[DONE]":
                     yield now, data
 
@@ -115,23 +185,23 @@ async def aiohttp_events(session: Any, url: str, body: dict[str, Any]) -> AsyncI
 async def one_client(
     events: Callable[[str, dict[str, Any]], AsyncIterator[tuple[float, str | bytes]]],
     url: str,
-    prompts: list[list[int]],
+    prompts: list[tuple[list[int], str]],
     new_tokens: int,
+    route: Route,
 ) -> list[dict[str, Any]]:
     """Stream each prompt in turn through ``events``; per request: TTFT, frame gaps, tokens."""
     results = []
-    for prompt in prompts:
-        body = {"model": "m", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    for ids, text in prompts:
+        body = {"model": "m", "temperature": 0, "stream": True, **route.body(ids, text, new_tokens)}
         t0 = time.perf_counter()
         stamps: list[float] = []
         tokens = 0
         async for now, data in events(url, body):
-            msg = json.loads(data)
-            if msg.get("choices") and msg["choices"][0].get("text"):
+            has_text, usage = route.frame(json.loads(data))
+            if has_text:
                 stamps.append(now)
-            if msg.get("usage"):
-                tokens = msg["usage"]["completion_tokens"]
+            if usage:
+                tokens = usage
         if not stamps:
             raise RuntimeError("a stream produced no text")
         results.append({"ttft": stamps[0] - t0, "gaps": [b - a for a, b in zip(stamps, stamps[1:])],
@@ -140,9 +210,13 @@ async def one_client(
 
 
 async def serve_load(
-    port: int, per_client: list[list[list[int]]], new_tokens: int, client_lib: str = "aiohttp"
+    port: int,
+    per_client: list[list[tuple[list[int], str]]],
+    new_tokens: int,
+    client_lib: str = "aiohttp",
+    route: Route = ROUTES["completions"],
 ) -> dict[str, float]:
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    url = f"http://127.0.0.1:{port}{route.path}"
     async with contextlib.AsyncExitStack() as stack:
         if client_lib == "aiohttp":
             import aiohttp
@@ -155,9 +229,9 @@ async def serve_load(
 
             client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(per_client) + 4))
             events = functools.partial(httpx_events, await stack.enter_async_context(client))
-        await one_client(events, url, per_client[0][:1], 4)  # warm-up
+        await one_client(events, url, per_client[0][:1], 4, route)  # warm-up
         t0 = time.perf_counter()
-        runs = await asyncio.gather(*(one_client(events, url, ps, new_tokens) for ps in per_client))
+        runs = await asyncio.gather(*(one_client(events, url, ps, new_tokens, route) for ps in per_client))
         wall = time.perf_counter() - t0
     reqs = [r for run in runs for r in run]
     ttft = sorted(r["ttft"] for r in reqs)
@@ -196,27 +270,37 @@ def main() -> None:
     if a.other:  # the same modes (a checkout from before --engine-process existed: thread only)
         for m in a.modes.split(","):
             checkouts[f"other ({m})"] = (a.other.resolve(), flags[m])
+    routes = a.routes.split(",")
+    if unknown := [r for r in routes if r not in ROUTES]:
+        raise SystemExit(f"--routes: unknown {unknown}; choose from {', '.join(ROUTES)}")
+    labels: list[str] = []
     for c in [int(x) for x in a.clients.split(",")]:
         n = c * a.requests_per_client
         prompts = common.text_prompts(tok, n, a.prompt_len, seed=c)
-        per_client = [prompts[i::c] for i in range(c)]
+        both = [(ids, tok.decode(ids)) for ids in prompts]
+        per_client = [both[i::c] for i in range(c)]
         off = offline(model, prompts, a.new_tokens, max(c, 1))
         for name, (checkout, extra) in checkouts.items():
             port = common.free_port()
             server = start_server(model, port, max(c, 1), env, checkout, extra)
             try:
-                srv = asyncio.run(serve_load(port, per_client, a.new_tokens, a.client))
+                for route in routes:  # one server, each API in turn
+                    srv = asyncio.run(serve_load(port, per_client, a.new_tokens, a.client, ROUTES[route]))
+                    label = name if routes == ["completions"] else f"{name} {route}"
+                    labels += [label] if label not in labels else []
+                    ratio = srv["tok_s"] / off
+                    print(
+                        f"{label}, {c} clients: HTTP {srv['tok_s']:.0f} tok/s, offline {off:.0f}, ratio {ratio:.2f}",
+                        flush=True,
+                    )
+                    rows.append([label, c, off, srv["tok_s"], ratio, srv["ttft_p50_ms"], srv["ttft_p99_ms"],
+                                 srv["itl_p50_ms"], srv["itl_p99_ms"]])  # fmt: skip
+                    data.append(
+                        {"checkout": label, "clients": c, "offline_tok_s": off, **srv, "ratio": ratio}
+                    )
             finally:
                 server.terminate()
                 server.wait(30)
-            ratio = srv["tok_s"] / off
-            print(
-                f"{name}, {c} clients: HTTP {srv['tok_s']:.0f} tok/s, offline {off:.0f}, ratio {ratio:.2f}",
-                flush=True,
-            )
-            rows.append([name, c, off, srv["tok_s"], ratio, srv["ttft_p50_ms"], srv["ttft_p99_ms"],
-                         srv["itl_p50_ms"], srv["itl_p99_ms"]])  # fmt: skip
-            data.append({"checkout": name, "clients": c, "offline_tok_s": off, **srv, "ratio": ratio})
     table = common.markdown_table(
         [
             "server",
@@ -237,19 +321,20 @@ def main() -> None:
         f"Model: {a.model}; prompts of {a.prompt_len} tokens, {a.new_tokens} greedy tokens each (ignore_eos), "
         f"{a.requests_per_client} requests per client in turn; the server's max_num_seqs = clients."
     )
-    common.write_results("serving", a.out, [desc, table], {"env": env_desc, "rows": data})
+    stem = "serving" if routes == ["completions"] else "serving_routes"
+    common.write_results(stem, a.out, [desc, table], {"env": env_desc, "rows": data})
     fig, (ax,) = common.new_figure(width=6.0, height=3.6)
-    this = [r for r in data if r["checkout"] == next(iter(checkouts))]
+    this = [r for r in data if r["checkout"] == labels[0]]
     xs = [r["clients"] for r in this]
     ax.plot(xs, [r["offline_tok_s"] for r in this], "o-", label="offline LLM.generate", color="#999")
-    for name, color in zip(checkouts, ("#c33", "#3a3", "#36c")):
-        ys = [r["tok_s"] for r in data if r["checkout"] == name]
-        ax.plot(xs, ys, "o-", label=f"HTTP streaming ({name})", color=color)
+    for label, color in zip(labels, ("#c33", "#3a3", "#36c", "#c80", "#939", "#0aa", "#666", "#a60")):
+        ys = [r["tok_s"] for r in data if r["checkout"] == label]
+        ax.plot(xs, ys, "o-", label=f"HTTP streaming ({label})", color=color)
     common.log_x_axis(ax, xs)
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("output tokens/s")
     ax.legend()
-    common.save_figure(fig, a.out / "serving.png", f"HTTP vs offline ({a.model}): {env_desc}")
+    common.save_figure(fig, a.out / f"{stem}.png", f"HTTP vs offline ({a.model}): {env_desc}")
 
 
 if __name__ == "__main__":
