@@ -122,3 +122,28 @@ class StreamingOperation(Operation):
                 properties={"data": Schema(any_of=[json_frame, done])},
             )
             content["text/event-stream"] = OpenAPIMediaType(schema=event)
+
+
+@dataclass
+class TypedEventsOperation(Operation):
+    """OpenAPI operation of a route that answers JSON, or typed server-sent events with
+    ``stream: true`` (the Responses and Messages APIs: ``event: {type}`` then ``data: {json}``, one
+    event model per frame, errors included, no ``[DONE]``)."""
+
+    def __post_init__(self) -> None:
+        responses = self.responses or {}
+        chunk = responses.pop(str(STREAM_CHUNK), None)
+        content = getattr(responses.get("200"), "content", None)
+        chunk_content = getattr(chunk, "content", None)
+        if content is not None and chunk_content:
+            data = Schema(
+                type=OpenAPIType.STRING,
+                content_media_type="application/json",
+                content_schema=next(iter(chunk_content.values())).schema,
+            )
+            event = Schema(
+                type=OpenAPIType.OBJECT,
+                required=["event", "data"],
+                properties={"event": Schema(type=OpenAPIType.STRING), "data": data},
+            )
+            content["text/event-stream"] = OpenAPIMediaType(schema=event)

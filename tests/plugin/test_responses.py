@@ -350,3 +350,19 @@ def test_an_error_mid_stream_is_an_error_event(servers: dict) -> None:
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert "secret" not in events[-1]["message"]  # internal details stay in the server's log
     assert client.responses.create(model="fake-model", input="ab", max_output_tokens=2).output_text == "ba"
+
+
+def test_the_openapi_document_describes_typed_event_streams(servers: dict) -> None:
+    """/responses and /messages stream `event:` + `data:` frames without [DONE]; chat and
+    completions `data:` frames ending in [DONE]: the document says which."""
+    client, _ = servers["plain"]
+    doc = httpx.get(str(client.base_url).removesuffix("/v1/") + "/schema/openapi.json", timeout=30).json()
+
+    def stream_schema(path: str) -> dict[str, Any]:
+        return doc["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+
+    for path, event in (("/v1/responses", "ResponseStreamEvent"), ("/v1/messages", "MessagesStreamEvent")):
+        schema = stream_schema(path)
+        assert schema["required"] == ["event", "data"], path
+        assert schema["properties"]["data"]["contentSchema"] == {"$ref": f"#/components/schemas/{event}"}
+    assert "[DONE]" in json.dumps(stream_schema("/v1/chat/completions"))

@@ -22,7 +22,7 @@ from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.schemas import PromptLogprob, PromptLogprobs, PromptTokensDetails, UsageInfo
-from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation
+from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, TypedEventsOperation
 
 SAMPLING_FIELDS = (
     "temperature",
@@ -381,9 +381,12 @@ def stream_usage(last: Iterable[ChoiceDelta]) -> UsageInfo:
     )
 
 
-def generation_route(path: str, summary: str, response: type, chunk: type, guards: list[Any]) -> Any:
+def generation_route(
+    path: str, summary: str, response: type, chunk: type, guards: list[Any], *, typed_events: bool = False
+) -> Any:
     """The ``@post`` of a generating route: 200 with the JSON model or, streamed, ``chunk`` frames
-    (documented per SSE event), and the error statuses it can answer."""
+    (documented per SSE event; ``typed_events``: ``event:`` + ``data:`` frames, no ``[DONE]``), and
+    the error statuses it can answer."""
     return post(
         path,
         status_code=HTTP_200_OK,
@@ -394,5 +397,5 @@ def generation_route(path: str, summary: str, response: type, chunk: type, guard
             STREAM_CHUNK: ResponseSpec(chunk, description="stream chunk"),
             **error_responses(400, *((401,) if guards else ()), 404, 413, 503),
         },
-        operation_class=StreamingOperation,
+        operation_class=TypedEventsOperation if typed_events else StreamingOperation,
     )

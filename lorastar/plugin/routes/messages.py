@@ -47,7 +47,7 @@ from lorastar.plugin.routes.chat import AnswerParts, plan_chat, render_messages
 from lorastar.plugin.routes.common import choice_deltas, collect, prime_or_404
 from lorastar.plugin.schemas import ChatCompletionRequest, ChatMessageParam
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
-from lorastar.plugin.sse import STREAM_CHUNK, StreamingOperation, sse_event_response
+from lorastar.plugin.sse import STREAM_CHUNK, TypedEventsOperation, sse_event_response
 from lorastar.plugin.tool_parsers import ParsedToolCall, parse_tool_calls
 
 # Anthropic's error types by status (its SDKs pick their exception class from the status).
@@ -407,7 +407,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
             STREAM_CHUNK: ResponseSpec(MessagesStreamEvent, description="stream event"),
             **errors,
         },
-        operation_class=StreamingOperation,
+        operation_class=TypedEventsOperation,
         exception_handlers=handlers,
     )
     async def create_message(

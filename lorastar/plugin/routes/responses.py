@@ -586,7 +586,9 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
             reasoning_content=reasoning or None,
         )
 
-    @generation_route("/responses", "OpenAI responses", ResponsesResponse, ResponseStreamEvent, guards)
+    @generation_route(
+        "/responses", "OpenAI responses", ResponsesResponse, ResponseStreamEvent, guards, typed_events=True
+    )
     async def create_response(
         data: ResponsesRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
