@@ -215,7 +215,12 @@ async def serve_load(
     new_tokens: int,
     client_lib: str = "aiohttp",
     route: Route = ROUTES["completions"],
+    warm: bool = True,
 ) -> dict[str, float]:
+    """The load through ``route``, timed after one untimed pass of it when ``warm``: a fresh
+    server's first pass ran 2.5-4x slower here (16 clients, tiny model: 0.28-0.41 of offline, then
+    0.96-1.11), mostly oneDNN building a GEMM primitive the first time each row count comes by
+    (0.65-1.9 ms per linear shape, against ~1 ms steps on this model)."""
     url = f"http://127.0.0.1:{port}{route.path}"
     async with contextlib.AsyncExitStack() as stack:
         if client_lib == "aiohttp":
@@ -229,7 +234,8 @@ async def serve_load(
 
             client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(per_client) + 4))
             events = functools.partial(httpx_events, await stack.enter_async_context(client))
-        await one_client(events, url, per_client[0][:1], 4, route)  # warm-up
+        if warm:  # the whole load once, untimed (as vLLM's bench serve runs are warmed up here)
+            await asyncio.gather(*(one_client(events, url, ps, new_tokens, route) for ps in per_client))
         t0 = time.perf_counter()
         runs = await asyncio.gather(*(one_client(events, url, ps, new_tokens, route) for ps in per_client))
         wall = time.perf_counter() - t0
