@@ -310,6 +310,12 @@ def test_without_a_store_previous_response_id_is_a_404_that_says_why(servers: di
         ({"max_output_tokens": 5000}, "max_output_tokens", "'max_output_tokens' is too large"),
         ({"text": {"format": {"type": "yaml"}}}, "text", "text.format.type"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "needs a 'schema'"),
+        # the engine's own check of the schema, named as this route's client sent it
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+            "text",
+            "text.format",
+        ),
         ({"tool_choice": {"type": "web_search"}, "tools": TOOLS}, "tool_choice", "tool_choice must be"),
         (
             {"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS},

@@ -295,7 +295,7 @@ def _renamed(exc: APIError) -> APIError:
     for old, new in _RENAMED:
         message = message.replace(old, new)
         if param == old:
-            param = new
+            param = new.split(".")[0]  # the top-level field, as the other 400s name it
     return APIError(message, exc.status_code, param=param, headers=exc.headers)
 
 
