@@ -1,6 +1,7 @@
 """Many clients at once, every kind of request, and clients that hang up at random moments.
 
-Each round sends 24 concurrent requests drawn at random (chat and completions, streamed or not,
+Each round sends 24 concurrent requests drawn at random (chat, completions, OpenAI's responses and
+Anthropic's messages, streamed or not,
 the base model and three adapters over two device slots, n > 1, beam search, stop strings,
 logprobs, penalties, seeds, echo, token-id prompts) to a live server on a small KV cache, and
 gives two thirds of them a hang-up time of 0-500 ms (it falls before the reply starts, mid-stream,
@@ -40,7 +41,10 @@ WORDS = ["the", "cat", "a", "dog", "hello", "world", "lorem", "ipsum"]
 def draw_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     """A random request: ``(route, JSON body)``, valid or refused with a 400 by design (for
     example stop strings with beam search)."""
-    chat = rng.random() < 0.5
+    kind = rng.random()
+    if kind >= 0.8:  # the newer APIs, over the same chat pipeline
+        return draw_agent_request(rng, responses=kind < 0.9)
+    chat = kind < 0.4
     body: dict[str, Any] = {
         "model": rng.choice(["tiny", "alpha", "beta", "gamma"]),  # gamma comes and goes
         "max_tokens": rng.randint(1, 40),
@@ -77,6 +81,47 @@ def draw_request(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", body
 
 
+def draw_agent_request(rng: random.Random, *, responses: bool) -> tuple[str, dict[str, Any]]:
+    """A random ``/v1/responses`` or ``/v1/messages`` request (one answer each: no n, no beam)."""
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
+    body: dict[str, Any] = {
+        "model": rng.choice(["tiny", "alpha", "beta", "gamma"]),
+        "stream": rng.random() < 0.7,
+        "temperature": rng.choice([0.0, 0.8]),
+    }
+    if responses:
+        body.update(input=text, max_output_tokens=rng.randint(1, 40))
+        if rng.random() < 0.3:
+            body.update(top_logprobs=rng.randint(0, 3), include=["message.output_text.logprobs"])
+        return "/v1/responses", body
+    body.update(messages=[{"role": "user", "content": text}], max_tokens=rng.randint(1, 40))
+    if rng.random() < 0.3:
+        body["stop_sequences"] = ["e", "a"]
+    return "/v1/messages", body
+
+
+# Error types of the Responses (flat ``code``) and Messages (``error.type``) shapes, as statuses.
+_STATUS_OF = {
+    "ServiceUnavailableError": 503,
+    "overloaded_error": 503,
+    "InternalServerError": 500,
+    "api_error": 500,
+}
+
+
+def openai_error(body: dict[str, Any], status: int | None = None) -> dict[str, Any] | None:
+    """An error body or stream frame of any of the APIs in the OpenAI shape the checks read
+    (``{"error": {"code", "message"}}``), or None when it is no error."""
+    error = body.get("error")
+    if isinstance(error, dict) and "code" in error:  # OpenAI's own
+        return body
+    if body.get("type") != "error":
+        return None
+    info = error if isinstance(error, dict) else body  # Anthropic's nests it; a Responses event is flat
+    kind = info.get("type") if isinstance(error, dict) else body.get("code")
+    return {"error": {"code": status or _STATUS_OF.get(str(kind), 500), "message": info.get("message", "")}}
+
+
 async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: dict[str, list[Any]]) -> None:
     """One random request; ``seen`` gets its status code (or "cancelled"), and the error body of a
     5xx ("5xx") or of an error frame in a stream ("error frames")."""
@@ -89,7 +134,7 @@ async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: di
                     text = (await r.aread()).decode() if r.status_code != 200 else ""
                     async for line in r.aiter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
-                            if "error" in (frame := json.loads(line[6:])):
+                            if (frame := openai_error(json.loads(line[6:]))) is not None:
                                 seen["error frames"].append(frame)
             else:
                 r = await client.post(url + route, json=body)
@@ -98,7 +143,7 @@ async def send(client: httpx.AsyncClient, url: str, rng: random.Random, seen: di
         seen["cancelled"].append(route)
         return
     if r.status_code >= 500:
-        seen["5xx"].append(json.loads(text) if text.startswith("{") else text)
+        seen["5xx"].append(openai_error(json.loads(text), r.status_code) if text.startswith("{") else text)
     if r.status_code == 404:
         seen["404 models"].append(body["model"])
     seen[str(r.status_code)].append(route)
