@@ -115,8 +115,8 @@ class LoraStarConfig:
     """Most ``/responses`` answers kept in this process's memory (``store``, the default in OpenAI's
     API), least recently used dropped first, for ``previous_response_id`` and
     ``GET /responses/{id}``. ``0``: none are kept (vLLM's default: a stored conversation is memory
-    the server holds), and ``previous_response_id`` is a 404 that says so. Each app worker keeps
-    its own."""
+    the server holds), and ``previous_response_id`` is a 404 that says so. Each app worker (and
+    each Ray Serve replica) keeps its own: a continued conversation must reach the same one."""
 
     shutdown_drain_timeout: float = 5.0
     """Seconds in-flight requests get to finish at shutdown before they are aborted."""
