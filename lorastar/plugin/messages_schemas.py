@@ -27,7 +27,9 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     tools: list[dict[str, Any]] | None = None  # {"name", "description", "input_schema"}
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "tool" | "none", "name"}
-    thinking: dict[str, Any] | None = None  # accepted; thinking follows the template and the parser
+    # {"type": "enabled" | "disabled", "budget_tokens"}: the template's enable_thinking (Qwen3,
+    # SmolLM3 and other hybrid templates); budget_tokens is accepted, not enforced
+    thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": {...}}}
     metadata: dict[str, Any] | None = None
     # vLLM's extras (as on the chat route)
@@ -49,6 +51,7 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     adapter_id: str | None = None
 

@@ -267,6 +267,7 @@ class ScriptedLLM(FakeAsyncLLM):
 
     def apply_chat_template(self, messages: list[dict], *args: Any, **kw: Any) -> list[int]:
         super().apply_chat_template(messages, *args, **kw)
+        self.template_kwargs = kw.get("chat_template_kwargs")  # the last request's template variables
         return self.tokenizer.encode(messages[-1]["content"] or "x")
 
 

@@ -231,6 +231,28 @@ def test_what_cannot_be_served_is_an_anthropic_error(
     assert wait_until(lambda: not fake.running)
 
 
+def test_thinking_switches_the_templates_enable_thinking(servers: dict) -> None:
+    client, fake, _ = servers["tools"]
+    kw = {"model": "fake-model", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    client.messages.create(**kw, thinking={"type": "disabled"})
+    assert fake.template_kwargs == {"enable_thinking": False}
+    client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024})
+    assert fake.template_kwargs == {"enable_thinking": True}
+    # the request's own variable wins; without thinking nothing is added
+    client.messages.create(
+        **kw,
+        thinking={"type": "disabled"},
+        extra_body={"chat_template_kwargs": {"enable_thinking": True, "x": 1}},
+    )
+    assert fake.template_kwargs == {"enable_thinking": True, "x": 1}
+    client.messages.create(**kw)
+    assert fake.template_kwargs is None
+    client.messages.count_tokens(model="fake-model", messages=kw["messages"], thinking={"type": "disabled"})
+    assert fake.template_kwargs == {"enable_thinking": False}  # counted as /messages renders it
+    with pytest.raises(anthropic.BadRequestError, match="thinking.type"):
+        client.messages.create(**kw, extra_body={"thinking": {"type": "sometimes"}})
+
+
 def test_api_keys_are_read_from_either_header(servers: dict) -> None:
     _, _, url = servers["plain"]
     body = {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "ab"}]}

@@ -9,7 +9,8 @@ Anthropic's events (``message_start`` ... ``message_stop``); errors, streamed or
 Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
 Served: text, tools (``input_schema``) with every ``tool_choice``, ``stop_sequences``,
-``output_config.format`` (json_schema), ``/messages/count_tokens``. Refused with a 400 naming the
+``output_config.format`` (json_schema), ``thinking`` on or off (the template's ``enable_thinking``),
+``/messages/count_tokens``. Refused with a 400 naming the
 field: images, documents, server tools (web search, code execution, ...).
 """
 
@@ -252,6 +253,19 @@ def chat_response_format(config: dict[str, Any] | None) -> dict[str, Any] | None
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+def template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
+    """The template's variables: ``thinking`` enabled or disabled becomes ``enable_thinking`` (the
+    switch of Qwen3's, SmolLM3's and other hybrid templates; others ignore it) unless the request
+    sets that variable itself."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.thinking is not None:
+        kind = req.thinking.get("type")
+        if kind not in ("enabled", "disabled"):
+            raise APIError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}.", param="thinking")
+        kwargs.setdefault("enable_thinking", kind == "enabled")
+    return kwargs or None
+
+
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         messages=chat_messages(req),
@@ -269,7 +283,7 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         seed=req.seed,
         stop=req.stop_sequences,
         cache_salt=req.cache_salt,
-        chat_template_kwargs=req.chat_template_kwargs,
+        chat_template_kwargs=template_kwargs(req),
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         response_format=chat_response_format(req.output_config),
@@ -512,7 +526,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
         chat_tool_choice(data.tool_choice)  # checked as /messages checks it
         tools = chat_tools(data.tools)
         _, ids = await render_messages(
-            engine, chat_messages(data), True, chat_template_kwargs=data.chat_template_kwargs, tools=tools
+            engine, chat_messages(data), True, chat_template_kwargs=template_kwargs(data), tools=tools
         )
         return CountTokensResponse(input_tokens=len(ids))
 
