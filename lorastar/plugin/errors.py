@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -200,13 +201,18 @@ def to_api_error(
     return APIError("Internal server error.", HTTP_500_INTERNAL_SERVER_ERROR)
 
 
-def make_exception_handler(retry_after: int) -> Any:
+def make_exception_handler(
+    retry_after: int, render: Callable[[APIError], Response[Any]] = APIError.to_response
+) -> Any:
+    """Every exception as an ``APIError`` (``to_api_error``), answered by ``render`` (OpenAI's shape
+    unless an API of another shape passes its own)."""
+
     def handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
         body = None
         if isinstance(exc, HTTPException) and exc.status_code == 400:  # the body was read to parse it
             cached = getattr(getattr(request, "_connection_state", None), "body", None)
             body = cached if isinstance(cached, bytes) else None
-        return to_api_error(exc, retry_after=retry_after, body=body).to_response()
+        return render(to_api_error(exc, retry_after=retry_after, body=body))
 
     return handler
 

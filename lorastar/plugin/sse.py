@@ -25,18 +25,32 @@ def frame(obj: Any) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
-async def sse_frames(events: AsyncIterator[Any], *, retry_after: int = 1) -> AsyncIterator[bytes]:
-    """Frame ``events`` (Structs/dicts); an error after the stream started becomes one in-band
-    ``data: {"error": ...}`` frame, then ``[DONE]``. A disconnect cancels ``events`` (aborting)."""
+async def _framed(
+    events: AsyncIterator[Any],
+    encode: Callable[[Any], bytes],
+    error_frame: Callable[[APIError, Any], bytes],
+    retry_after: int,
+) -> AsyncIterator[bytes]:
+    """``events`` each framed by ``encode``; an error after the stream started becomes one in-band
+    frame, ``error_frame(error, the last event sent)``. A disconnect cancels ``events`` (aborting)."""
+    last: Any = None
     try:
         async for event in events:
-            yield frame(event)
+            last = event
+            yield encode(event)
     except Exception as exc:  # CancelledError (disconnect) is a BaseException and passes through
-        yield frame(to_api_error(exc, retry_after=retry_after).body())
+        yield error_frame(to_api_error(exc, retry_after=retry_after), last)
     finally:
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+async def sse_frames(events: AsyncIterator[Any], *, retry_after: int = 1) -> AsyncIterator[bytes]:
+    """Frame ``events`` (Structs/dicts) as ``data:`` frames; an error after the stream started is one
+    ``data: {"error": ...}`` frame; then ``[DONE]``."""
+    async for chunk in _framed(events, frame, lambda error, _: frame(error.body()), retry_after):
+        yield chunk
     yield DONE
 
 
@@ -53,7 +67,7 @@ def event_frame(event: dict[str, Any]) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
 
 
-async def sse_event_frames(
+def sse_event_frames(
     events: AsyncIterator[dict[str, Any]],
     error_event: Callable[[APIError, dict[str, Any] | None], dict[str, Any]],
     *,
@@ -62,17 +76,9 @@ async def sse_event_frames(
     """Typed events as the Responses and Messages APIs frame them: ``event: {type}`` then
     ``data: {json}``, no ``[DONE]``. An error after the stream started is one event,
     ``error_event(error, the last event sent)``, in the API's own shape."""
-    last: dict[str, Any] | None = None
-    try:
-        async for event in events:
-            last = event
-            yield event_frame(event)
-    except Exception as exc:  # CancelledError (disconnect) is a BaseException and passes through
-        yield event_frame(error_event(to_api_error(exc, retry_after=retry_after), last))
-    finally:
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
+    return _framed(
+        events, event_frame, lambda error, last: event_frame(error_event(error, last)), retry_after
+    )
 
 
 def sse_event_response(

@@ -290,10 +290,23 @@ def chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: in
     return ChatChoiceLogprobs(content=content)
 
 
+# The request fields /responses and /messages hand to the chat pipeline as they are (chat_request_of).
+PASSED_THROUGH = (
+    "model", "adapter_id", "stream", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "cache_salt",
+)  # fmt: skip
+
+
+def chat_request_of(req: Any, **fields: Any) -> ChatCompletionRequest:
+    """A chat request from another API's request ``req``: its ``PASSED_THROUGH`` fields as they
+    are, ``fields`` (the ones that API names or shapes its own way) on top."""
+    return ChatCompletionRequest(**{name: getattr(req, name) for name in PASSED_THROUGH}, **fields)
+
+
 @dataclass
 class ChatPlan:
     """A chat request made ready to generate: its prompt, its parameters and how its answer is read
-    (shared by ``/chat/completions`` and ``/responses``)."""
+    (shared by ``/chat/completions``, ``/responses`` and ``/messages``)."""
 
     engine: EngineClient
     adapter: str | None
@@ -304,6 +317,24 @@ class ChatPlan:
     forced: str | None  # a named function: the whole answer is its arguments
     forced_ids: list[str]  # that call's id, one per choice
     reasoning_style: str | None  # the server's reasoning parser
+    tools: list[Any] | None  # the request's tools (typed arguments for parsers that read them)
+
+    def read(self, text: str, index: int = 0) -> tuple[str | None, str | None, list[ParsedToolCall]]:
+        """A whole answer's (reasoning, content, calls): a forced function's answer is its
+        arguments; otherwise the reasoning parser, then the tool-call parser, read it."""
+        reasoning, content = (
+            ReasoningSplitter(self.reasoning_style).split(text) if self.reasoning_style else (None, text)
+        )
+        if self.forced:
+            return reasoning, None, [ParsedToolCall(self.forced, text, self.forced_ids[index])]
+        if self.tool_parser and content:
+            content, calls = parse_tool_calls(content, self.tool_parser, self.tools)
+            return reasoning, content, calls
+        return reasoning, content, []
+
+    def parts(self) -> AnswerParts:
+        """The same reading for a streamed answer, delta by delta (a forced function's aside)."""
+        return AnswerParts(self.reasoning_style, self.tool_parser, self.tools)
 
 
 async def plan_chat(service: LoraStarService, data: ChatCompletionRequest) -> ChatPlan:
@@ -344,7 +375,16 @@ async def plan_chat(service: LoraStarService, data: ChatCompletionRequest) -> Ch
     # A named function's call id, one per choice (Mistral's templates take only their own ids).
     forced_ids = [call_id(service.config.tool_call_parser) for _ in range(params.n)] if forced else []
     return ChatPlan(
-        engine, adapter, messages, prompt_ids, params, tool_parser, forced, forced_ids, reasoning_style
+        engine,
+        adapter,
+        messages,
+        prompt_ids,
+        params,
+        tool_parser,
+        forced,
+        forced_ids,
+        reasoning_style,
+        data.tools,
     )
 
 
@@ -400,11 +440,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     if echo_text:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
-                parts = (
-                    {i: AnswerParts(reasoning_style, tool_parser, data.tools) for i in range(n)}
-                    if reasoning_style or tool_parser
-                    else {}
-                )
+                parts = {i: plan.parts() for i in range(n)} if reasoning_style or tool_parser else {}
                 started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
@@ -469,14 +505,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         out = finals[0]
 
         def choice(o: CompletionOutput) -> ChatCompletionResponseChoice:
-            reasoning, content = (
-                ReasoningSplitter(reasoning_style).split(o.text) if reasoning_style else (None, o.text)
-            )
-            calls: list[ParsedToolCall] = []
-            if forced:
-                content, calls = None, [ParsedToolCall(forced, o.text, forced_ids[o.index])]
-            elif tool_parser and content:
-                content, calls = parse_tool_calls(content, tool_parser, data.tools)
+            reasoning, content, calls = plan.read(o.text, o.index)
             if echo_text:
                 content = echo_text + (content or "")
             return ChatCompletionResponseChoice(

@@ -22,13 +22,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from litestar import Request, Response, post
-from litestar.exceptions import HTTPException
 from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
-from lorastar.plugin.errors import APIError, handler_map, to_api_error
+from lorastar.plugin.errors import APIError, handler_map, make_exception_handler
 from lorastar.plugin.messages_schemas import (
     AnthropicErrorInfo,
     AnthropicErrorResponse,
@@ -43,13 +42,12 @@ from lorastar.plugin.messages_schemas import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from lorastar.plugin.reasoning import ReasoningSplitter
-from lorastar.plugin.routes.chat import AnswerParts, plan_chat, render_messages
+from lorastar.plugin.routes.chat import chat_request_of, plan_chat, render_messages
 from lorastar.plugin.routes.common import choice_deltas, collect, prime_or_404
 from lorastar.plugin.schemas import ChatCompletionRequest, ChatMessageParam
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
 from lorastar.plugin.sse import STREAM_CHUNK, TypedEventsOperation, sse_event_response
-from lorastar.plugin.tool_parsers import ParsedToolCall, parse_tool_calls
+from lorastar.plugin.tool_parsers import ParsedToolCall
 
 # Anthropic's error types by status (its SDKs pick their exception class from the status).
 _ERROR_TYPES = {
@@ -76,18 +74,9 @@ def anthropic_error(error: APIError) -> AnthropicErrorResponse:
     return AnthropicErrorResponse(error=AnthropicErrorInfo(type=kind, message=error.message))
 
 
-def make_anthropic_handler(retry_after: int) -> Any:
-    """The routes' errors in Anthropic's shape (the status and headers of the OpenAI routes')."""
-
-    def handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-        body = None
-        if isinstance(exc, HTTPException) and exc.status_code == 400:  # the body was read to parse it
-            cached = getattr(getattr(request, "_connection_state", None), "body", None)
-            body = cached if isinstance(cached, bytes) else None
-        error = to_api_error(exc, retry_after=retry_after, body=body)
-        return Response(anthropic_error(error), status_code=error.status_code, headers=error.headers)
-
-    return handler
+def anthropic_response(error: APIError) -> Response[Any]:
+    """An error in Anthropic's shape, with the status and headers the OpenAI routes would send."""
+    return Response(anthropic_error(error), status_code=error.status_code, headers=error.headers)
 
 
 def _error_event(error: APIError, last: dict[str, Any] | None) -> dict[str, Any]:
@@ -267,22 +256,11 @@ def template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]
 
 
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
-    return ChatCompletionRequest(
+    return chat_request_of(
+        req,
         messages=chat_messages(req),
-        model=req.model,
-        adapter_id=req.adapter_id,
         max_tokens=req.max_tokens,
-        stream=req.stream,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        seed=req.seed,
         stop=req.stop_sequences,
-        cache_salt=req.cache_salt,
         chat_template_kwargs=template_kwargs(req),
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
@@ -402,7 +380,7 @@ class _Blocks:
 
 def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list[Any]:
     """``POST /messages`` and ``POST /messages/count_tokens``, answering errors in Anthropic's shape."""
-    handler = make_anthropic_handler(service.config.retry_after_seconds)
+    handler = make_exception_handler(service.config.retry_after_seconds, anthropic_response)
     errors = {
         s: ResponseSpec(data_container=AnthropicErrorResponse, description=_ERROR_TYPES[s])
         for s in (400, *((401,) if guards else ()), 404, 413, 503)
@@ -440,7 +418,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
 
             async def events() -> AsyncIterator[Any]:
                 blocks = _Blocks()
-                parts = AnswerParts(plan.reasoning_style, plan.tool_parser, chat_tools(data.tools))
+                parts = plan.parts()
                 started = False
                 used_tools = False
                 generated = 0
@@ -496,14 +474,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
         finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
         out = finals[0]
         o = out.outputs[0]
-        reasoning, content = (
-            ReasoningSplitter(plan.reasoning_style).split(o.text) if plan.reasoning_style else (None, o.text)
-        )
-        calls: list[ParsedToolCall] = []
-        if plan.forced:
-            content, calls = None, [ParsedToolCall(plan.forced, o.text, "")]
-        elif plan.tool_parser and content:
-            content, calls = parse_tool_calls(content, plan.tool_parser, chat_tools(data.tools))
+        reasoning, content, calls = plan.read(o.text)
         blocks = content_blocks(reasoning, content, calls)
         stop_reason, stop_sequence = stop_of(o, any(isinstance(b, ToolUseBlock) for b in blocks))
         message = MessagesResponse(

@@ -29,7 +29,7 @@ from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
 from lorastar.plugin.errors import APIError, error_responses
-from lorastar.plugin.reasoning import THINK_END, ReasoningSplitter
+from lorastar.plugin.reasoning import THINK_END
 from lorastar.plugin.responses_schemas import (
     ResponseDeleted,
     ResponseFunctionToolCall,
@@ -46,9 +46,9 @@ from lorastar.plugin.responses_schemas import (
     ResponseUsage,
 )
 from lorastar.plugin.routes.chat import (
-    AnswerParts,
     ChatPlan,
     chat_logprobs,
+    chat_request_of,
     plan_chat,
     reasoning_token_ids,
 )
@@ -61,7 +61,7 @@ from lorastar.plugin.routes.common import (
 from lorastar.plugin.schemas import ChatCompletionRequest, ChatLogprobToken, ChatMessageParam
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
 from lorastar.plugin.sse import sse_event_response
-from lorastar.plugin.tool_parsers import ParsedToolCall, parse_tool_calls
+from lorastar.plugin.tool_parsers import ParsedToolCall
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA = 16  # OpenAI's bounds on metadata: pairs, key and value lengths
@@ -317,25 +317,15 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
 
 def chat_request(req: ResponsesRequest, conversation: list[ChatMessageParam]) -> ChatCompletionRequest:
     system = [ChatMessageParam(role="system", content=req.instructions)] if req.instructions else []
-    return ChatCompletionRequest(
+    want_lp = wants_logprobs(req)
+    return chat_request_of(
+        req,
         messages=system + conversation,
-        model=req.model,
-        adapter_id=req.adapter_id,
         max_tokens=req.max_output_tokens,
-        stream=req.stream,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty,
-        seed=req.seed,
         stop=req.stop,
-        cache_salt=req.cache_salt,
         chat_template_kwargs=req.chat_template_kwargs,
-        logprobs=wants_logprobs(req),
-        top_logprobs=(req.top_logprobs or 0) if wants_logprobs(req) else None,
+        logprobs=want_lp,
+        top_logprobs=(req.top_logprobs or 0) if want_lp else None,
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         response_format=chat_response_format(req.text),
@@ -618,7 +608,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
                 started = response_of(data, response_id, created, [], "in_progress", None, stored)
                 yield ev.event("response.created", response=started)
                 yield ev.event("response.in_progress", response=started)
-                parts = AnswerParts(plan.reasoning_style, plan.tool_parser, chat_tools(data.tools))
+                parts = plan.parts()
                 reasoning_text, content_text = "", ""
                 calls: list[ParsedToolCall] = []
                 ids: list[int] = []
@@ -671,14 +661,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
         finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
         out = finals[0]
         o = out.outputs[0]
-        reasoning, content = (
-            ReasoningSplitter(plan.reasoning_style).split(o.text) if plan.reasoning_style else (None, o.text)
-        )
-        calls: list[ParsedToolCall] = []
-        if plan.forced:
-            content, calls = None, [ParsedToolCall(plan.forced, o.text, plan.forced_ids[0])]
-        elif plan.tool_parser and content:
-            content, calls = parse_tool_calls(content, plan.tool_parser, chat_tools(data.tools))
+        reasoning, content, calls = plan.read(o.text)
         lps = chat_logprobs(tokenizer, o, 0, num_top).content if want_lp else None
         items = output_items(o, reasoning, content, calls, lps)
         usage = usage_of(plan, out, list(o.token_ids), o.text, reasoning)
