@@ -134,7 +134,8 @@ class SamplingParams:
     # first ``reasoning_end_token_id`` (``</think>``). With ``reasoning_start_token_id`` (``<think>``:
     # Qwen3's style) the block is open only if the first output token opens it, and the first
     # token may do so whatever the constraint; without it (DeepSeek-R1's: the template leaves the
-    # prompt inside the block) the output is reasoning from its first token. The chat route sets
+    # prompt inside the block) the output is reasoning from its first token. JSON after a block may
+    # open with a little whitespace (``structured.JSON_LEADING_WHITESPACE``). The chat route sets
     # both from the server's reasoning parser.
     reasoning_start_token_id: int | None = None
     reasoning_end_token_id: int | None = None

@@ -57,6 +57,12 @@ GRAMMAR_CACHE_BYTES = 512 << 20
 # Its compile threads (8 by default) compete with the step loop's torch threads: half the cores.
 COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 _WHAT = {"guided_json": "JSON schema", "guided_regex": "regular expression"}
+# Templates separate an answer from its thinking block with whitespace (Qwen3's and DeepSeek-R1's
+# "</think>\n\n", one token in their vocabularies), and a model that wrote its block expects to
+# write it: JSON after a reasoning block may open with up to this many whitespace characters (a
+# JSON parser skips them). Bounded, so a small model cannot loop on it; a regular expression or a
+# grammar keeps its own start (the whole answer after the block must match it).
+JSON_LEADING_WHITESPACE = 4
 
 
 def _refusal(field: str, exc: BaseException) -> InvalidParamError:
@@ -76,16 +82,19 @@ def parse_grammar(params: SamplingParams) -> Any:
     field, text = spec
     any_whitespace = not params.disable_any_whitespace
     try:
-        if field == "guided_json":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)
         if field == "guided_regex":
             return xgr.Grammar.from_regex(text)
         if field == "guided_grammar":
             return xgr.Grammar.from_lark(text) if is_lark(text) else xgr.Grammar.from_ebnf(text)
-        # any JSON object (OpenAI's json_object; vLLM compiles the same schema)
-        return xgr.Grammar.from_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=any_whitespace)
+        # a schema, or any JSON object (OpenAI's json_object; vLLM compiles the same schema)
+        schema = text if field == "guided_json" else JSON_OBJECT_SCHEMA
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
     except (RuntimeError, ValueError, TypeError) as exc:
         raise _refusal(field, exc) from None
+    if params.reasoning_end_token_id is None:
+        return grammar
+    lead = xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{JSON_LEADING_WHITESPACE}}}")
+    return xgr.Grammar.concat(lead, grammar)
 
 
 class GrammarCompiler:

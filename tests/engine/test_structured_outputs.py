@@ -15,7 +15,15 @@ import xgrammar as xgr
 
 from lorastar import LLM, SamplingParams
 from lorastar.engine.grammar_mask import apply_grammars, bitmask_to_additive, bitmask_to_bool
-from lorastar.engine.structured import ENDED, FREE, MASKED, GrammarRow, is_lark, parse_grammar
+from lorastar.engine.structured import (
+    ENDED,
+    FREE,
+    JSON_LEADING_WHITESPACE,
+    MASKED,
+    GrammarRow,
+    is_lark,
+    parse_grammar,
+)
 from lorastar.errors import InvalidParamError
 
 MESSAGES = [{"role": "user", "content": "Describe a cat called Tom, aged 3, as JSON."}]
@@ -318,20 +326,55 @@ def test_grammar_row_waits_for_the_reasoning_block(model_dir: str) -> None:
     assert allowed(GrammarRow(compiled, [eos], think_start=think, think_end=end), [word]) == "ended"
 
 
+def test_json_after_a_reasoning_block_may_open_with_a_little_whitespace(model_dir: str) -> None:
+    """Templates put "\\n\\n" after "</think>": JSON that follows a block may open with up to
+    ``JSON_LEADING_WHITESPACE`` whitespace characters, never more (a loop), and JSON without a block,
+    a regular expression or a grammar keep their own start."""
+    from transformers import AutoTokenizer
+
+    info = xgr.TokenizerInfo.from_huggingface(
+        AutoTokenizer.from_pretrained(model_dir, local_files_only=True), vocab_size=49152
+    )
+    compiler = xgr.GrammarCompiler(info)
+
+    def accepts(text: str, **kw: object) -> bool:
+        matcher = xgr.GrammarMatcher(compiler.compile_grammar(parse_grammar(SamplingParams(**kw))))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    for kw in ({"guided_json": SCHEMA}, {"guided_json_object": True, "disable_any_whitespace": True}):
+        obj = '{"name": "Tom", "age": 3, "colour": "black"}'
+        assert accepts(obj, **kw) and not accepts("\n\n" + obj, **kw)
+        after = {**kw, "reasoning_end_token_id": 63}
+        for lead in ("", "\n\n", " \r\n\t"):
+            assert accepts(lead + obj, **after), repr(lead)
+        assert not accepts("\n" * (JSON_LEADING_WHITESPACE + 1) + obj, **after)
+    for kw, text in (
+        ({"guided_regex": REGEX}, "Tom is 3 years old."),
+        ({"guided_grammar": EBNF}, "The cat is black."),
+    ):
+        assert accepts(text, **kw, reasoning_end_token_id=63)
+        assert not accepts("\n\n" + text, **kw, reasoning_end_token_id=63)
+
+
+@pytest.mark.parametrize("end_token", ["Ċ", "json"])
 def test_greedy_structured_output_after_a_reasoning_block_equals_transformers(
-    model_dir: str, llm: LLM
+    model_dir: str, llm: LLM, end_token: str
 ) -> None:
-    """With a newline as the end of a reasoning block, the output is free text up to its first
-    newline ("```json"), then the schema's JSON: HF greedy up to that newline, then HF under
-    xgrammar's processor from there."""
+    """With a token of the answer as the end of a reasoning block, the output is free text up to it
+    (the newline after "```json", or the "json"), then the schema's JSON, which may open with a
+    little whitespace after a block (``JSON_LEADING_WHITESPACE``): HF greedy up to that token, then
+    HF under xgrammar's processor with the same constraint from there. After "json" the model
+    writes its newline first, which the schema alone would refuse."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
-    dot = tok.convert_tokens_to_ids("Ċ")  # "\n"
+    dot = tok.convert_tokens_to_ids(end_token)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
-    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    lead = xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{JSON_LEADING_WHITESPACE}}}")
+    schema = xgr.Grammar.from_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    grammar = xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.concat(lead, schema))
     with torch.inference_mode():
         think = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=dot)
         assert think[0, -1].item() == dot
@@ -356,6 +399,9 @@ def test_greedy_structured_output_after_a_reasoning_block_equals_transformers(
     assert r2.outputs[0].token_ids == r1.outputs[0].token_ids  # the first token opened the block
     text = r1.outputs[0].text
     assert text.startswith("```json\n") and _satisfies("guided_json", text[len("```json\n") :])
+    if end_token == "json":  # the whitespace the schema alone refuses, then the JSON
+        block = think.shape[1] - len(ids)
+        assert tok.decode(out[block : block + 1]) == "\n" and out[block + 1] == tok.convert_tokens_to_ids("{")
     assert _satisfies("guided_json", plain.outputs[0].text) and plain.outputs[0].text != text
     with pytest.raises(InvalidParamError, match="reasoning_end_token_id"):
         SamplingParams(reasoning_start_token_id=1)
