@@ -147,6 +147,20 @@ def test_a_named_tool_streams_its_input_as_it_comes(servers: dict) -> None:
     assert json.loads(fake.last_params.guided_json)["type"] == "array"
 
 
+def test_a_named_tool_after_thinking_is_a_thinking_block_then_the_tool_use(servers: dict) -> None:
+    client, _, _ = servers["tools"]  # reasoning_parser="qwen3"
+    args = '{"city": "Paris"}'
+    answer = "<think>need weather</think>\n\n" + args
+    kw = {"model": "fake-model", "max_tokens": len(answer), "tools": TOOLS,
+          "tool_choice": {"type": "tool", "name": "get_weather"},
+          "messages": [{"role": "user", "content": say(answer)}]}  # fmt: skip
+    whole = client.messages.create(**kw)
+    assert blocks_of(whole) == [("thinking", "need weather"), ("tool_use", "get_weather", {"city": "Paris"})]
+    final, kinds = streamed(client, **kw)
+    assert blocks_of(final) == blocks_of(whole)
+    assert kinds.count("content_block_start") == 2
+
+
 def test_tool_history_reaches_the_template_as_chat_messages(servers: dict) -> None:
     client, fake, _ = servers["tools"]
     history = [

@@ -189,6 +189,34 @@ def test_a_named_tool_choice_streams_its_arguments_as_they_come(servers: dict) -
     assert items_of(final) == items_of(whole)
 
 
+def test_a_named_tool_choice_after_thinking_is_a_reasoning_item_then_the_call(servers: dict) -> None:
+    client, fake = servers["tools"]  # reasoning_parser="qwen3"
+    args = '{"city": "Paris"}'
+    answer = "<think>need weather</think>\n\n" + args
+    kw = {
+        "model": "fake-model", "input": say(answer), "max_output_tokens": len(answer), "tools": TOOLS,
+        "tool_choice": {"type": "function", "name": "get_weather"},
+    }  # fmt: skip
+    whole = client.responses.create(**kw)
+    assert items_of(whole) == [
+        ("reasoning", "need weather"),
+        ("function_call", "get_weather", args, "incomplete"),
+    ]
+    assert whole.usage.output_tokens_details.reasoning_tokens == len("<think>need weather</think>")
+    final, events = streamed(client, **kw)
+    assert items_of(final) == items_of(whole)
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == args
+    # the stored turn (streamed or not) is the thinking and the call with its arguments
+    for done in (whole, final):
+        client.responses.create(
+            model="fake-model", input="ok", previous_response_id=done.id, max_output_tokens=1
+        )
+        turn = fake.rendered[-1][0][1]
+        assert turn["reasoning_content"] == "need weather" and turn["tool_calls"][0]["function"] == {
+            "name": "get_weather", "arguments": {"city": "Paris"}
+        }  # fmt: skip
+
+
 def test_logprobs_stream_with_the_text_they_belong_to(servers: dict) -> None:
     client, _ = servers["plain"]
     kw = {"model": "fake-model", "input": say("hello"), "max_output_tokens": 5, "top_logprobs": 1,

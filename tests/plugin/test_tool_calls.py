@@ -485,6 +485,54 @@ def test_a_named_tool_choice_streams_its_arguments_as_they_come(servers: dict) -
     assert got[0].function.name == "get_weather" and "".join(c.function.arguments for c in got) == args
 
 
+def test_a_named_tool_choice_after_a_thinking_block_takes_the_rest_as_its_arguments(servers: dict) -> None:
+    """With a reasoning parser, a named function's arguments are the answer after its thinking
+    block, from their first character that is not whitespace (templates write "\\n\\n" after
+    "</think>"): the block is reasoning, whole and streamed, and never part of the arguments."""
+    http, _ = servers["on"]  # reasoning_parser="qwen3"
+    args = '{"city": "Paris"}'
+    answer = "<think>need weather</think>\n\n" + args
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {
+        **_chat(tool_choice=named),
+        "max_tokens": len(answer),
+        "messages": [{"role": "user", "content": answer[::-1]}],
+    }
+    msg = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("need weather", None)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+        ("get_weather", args)
+    ]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        deltas = [
+            ch["delta"]
+            for x in resp.iter_lines()
+            if x.startswith("data: ") and x != "data: [DONE]"
+            for ch in json.loads(x[6:])["choices"]
+        ]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "need weather"
+    pieces = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert pieces[0]["function"]["name"] == "get_weather" and pieces[0]["id"].startswith("chatcmpl-tool-")
+    assert (
+        "".join(p["function"]["arguments"] for p in pieces) == args
+        and pieces[0]["function"]["arguments"] == "{"
+    )
+    assert not "".join(d.get("content", "") for d in deltas)
+    # cut inside the block: reasoning and a call without arguments, whole and streamed alike
+    cut = {**body, "max_tokens": len("<think>need ")}
+    msg = http.post("/v1/chat/completions", json=cut).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "need " and msg["tool_calls"][0]["function"]["arguments"] == ""
+    with http.stream("POST", "/v1/chat/completions", json={**cut, "stream": True}) as resp:
+        deltas = [
+            ch["delta"]
+            for x in resp.iter_lines()
+            if x.startswith("data: ") and x != "data: [DONE]"
+            for ch in json.loads(x[6:])["choices"]
+        ]
+    pieces = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(pieces) == 1 and pieces[0]["function"] == {"name": "get_weather", "arguments": ""}
+
+
 class _TagTokenizer:
     """One id for each thinking tag, one per character otherwise (the fake's tokenizer)."""
 

@@ -224,14 +224,29 @@ def reasoning_token_ids(tokenizer: Any, style: str) -> tuple[int | None, int] | 
 
 class AnswerParts:
     """One choice's streamed text through the reasoning splitter and the tool-call parser (each
-    where configured): (reasoning, content, calls) per delta."""
+    where configured): (reasoning, content, calls) per delta. ``forced``: the content is a named
+    function's arguments, from their first character that is not whitespace (a template writes
+    some after a thinking block), as ``ChatPlan.read`` takes them."""
 
-    def __init__(self, reasoning_style: str | None, tool_parser: str | None, tools: list[Any] | None) -> None:
+    def __init__(
+        self,
+        reasoning_style: str | None,
+        tool_parser: str | None,
+        tools: list[Any] | None,
+        forced: bool = False,
+    ) -> None:
         self.reasoning = ReasoningSplitter(reasoning_style) if reasoning_style else None
         self.tools = ToolCallStream(tool_parser, tools) if tool_parser else None
+        self.forced = forced
+        self.opened = False  # forced: the arguments have begun
 
     def feed(self, text: str, final: bool) -> tuple[str, str, list[ParsedToolCall]]:
         reasoning, content = self.reasoning.feed(text, final) if self.reasoning else ("", text)
+        if self.forced:
+            if not self.opened:
+                content = content.lstrip()
+                self.opened = bool(content)
+            return reasoning, content, []
         calls: list[ParsedToolCall] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content, final)
@@ -314,19 +329,21 @@ class ChatPlan:
     prompt_ids: list[int]
     params: SamplingParams
     tool_parser: str | None  # reads calls out of the answer (the server's, or REQUIRED)
-    forced: str | None  # a named function: the whole answer is its arguments
+    forced: str | None  # a named function: the answer (after any thinking block) is its arguments
     forced_ids: list[str]  # that call's id, one per choice
     reasoning_style: str | None  # the server's reasoning parser
     tools: list[Any] | None  # the request's tools (typed arguments for parsers that read them)
 
     def read(self, text: str, index: int = 0) -> tuple[str | None, str | None, list[ParsedToolCall]]:
-        """A whole answer's (reasoning, content, calls): a forced function's answer is its
-        arguments; otherwise the reasoning parser, then the tool-call parser, read it."""
+        """A whole answer's (reasoning, content, calls): the reasoning parser reads it, then a
+        forced function takes the rest as its arguments (from their first character that is not
+        whitespace) or the tool-call parser reads the rest."""
         reasoning, content = (
             ReasoningSplitter(self.reasoning_style).split(text) if self.reasoning_style else (None, text)
         )
         if self.forced:
-            return reasoning, None, [ParsedToolCall(self.forced, text, self.forced_ids[index])]
+            arguments = (content or "").lstrip()
+            return reasoning, None, [ParsedToolCall(self.forced, arguments, self.forced_ids[index])]
         if self.tool_parser and content:
             content, calls = parse_tool_calls(content, self.tool_parser, self.tools)
             return reasoning, content, calls
@@ -334,7 +351,7 @@ class ChatPlan:
 
     def parts(self) -> AnswerParts:
         """The same reading for a streamed answer, delta by delta (a forced function's aside)."""
-        return AnswerParts(self.reasoning_style, self.tool_parser, self.tools)
+        return AnswerParts(self.reasoning_style, self.tool_parser, self.tools, forced=self.forced is not None)
 
 
 async def plan_chat(service: LoraStarService, data: ChatCompletionRequest) -> ChatPlan:
@@ -440,24 +457,35 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     if echo_text:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
-                parts = {i: plan.parts() for i in range(n)} if reasoning_style or tool_parser else {}
+                parts = (
+                    {i: plan.parts() for i in range(n)} if reasoning_style or tool_parser or forced else {}
+                )
                 started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
                     lp = chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
                     finish = o.finish_reason
-                    if forced:  # the answer is the named function's arguments: they stream as they come
+                    if forced:  # after any thinking, the named function's arguments: they stream as they come
+                        reasoning, arguments, _ = parts[o.index].feed(d.text, final=finish is not None)
+                        if not data.include_reasoning:
+                            reasoning = ""
                         first = o.index not in started
-                        started.add(o.index)
-                        if d.text or first:
-                            delta = DeltaMessage(tool_calls=[DeltaToolCall(
+                        call: Any = UNSET
+                        if arguments or (first and (finish is not None or d.out.finished)):
+                            started.add(o.index)
+                            call = [DeltaToolCall(
                                 index=0, id=forced_ids[o.index] if first else UNSET,
                                 type="function" if first else UNSET,
-                                function=DeltaFunctionCall(name=forced if first else UNSET, arguments=d.text),
-                            )])  # fmt: skip
-                        else:
-                            delta = DeltaMessage()
+                                function=DeltaFunctionCall(name=forced if first else UNSET, arguments=arguments),
+                            )]  # fmt: skip
+                        elif not (reasoning or lp or finish or d.out.finished):
+                            continue  # held back (a tag or the whitespace before the arguments)
+                        delta = DeltaMessage(
+                            reasoning_content=reasoning or UNSET,
+                            reasoning=reasoning or UNSET,
+                            tool_calls=call,
+                        )
                     elif parts:
                         reasoning, content, calls = parts[o.index].feed(d.text, final=finish is not None)
                         if not data.include_reasoning:

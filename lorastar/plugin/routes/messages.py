@@ -432,12 +432,18 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
                             id=message_id, model=model, content=[], stop_reason=None, usage=usage_of(d.out, 0)
                         )
                         yield {"type": "message_start", "message": head}
-                    if plan.forced:  # the named tool's input, streamed as it comes
-                        for e in (
-                            blocks.tool_input(d.text) if used_tools else blocks.tool_use(plan.forced, d.text)
-                        ):
+                    if plan.forced:  # after any thinking, the named tool's input, streamed as it comes
+                        reasoning, arguments, _ = parts.feed(d.text, final=o.finish_reason is not None)
+                        for e in blocks.thinking(reasoning) if reasoning else []:
                             yield e
-                        used_tools = True
+                        if arguments or (not used_tools and o.finish_reason is not None):
+                            for e in (
+                                blocks.tool_input(arguments)
+                                if used_tools
+                                else blocks.tool_use(plan.forced, arguments)
+                            ):
+                                yield e
+                            used_tools = True
                     else:
                         reasoning, content, calls = parts.feed(d.text, final=o.finish_reason is not None)
                         for e in (blocks.thinking(reasoning) if reasoning else []) + (

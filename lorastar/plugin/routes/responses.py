@@ -620,15 +620,19 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
                     raw += d.text
                     if want_lp:
                         ev.logprobs(chat_logprobs(tokenizer, o, 0, num_top).content)
-                    if plan.forced:  # the answer is the named function's arguments: they stream as they come
+                    if plan.forced:  # after any thinking, the named function's arguments, as they come
+                        r, arguments, _ = parts.feed(d.text, final=final)
+                        reasoning_text += r
+                        for e in ev.reasoning(r) if r else []:
+                            yield e
                         if calls:
-                            for e in ev.arguments(d.text):
+                            for e in ev.arguments(arguments):
                                 yield e
-                        else:
+                        elif arguments or final:
                             calls.append(ParsedToolCall(plan.forced, "", plan.forced_ids[0]))
-                            for e in ev.call(calls[0], d.text):
+                            for e in ev.call(calls[0], arguments):
                                 yield e
-                        content_text += d.text
+                        content_text += arguments
                     else:
                         r, c, new_calls = parts.feed(d.text, final=final)
                         reasoning_text, content_text = reasoning_text + r, content_text + c
@@ -651,6 +655,8 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
                 done = response_of(data, response_id, created, ev.items, status, usage, stored)
                 if stored:
                     content = None if plan.forced else content_text or None
+                    if plan.forced:  # the call's arguments are the answer's
+                        calls = [ParsedToolCall(plan.forced, content_text, plan.forced_ids[0])]
                     store.put(done, [*conversation, answer_turn(reasoning_text, content, calls)])
                 yield ev.event(
                     "response.incomplete" if status == "incomplete" else "response.completed", response=done
