@@ -44,6 +44,7 @@ from lorastar.engine.sampler import (
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_words_token_ids
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.engine.structured import GrammarCompiler, GrammarRow
+from lorastar.engine.thinking_budget import ThinkingBudget
 from lorastar.errors import (
     AdapterError,
     AdapterNotFoundError,
@@ -76,9 +77,9 @@ class _InFlight:
 def _needs_sync(req: Request) -> bool:
     """Requests whose sampling reads the previous token on the host or forks sequences there
     (beams; n > 1 until its samples have forked, after which they are n plain sequences; a bad
-    word of several tokens; guided_choice; a grammar), or whose prompt logprobs go through the host: while
-    one is live, async scheduling runs steps one at a time. Penalties read the previous token on
-    the device (``PendingTokens``)."""
+    word of several tokens; guided_choice; a grammar; a thinking budget), or whose prompt logprobs
+    go through the host: while one is live, async scheduling runs steps one at a time. Penalties
+    read the previous token on the device (``PendingTokens``)."""
     params = req.params
     return (
         params.use_beam_search
@@ -87,6 +88,7 @@ def _needs_sync(req: Request) -> bool:
         or (req.bad_words is not None and bool(req.bad_words.multi))
         or req.choices is not None
         or req.grammar is not None
+        or params.thinking_token_budget is not None
     )
 
 
@@ -917,9 +919,14 @@ class LLMEngine:
             if req.grammar is not None
             else None
         )
+        thinking = (
+            ThinkingBudget(p.thinking_token_budget, p.reasoning_start_token_id, p.reasoning_end_token_id)
+            if p.thinking_token_budget is not None and p.reasoning_end_token_id is not None
+            else None
+        )
         return SamplingRow(req.params, req.prompt_token_ids, OutputIds(seq.token_ids, seq.num_prompt_tokens),
                            generator, self.eos_token_ids, bad_words=req.bad_words, choices=req.choices,
-                           grammar=grammar)  # fmt: skip
+                           grammar=grammar, thinking=thinking)  # fmt: skip
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None

@@ -27,6 +27,7 @@ from torch import Tensor
 from lorastar.engine.grammar_mask import apply_grammars
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.structured import GrammarRow
+from lorastar.engine.thinking_budget import ThinkingBudget
 from lorastar.forward_context import to_device
 
 # A row's logprobs: {token_id: (logprob, rank)}, rank 1-based (vLLM's Logprob.rank).
@@ -121,6 +122,8 @@ class SamplingRow:
     # This sequence's matcher of the request's compiled JSON schema / regex / grammar (its own:
     # structured.GrammarRow); None: none.
     grammar: GrammarRow | None = None
+    # This sequence's thinking block under the request's thinking_token_budget; None: no budget.
+    thinking: ThinkingBudget | None = None
 
 
 @dataclass(slots=True)
@@ -218,6 +221,7 @@ _COLUMNS: tuple[tuple[str, Callable[[SamplingParams], object], type], ...] = (
     ("allowed", lambda p: p.allowed_token_ids is not None, np.bool_),
     ("bad_words", lambda p: bool(p.bad_words), np.bool_),
     ("guided", lambda p: p.guided_choice is not None or p.grammar_spec is not None, np.bool_),
+    ("thinking", lambda p: p.thinking_token_budget is not None, np.bool_),
 )
 
 
@@ -242,6 +246,7 @@ class SamplingMetadata:
     allowed: np.ndarray  # [R] bool: the row has allowed_token_ids (on its params)
     bad_words: np.ndarray  # [R] bool: the row has bad_words (token ids on its SamplingRow)
     guided: np.ndarray  # [R] bool: the row has guided_choice or a grammar (on its SamplingRow)
+    thinking: np.ndarray  # [R] bool: the row has a thinking_token_budget (on its SamplingRow)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingMetadata:
@@ -337,10 +342,12 @@ class Sampler:
             raise ValueError(f"sampling metadata has {len(meta.greedy)} rows but logits has {num_rows}")
         dev = logits.device
         min_tok_rows = _below_min_tokens(rows, meta)
+        end_rows = _thinking_spent(rows, meta)
         # Work in fp32 (low-precision softmax loses the tail); copy only if masks/penalties
         # will write into it, so the caller's logits are never modified.
         writes = bool(
             min_tok_rows
+            or end_rows
             or meta.logit_bias.any()
             or meta.allowed.any()
             or meta.bad_words.any()
@@ -367,6 +374,7 @@ class Sampler:
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
+        _end_thinking(x, rows, end_rows)
 
         may_sync = not (no_sync and dev.type == "cuda")
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
@@ -786,6 +794,28 @@ def _argmax(x: Tensor, may_sync: bool = True) -> Tensor:
     if not may_sync or bool(nan.any()):  # no_sync: a second pass instead of reading the check back
         tok = torch.where(nan, torch.nan_to_num(x, nan=_NEG_INF).argmax(dim=-1), tok)
     return tok
+
+
+def _thinking_spent(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:
+    """The rows whose thinking block is open and holds its budget: their next token is its end."""
+    if not meta.thinking.any():
+        return []
+    return [
+        i
+        for i in np.flatnonzero(meta.thinking).tolist()
+        if (t := rows[i].thinking) is not None and t.must_end(rows[i].output_token_ids)
+    ]
+
+
+def _end_thinking(x: Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
+    """Rows ``idx`` can sample only their thinking block's end tag (after every other mask, so no
+    other constraint leaves the row without a token)."""
+    if idx:
+        dev = x.device
+        ends = [rows[i].thinking.think_end for i in idx]  # type: ignore[union-attr]
+        r = to_device(idx, dev)
+        x[r] = _NEG_INF
+        x[r, to_device(ends, dev)] = 0.0
 
 
 def _below_min_tokens(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:

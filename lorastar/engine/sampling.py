@@ -139,6 +139,11 @@ class SamplingParams:
     # both from the server's reasoning parser.
     reasoning_start_token_id: int | None = None
     reasoning_end_token_id: int | None = None
+    # vLLM's: at most this many tokens inside the thinking block (its tags not counted); then the
+    # block's end tag is the only token allowed (``thinking_budget.ThinkingBudget``). Needs
+    # ``reasoning_end_token_id`` (and ``reasoning_start_token_id`` for Qwen3's style), which the
+    # chat route sets from the server's reasoning parser.
+    thinking_token_budget: int | None = None
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -330,6 +335,17 @@ class SamplingParams:
             raise InvalidParamError(
                 "reasoning_start_token_id", "reasoning_start_token_id needs reasoning_end_token_id."
             )
+        budget = self.thinking_token_budget
+        if budget is not None:
+            if not _is_int(budget) or not 0 <= budget <= _MAX_INT:
+                raise InvalidParamError(
+                    "thinking_token_budget", f"thinking_token_budget must be an integer >= 0, got {budget!r}."
+                )
+            if self.reasoning_end_token_id is None:
+                raise InvalidParamError(
+                    "thinking_token_budget",
+                    "thinking_token_budget needs reasoning_end_token_id (the thinking block's end tag).",
+                )
         given = [n for n in GUIDED_FIELDS if getattr(self, n) not in (None, False)]
         if len(given) > 1:
             raise InvalidParamError(

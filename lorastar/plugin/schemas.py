@@ -157,6 +157,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking)
     include_reasoning: bool = True  # vLLM's: False drops reasoning_content (with a reasoning parser)
+    # vLLM's: at most this many tokens of thinking, then the block's end tag (with a reasoning parser)
+    thinking_token_budget: Annotated[int, msgspec.Meta(ge=0)] | None = None
     chat_template: None = None  # refused (UNSUPPORTED_FIELDS): the server's template is its operator's
     tools: list[Any] | None = None  # OpenAI function definitions, rendered by the chat template
     tool_choice: Any = None  # "auto" (the default with tools; needs a tool_call_parser) or "none"

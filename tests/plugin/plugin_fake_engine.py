@@ -274,3 +274,17 @@ class ScriptedLLM(FakeAsyncLLM):
 def say(answer: str) -> str:
     """The last message that makes ``ScriptedLLM`` answer ``answer``."""
     return answer[::-1]
+
+
+class TagTokenizer:
+    """One id for each thinking tag (900, 901), the wrapped tokenizer's otherwise (a fake engine's
+    ``CharTokenizer`` spells them a character a token)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def encode(self, text: str, **kw: Any) -> list[int]:
+        return {"<think>": [900], "</think>": [901]}.get(text) or self.inner.encode(text, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

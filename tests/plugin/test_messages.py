@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from plugin_fake_engine import ScriptedLLM, say
+from plugin_fake_engine import ScriptedLLM, TagTokenizer, say
 from plugin_support import ServerThread, wait_until
 
 from lorastar.plugin import LoraStarConfig, create_app
@@ -265,6 +265,34 @@ def test_thinking_switches_the_templates_enable_thinking(servers: dict) -> None:
     assert fake.template_kwargs == {"enable_thinking": False}  # counted as /messages renders it
     with pytest.raises(anthropic.BadRequestError, match="thinking.type"):
         client.messages.create(**kw, extra_body={"thinking": {"type": "sometimes"}})
+
+
+def test_thinking_budget_tokens_cap_the_thinking_where_the_server_can(servers: dict) -> None:
+    """Enabled thinking's ``budget_tokens`` becomes the engine's thinking_token_budget where the
+    reasoning parser's tags are one token each; otherwise it is dropped (Anthropic's clients send
+    one with every thinking request), never a 400."""
+    client, fake, _ = servers["tools"]  # reasoning_parser="qwen3"
+    kw = {"model": "fake-model", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    inner = fake.tokenizer
+    fake.tokenizer = TagTokenizer(inner)
+    try:
+        client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024})
+        p = fake.last_params
+        assert (p.thinking_token_budget, p.reasoning_start_token_id, p.reasoning_end_token_id) == (
+            1024,
+            900,
+            901,
+        )
+        client.messages.create(**kw, thinking={"type": "disabled"})
+        assert fake.last_params.thinking_token_budget is None
+        with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+            client.messages.create(
+                **kw, extra_body={"thinking": {"type": "enabled", "budget_tokens": "many"}}
+            )
+    finally:
+        fake.tokenizer = inner
+    client.messages.create(**kw, thinking={"type": "enabled", "budget_tokens": 1024})  # "<think>": 7 tokens
+    assert fake.last_params.thinking_token_budget is None
 
 
 def test_api_keys_are_read_from_either_header(servers: dict) -> None:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from plugin_fake_engine import FakeAsyncLLM
+from plugin_fake_engine import FakeAsyncLLM, TagTokenizer
 from plugin_support import ServerThread
 
 from lorastar.plugin import LoraStarConfig, create_app
@@ -533,19 +533,6 @@ def test_a_named_tool_choice_after_a_thinking_block_takes_the_rest_as_its_argume
     assert len(pieces) == 1 and pieces[0]["function"] == {"name": "get_weather", "arguments": ""}
 
 
-class _TagTokenizer:
-    """One id for each thinking tag, one per character otherwise (the fake's tokenizer)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def encode(self, text: str, **kw: Any) -> list[int]:
-        return {"<think>": [900], "</think>": [901]}.get(text) or self.inner.encode(text, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def test_structured_outputs_follow_the_reasoning_block(servers: dict) -> None:
     """With a reasoning parser, a constrained request names the thinking tags' ids, so the engine
     applies the constraint after the block (vLLM's behaviour); unconstrained requests do not, and
@@ -555,7 +542,7 @@ def test_structured_outputs_follow_the_reasoning_block(servers: dict) -> None:
     http, fake = servers["on"]  # reasoning_parser="qwen3"
     body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     inner = fake.tokenizer
-    fake.tokenizer = _TagTokenizer(inner)
+    fake.tokenizer = TagTokenizer(inner)
     try:
         for extra in (
             {"guided_regex": "a+"},
@@ -573,6 +560,34 @@ def test_structured_outputs_follow_the_reasoning_block(servers: dict) -> None:
     assert reasoning_token_ids(inner, "qwen3") is None  # "<think>" is 7 tokens here
     http.post("/v1/chat/completions", json={**body, "guided_regex": "a+"})
     assert fake.last_params.reasoning_end_token_id is None
+
+
+def test_a_thinking_token_budget_reaches_the_engine_with_the_tags(servers: dict) -> None:
+    """vLLM's ``thinking_token_budget``: with the reasoning parser's tags as one token each, the
+    engine gets the budget and the tags (it forces the end tag; tests/engine/test_thinking_budget.py);
+    where it cannot be enforced, a 400 that says why."""
+    http, fake = servers["on"]  # reasoning_parser="qwen3"
+    body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    inner = fake.tokenizer
+    fake.tokenizer = TagTokenizer(inner)
+    try:
+        assert http.post("/v1/chat/completions", json={**body, "thinking_token_budget": 5}).status_code == 200
+        p = fake.last_params
+        assert (p.thinking_token_budget, p.reasoning_start_token_id, p.reasoning_end_token_id) == (
+            5,
+            900,
+            901,
+        )
+        bad = http.post("/v1/chat/completions", json={**body, "thinking_token_budget": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "thinking_token_budget"
+    finally:
+        fake.tokenizer = inner
+    r = http.post("/v1/chat/completions", json={**body, "thinking_token_budget": 5})  # "<think>": 7 tokens
+    assert r.status_code == 400 and "several tokens" in r.json()["error"]["message"]
+    plain, _ = servers["plain"]
+    r = plain.post("/v1/chat/completions", json={**body, "thinking_token_budget": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+    assert "no reasoning parser" in r.json()["error"]["message"]
 
 
 def test_pythonic_answers_parse_as_calls_only_when_they_are_a_list_of_calls() -> None:

@@ -354,9 +354,14 @@ class ChatPlan:
         return AnswerParts(self.reasoning_style, self.tool_parser, self.tools, forced=self.forced is not None)
 
 
-async def plan_chat(service: LoraStarService, data: ChatCompletionRequest) -> ChatPlan:
+async def plan_chat(
+    service: LoraStarService, data: ChatCompletionRequest, *, soft_thinking_budget: bool = False
+) -> ChatPlan:
     """Resolve the adapter, check the tools, render the template and build the sampling
-    parameters (each a 400 naming the chat field at fault)."""
+    parameters (each a 400 naming the chat field at fault). ``soft_thinking_budget``: a
+    ``thinking_token_budget`` the server cannot enforce (no reasoning parser, or tags of several
+    tokens) is dropped instead of refused (Anthropic's ``budget_tokens``, which its clients send
+    with every thinking request)."""
     engine = await service.ready()
     adapter = await service.resolve_adapter(data.model, data.adapter_id)
     tools = check_tools(data.tools, data.tool_choice, service.config)
@@ -385,10 +390,22 @@ async def plan_chat(service: LoraStarService, data: ChatCompletionRequest) -> Ch
     if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
         params.skip_special_tokens = False
     reasoning_style = service.config.reasoning_parser
-    if reasoning_style and params.grammar_spec is not None:  # the constraint follows the thinking
+    budget = data.thinking_token_budget
+    # the constraint follows the thinking; the budget counts it
+    if reasoning_style and (params.grammar_spec is not None or budget is not None):
         tags = reasoning_token_ids(engine.tokenizer, reasoning_style)
         if tags is not None:
             params.reasoning_start_token_id, params.reasoning_end_token_id = tags
+    if budget is not None and params.reasoning_end_token_id is not None:
+        params.thinking_token_budget = budget
+    elif budget is not None and not soft_thinking_budget:
+        why = "the server has no reasoning parser (--reasoning-parser)" if not reasoning_style else (
+            f"the {reasoning_style} parser's </think> is several tokens for this tokenizer"
+        )  # fmt: skip
+        raise APIError(
+            f"thinking_token_budget needs the thinking block's end tag as one token: {why}.",
+            param="thinking_token_budget",
+        )
     # A named function's call id, one per choice (Mistral's templates take only their own ids).
     forced_ids = [call_id(service.config.tool_call_parser) for _ in range(params.n)] if forced else []
     return ChatPlan(

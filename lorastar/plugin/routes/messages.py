@@ -9,7 +9,8 @@ Anthropic's events (``message_start`` ... ``message_stop``); errors, streamed or
 Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
 Served: text, tools (``input_schema``) with every ``tool_choice``, ``stop_sequences``,
-``output_config.format`` (json_schema), ``thinking`` on or off (the template's ``enable_thinking``),
+``output_config.format`` (json_schema), ``thinking`` on or off (the template's ``enable_thinking``;
+``budget_tokens`` caps the thinking where the reasoning parser's tags are one token each),
 ``/messages/count_tokens``. Refused with a 400 naming the
 field: images, documents, server tools (web search, code execution, ...).
 """
@@ -265,7 +266,20 @@ def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
         tools=chat_tools(req.tools),
         tool_choice=chat_tool_choice(req.tool_choice),
         response_format=chat_response_format(req.output_config),
+        thinking_token_budget=thinking_budget(req),
     )
+
+
+def thinking_budget(req: MessagesRequest) -> int | None:
+    """``thinking.budget_tokens`` of enabled thinking: the chat route's ``thinking_token_budget``
+    (enforced where the server's reasoning parser has one-token tags, dropped otherwise)."""
+    thinking = req.thinking or {}
+    budget = thinking.get("budget_tokens")
+    if thinking.get("type") != "enabled" or budget is None:
+        return None
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise APIError(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}.", param="thinking")
+    return budget
 
 
 def _renamed(exc: APIError) -> APIError:
@@ -406,7 +420,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
         data: MessagesRequest, request: Request[Any, Any, Any]
     ) -> Response[Any] | Stream:
         try:
-            plan = await plan_chat(service, chat_request(data))
+            plan = await plan_chat(service, chat_request(data), soft_thinking_budget=True)
         except APIError as exc:
             raise _renamed(exc) from exc
         message_id = new_id("msg")

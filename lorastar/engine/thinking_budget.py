@@ -1,0 +1,53 @@
+"""A thinking budget (vLLM's ``SamplingParams.thinking_token_budget``): a reasoning model's
+thinking block is closed once it holds that many tokens, by allowing only its end tag next. The
+sampler reads each budgeted row's state here (``ThinkingBudget``), on the host, so such requests
+hold async scheduling to one step at a time (engine ``_needs_sync``), as grammars do."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ThinkingBudget:
+    """One sampling sequence's thinking block, followed over its output for
+    ``SamplingParams.thinking_token_budget``: once the block holds that many tokens (its tags not
+    counted) and is still open, the next token can only be its end tag.
+
+    The block is open from the first output token with ``think_end`` set and no ``think_start``
+    (DeepSeek-R1's style: the template leaves the prompt inside it), or from a first output token
+    that is ``think_start`` (Qwen3's); an output that starts otherwise has no block. Advanced lazily
+    over the output's new ids, as ``GrammarRow`` is, so a fork or a recomputed sequence catches up
+    from its output alone."""
+
+    __slots__ = ("budget", "think_start", "think_end", "seen", "inside", "count", "done")
+
+    def __init__(self, budget: int, think_start: int | None, think_end: int) -> None:
+        self.budget, self.think_start, self.think_end = budget, think_start, think_end
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seen = 0  # output ids read
+        self.inside = self.think_start is None  # in the block
+        self.count = 0  # tokens in the block so far
+        self.done = False  # the block closed, or the output opened without one
+
+    def must_end(self, output: Sequence[int]) -> bool:
+        """Whether the next token must be the end tag, after reading ``output``'s new ids."""
+        n = len(output)
+        if n < self.seen:  # an output never shrinks; a guard, not a path
+            self._reset()
+        for i in range(self.seen, n):
+            if self.done:
+                break
+            tok = int(output[i])
+            if self.inside:
+                if tok == self.think_end:
+                    self.inside, self.done = False, True
+                else:
+                    self.count += 1
+            elif i == 0 and tok == self.think_start:
+                self.inside = True
+            else:
+                self.done = True
+        self.seen = n
+        return self.inside and self.count >= self.budget
