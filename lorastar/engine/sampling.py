@@ -28,7 +28,9 @@ MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64
 # schemas nest through $defs / $ref, so real ones stay far below this.
 MAX_SCHEMA_DEPTH = 64
 # The structured-output fields: at most one per request.
-GUIDED_FIELDS = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "guided_json_object")
+GUIDED_FIELDS = (
+    "guided_choice", "guided_json", "guided_regex", "guided_grammar", "guided_json_object", "guided_structural_tag",
+)  # fmt: skip
 
 
 # Finite ranges of the float fields. vLLM's where it has one (top_p, min_p, presence and
@@ -125,6 +127,12 @@ class SamplingParams:
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_json_object: bool = False
+    # vLLM's structural_tag (xgrammar's): free text until a trigger, then a tagged section under its
+    # own constraint (begin, a JSON schema or another format, end), e.g. tool calls written as
+    # "<function=name>{...}</function>". xgrammar's form {"type": "structural_tag", "format": {...}}
+    # or the older {"structures": [{"begin", "schema", "end"}], "triggers": [...]}; an object, or its
+    # JSON text (kept as its JSON text).
+    guided_structural_tag: str | dict[str, Any] | None = None
     # JSON (a schema, json_object) without free whitespace between tokens: one space after ':' and
     # ',' and no newlines, where xgrammar's default lets a model write any run of whitespace there
     # (small models can loop on it until max_tokens). vLLM's disable_any_whitespace.
@@ -299,30 +307,30 @@ class SamplingParams:
                 raise InvalidParamError(name, f"{name} must be a boolean, got {value!r}.")
 
     def _check_grammar(self) -> None:
-        """The structured-output fields' types; a JSON schema kept as its JSON text; one at most."""
-        schema = self.guided_json
-        if schema is not None:
+        """The structured-output fields' types; a JSON schema or structural tag kept as its JSON
+        text; one at most."""
+        for name, what in (("guided_json", "a JSON schema"), ("guided_structural_tag", "a structural tag")):
+            schema = getattr(self, name)
+            if schema is None:
+                continue
             if isinstance(schema, str):
                 try:
                     parsed = json.loads(schema)
                 except (ValueError, RecursionError) as exc:
-                    raise InvalidParamError("guided_json", f"guided_json is not valid JSON: {exc}.") from None
+                    raise InvalidParamError(name, f"{name} is not valid JSON: {exc}.") from None
             else:
                 parsed = schema
             if (depth := _depth(parsed, MAX_SCHEMA_DEPTH)) > MAX_SCHEMA_DEPTH:
                 raise InvalidParamError(
-                    "guided_json",
-                    f"guided_json nests deeper than {MAX_SCHEMA_DEPTH} levels ({depth} or more).",
+                    name, f"{name} nests deeper than {MAX_SCHEMA_DEPTH} levels ({depth} or more)."
                 )
             if not isinstance(parsed, dict):
-                raise InvalidParamError(
-                    "guided_json", "guided_json must be a JSON schema: an object, or its JSON text."
-                )
+                raise InvalidParamError(name, f"{name} must be {what}: an object, or its JSON text.")
             if not isinstance(schema, str):
                 try:
-                    self.guided_json = json.dumps(schema)
+                    setattr(self, name, json.dumps(schema))
                 except (TypeError, ValueError) as exc:
-                    raise InvalidParamError("guided_json", f"guided_json is not JSON: {exc}.") from None
+                    raise InvalidParamError(name, f"{name} is not JSON: {exc}.") from None
         for name in ("guided_regex", "guided_grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -357,7 +365,7 @@ class SamplingParams:
     @property
     def grammar_spec(self) -> tuple[str, str] | None:
         """The structured-output constraint other than a choice, as (field, text), or None."""
-        for name in ("guided_json", "guided_regex", "guided_grammar"):
+        for name in ("guided_json", "guided_regex", "guided_grammar", "guided_structural_tag"):
             value = getattr(self, name)
             if value is not None:
                 return name, value

@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,11 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 GRAMMAR_CACHE_BYTES = 512 << 20
 # Its compile threads (8 by default) compete with the step loop's torch threads: half the cores.
 COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-_WHAT = {"guided_json": "JSON schema", "guided_regex": "regular expression"}
+_WHAT = {
+    "guided_json": "JSON schema",
+    "guided_regex": "regular expression",
+    "guided_structural_tag": "structural tag",
+}
 # Templates separate an answer from its thinking block with whitespace (Qwen3's and DeepSeek-R1's
 # "</think>\n\n", one token in their vocabularies), and a model that wrote its block expects to
 # write it: JSON after a reasoning block may open with up to this many whitespace characters (a
@@ -86,6 +91,8 @@ def parse_grammar(params: SamplingParams) -> Any:
             return xgr.Grammar.from_regex(text)
         if field == "guided_grammar":
             return xgr.Grammar.from_lark(text) if is_lark(text) else xgr.Grammar.from_ebnf(text)
+        if field == "guided_structural_tag":
+            return structural_tag_grammar(text)
         # a schema, or any JSON object (OpenAI's json_object; vLLM compiles the same schema)
         schema = text if field == "guided_json" else JSON_OBJECT_SCHEMA
         grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
@@ -95,6 +102,31 @@ def parse_grammar(params: SamplingParams) -> Any:
         return grammar
     lead = xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{JSON_LEADING_WHITESPACE}}}")
     return xgr.Grammar.concat(lead, grammar)
+
+
+def structural_tag_grammar(text: str) -> Any:
+    """A structural tag's grammar, as vLLM reads one: the older form (``structures`` of
+    ``{"begin", "schema", "end"}`` and ``triggers``) through xgrammar's item list, any other
+    through xgrammar's own parser (``{"type": "structural_tag", "format": {...}}``)."""
+    import json
+
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return xgr.Grammar.from_structural_tag(text)
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise ValueError("'structures' and 'triggers' must be lists")
+    items = []
+    for s in structures:
+        if not isinstance(s, dict) or not all(isinstance(s.get(k), str) for k in ("begin", "end")):
+            raise ValueError("each structure needs 'begin' and 'end' strings and a 'schema'")
+        schema = s.get("schema", {})
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(schema), end=s["end"]))
+    with warnings.catch_warnings():  # xgrammar calls this form deprecated; vLLM still sends it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return xgr.Grammar.from_structural_tag(items, triggers)
 
 
 class GrammarCompiler:

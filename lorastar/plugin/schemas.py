@@ -36,14 +36,15 @@ Choices = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Me
 
 class StructuredOutputsParam(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``structured_outputs``: one of ``choice``, ``json`` (a JSON schema), ``regex``,
-    ``grammar`` (EBNF or Lark) and ``json_object``; its other keys (structural_tag, whitespace
-    options) are refused as unknown."""
+    ``grammar`` (EBNF or Lark), ``json_object`` and ``structural_tag`` (xgrammar's, as JSON text
+    or an object); its other keys (whitespace options) are refused as unknown."""
 
     choice: Choices | None = None
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool | None = None  # JSON without free whitespace between tokens
 
 

@@ -138,6 +138,22 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "guided_json_object": st.booleans(),
     "disable_any_whitespace": st.booleans(),
     "reasoning_end_token_id": st.one_of(st.none(), st.integers(0, 60), EXTREME_INTS),
+    "reasoning_start_token_id": st.one_of(st.none(), st.integers(0, 60), EXTREME_INTS),
+    "thinking_token_budget": st.one_of(st.none(), st.integers(0, 4), EXTREME_INTS),
+    "guided_structural_tag": st.one_of(
+        st.none(),
+        st.text(max_size=6),
+        st.just(
+            {"structures": [{"begin": "a", "schema": {"type": "integer"}, "end": "b"}], "triggers": ["a"]}
+        ),
+        st.just({"structures": [{"begin": 1}], "triggers": "a"}),
+        st.just({"type": "structural_tag", "format": {"type": "nope"}}),
+        st.dictionaries(
+            st.sampled_from(["type", "format", "structures", "triggers"]),
+            st.sampled_from(["structural_tag", "a", 1, [], {}]),
+            max_size=3,
+        ),
+    ),  # fmt: skip
 }
 
 

@@ -326,6 +326,52 @@ def test_grammar_row_waits_for_the_reasoning_block(model_dir: str) -> None:
     assert allowed(GrammarRow(compiled, [eos], think_start=think, think_end=end), [word]) == "ended"
 
 
+def _structural_tag(form: str) -> dict:
+    """A JSON block in a Markdown fence, in the older and in xgrammar's own form."""
+    if form == "structures":
+        return {"type": "structural_tag", "triggers": ["```"],
+                "structures": [{"begin": "```json\n", "schema": SCHEMA, "end": "\n```"}]}  # fmt: skip
+    tag = {"type": "tag", "begin": "```json\n", "end": "\n```",
+           "content": {"type": "json_schema", "json_schema": SCHEMA}}  # fmt: skip
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": ["```"], "tags": [tag]},
+    }
+
+
+@pytest.mark.parametrize("form", ["structures", "format"])
+def test_greedy_structural_tag_equals_transformers(model_dir: str, llm: LLM, form: str) -> None:
+    """vLLM's structural_tag: free text until a trigger, then the tagged section under its schema.
+    Greedy output equals transformers under xgrammar's own processor compiling the same tag with
+    xgrammar's own compile_structural_tag, and the fenced JSON satisfies the schema."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size)
+    )
+    tag = _structural_tag(form)
+    if form == "structures":
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]  # fmt: skip
+        grammar = compiler.compile_structural_tag(items, tag["triggers"])
+    else:
+        grammar = compiler.compile_structural_tag(json.dumps(tag))
+    with torch.inference_mode():
+        ref = model.generate(
+            torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id, logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
+        )[0, len(ids) :].tolist()  # fmt: skip
+    got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=64, guided_structural_tag=tag))[
+        0
+    ].outputs[0]
+    assert got.token_ids == ref[: len(got.token_ids)] and len(got.token_ids) > 20
+    body = got.text.split("```json\n", 1)[1].split("\n```", 1)[0]
+    assert _satisfies("guided_json", body), got.text
+
+
 def test_json_after_a_reasoning_block_may_open_with_a_little_whitespace(model_dir: str) -> None:
     """Templates put "\\n\\n" after "</think>": JSON that follows a block may open with up to
     ``JSON_LEADING_WHITESPACE`` whitespace characters, never more (a loop), and JSON without a block,

@@ -258,12 +258,33 @@ def test_structured_outputs_on_both_routes_equal_llm_generate(
         response_format={"type": "json_object"},
     )
     assert obj.choices[0].message.content == obj_want.text
+    # vLLM's structural_tag: free text until the trigger (here the model's own first token, so it
+    # fires), then the tagged section under its schema
+    first = reference.chat(MESSAGES, greedy(1), adapter="alpha")[0].outputs[0].text
+    tag = {"type": "structural_tag", "triggers": [first],
+           "structures": [{"begin": first, "schema": SCHEMA, "end": "."}]}  # fmt: skip
+    tag_want = reference.chat(MESSAGES, greedy(40, guided_structural_tag=tag), adapter="alpha")[0].outputs[0]
+    # the tag fired and its schema took over (a tag's JSON takes any whitespace, which this random
+    # model then writes to max_tokens)
+    assert tag_want.text.startswith(first + '{"colour"'), tag_want.text
+    for kw in (
+        {"response_format": tag},
+        {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(tag)}}},
+    ):
+        chat = client.chat.completions.create(
+            model="alpha", messages=MESSAGES, max_tokens=40, temperature=0, **kw
+        )
+        assert chat.choices[0].message.content == tag_want.text, kw
     for route, body in [
         ("/v1/completions", {"prompt": PROMPT}),
         ("/v1/chat/completions", {"messages": MESSAGES}),
     ]:
         for extra, param in [
             ({"guided_regex": "(["}, "guided_regex"),
+            (
+                {"structured_outputs": {"structural_tag": {"structures": [{"begin": 1}], "triggers": []}}},
+                "structured_outputs",
+            ),  # fmt: skip
             ({"guided_grammar": "root ::= "}, "guided_grammar"),
             ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs"),
             ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs"),

@@ -142,6 +142,7 @@ _STRUCTURED_KEYS = {
     "regex": "guided_regex",
     "grammar": "guided_grammar",
     "json_object": "guided_json_object",
+    "structural_tag": "guided_structural_tag",
 }
 
 
@@ -182,7 +183,8 @@ def structured_fields(req: Any) -> tuple[dict[str, Any], dict[str, str]]:
 
 def response_format_fields(fmt: dict[str, Any] | None) -> dict[str, Any]:
     """OpenAI's ``response_format`` as the engine's fields: ``text`` none, ``json_object`` any
-    JSON object, ``json_schema`` its ``schema``."""
+    JSON object, ``json_schema`` its ``schema``, vLLM's ``structural_tag`` the format itself
+    (``structures`` and ``triggers``, or xgrammar's ``format``)."""
     kind = (fmt or {}).get("type", "text")
     if kind == "text":
         return {}
@@ -197,8 +199,10 @@ def response_format_fields(fmt: dict[str, Any] | None) -> dict[str, Any]:
                 param="response_format",
             )
         return {"guided_json": schema}
+    if kind == "structural_tag":
+        return {"guided_structural_tag": fmt}
     raise APIError(
-        f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+        f"response_format: type must be 'text', 'json_object', 'json_schema' or 'structural_tag', got {kind!r}.",
         param="response_format",
     )
 
