@@ -282,6 +282,10 @@ class SamplingParams:
             for name in ("allowed_token_ids", "bad_words", *GUIDED_FIELDS):
                 if getattr(self, name):
                     raise InvalidParamError(name, f"{name} is not supported with use_beam_search.")
+            if self.thinking_token_budget is not None:
+                raise InvalidParamError(
+                    "thinking_token_budget", "thinking_token_budget is not supported with use_beam_search."
+                )
 
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT

@@ -13,13 +13,6 @@ PROMPT = "The capital of France is"
 WORDS = [" Paris", " London", " Rome", " a", " the", " city", " capital", ".", ","]
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    from lorastar.models.default import default_model_dir
-
-    return str(default_model_dir(progress=False))
-
-
 def test_greedy_allowed_token_ids_equal_transformers_suppress_tokens(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

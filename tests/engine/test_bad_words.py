@@ -18,13 +18,6 @@ WORDS = ["sun", "to play", "in the sun", "Emma"]  # one token each way; two; thr
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    from lorastar.models.default import default_model_dir
-
-    return str(default_model_dir(progress=False))
-
-
-@pytest.fixture(scope="module")
 def tok(model_dir: str):  # noqa: ANN201
     from transformers import AutoTokenizer
 

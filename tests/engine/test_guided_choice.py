@@ -15,13 +15,6 @@ MESSAGES = [{"role": "user", "content": "Is the sky blue on a clear day? Answer 
 CHOICES = ["Yes", "No", "Yes, always", "Maybe"]  # "Yes" a prefix of another choice
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    from lorastar.models.default import default_model_dir
-
-    return str(default_model_dir(progress=False))
-
-
 def test_choice_paths() -> None:
     paths = ChoicePaths.from_token_ids([[5, 6], [5, 6, 7], [8]], eos=[2])
     assert paths.allowed([]).tolist() == [5, 8]

@@ -49,13 +49,6 @@ CONSTRAINTS = {
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    from lorastar.models.default import default_model_dir
-
-    return str(default_model_dir(progress=False))
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir: str) -> LLM:
     return LLM(model_dir, num_kv_blocks=128, max_model_len=512)
 

@@ -18,13 +18,6 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    from lorastar.models.default import default_model_dir
-
-    return str(default_model_dir(progress=False))
-
-
-@pytest.fixture(scope="module")
 def llm(model_dir: str) -> LLM:
     return LLM(model_dir, num_kv_blocks=128, max_model_len=512)
 
@@ -86,6 +79,9 @@ def test_sampled_and_forked_rows_end_their_blocks_at_the_budget(llm: LLM, hf: tu
 def test_the_budget_needs_an_end_tag_and_a_count(llm: LLM) -> None:
     with pytest.raises(InvalidParamError, match="reasoning_end_token_id") as e:
         SamplingParams(thinking_token_budget=5)
+    assert e.value.param == "thinking_token_budget"
+    with pytest.raises(InvalidParamError, match="use_beam_search") as e:  # beams read the raw logits
+        SamplingParams(thinking_token_budget=0, reasoning_end_token_id=1, use_beam_search=True, n=2)
     assert e.value.param == "thinking_token_budget"
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidParamError, match="integer >= 0") as e:

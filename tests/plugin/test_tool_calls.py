@@ -229,6 +229,17 @@ def _chat(**extra: Any) -> dict[str, Any]:
     }
 
 
+def _stream_deltas(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every choice delta of ``body`` streamed from the chat route."""
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        return [
+            ch["delta"]
+            for x in resp.iter_lines()
+            if x.startswith("data: ") and x != "data: [DONE]"
+            for ch in json.loads(x[6:])["choices"]
+        ]
+
+
 def test_answers_carry_the_calls(servers: dict) -> None:
     http, fake = servers["on"]
     choice = http.post("/v1/chat/completions", json=_chat()).json()["choices"][0]
@@ -503,13 +514,7 @@ def test_a_named_tool_choice_after_a_thinking_block_takes_the_rest_as_its_argume
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
         ("get_weather", args)
     ]
-    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
-        deltas = [
-            ch["delta"]
-            for x in resp.iter_lines()
-            if x.startswith("data: ") and x != "data: [DONE]"
-            for ch in json.loads(x[6:])["choices"]
-        ]
+    deltas = _stream_deltas(http, body)
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "need weather"
     pieces = [c for d in deltas for c in d.get("tool_calls", [])]
     assert pieces[0]["function"]["name"] == "get_weather" and pieces[0]["id"].startswith("chatcmpl-tool-")
@@ -522,13 +527,7 @@ def test_a_named_tool_choice_after_a_thinking_block_takes_the_rest_as_its_argume
     cut = {**body, "max_tokens": len("<think>need ")}
     msg = http.post("/v1/chat/completions", json=cut).json()["choices"][0]["message"]
     assert msg["reasoning_content"] == "need " and msg["tool_calls"][0]["function"]["arguments"] == ""
-    with http.stream("POST", "/v1/chat/completions", json={**cut, "stream": True}) as resp:
-        deltas = [
-            ch["delta"]
-            for x in resp.iter_lines()
-            if x.startswith("data: ") and x != "data: [DONE]"
-            for ch in json.loads(x[6:])["choices"]
-        ]
+    deltas = _stream_deltas(http, cut)
     pieces = [c for d in deltas for c in d.get("tool_calls", [])]
     assert len(pieces) == 1 and pieces[0]["function"] == {"name": "get_weather", "arguments": ""}
 
