@@ -418,6 +418,7 @@ class LLMEngine:
         for name in ("reasoning_start_token_id", "reasoning_end_token_id"):
             if (tok := getattr(params, name)) is not None:
                 self._check_vocab(name, (tok,))
+        self._check_vocab("thinking_budget_message_ids", params.thinking_budget_message_ids or ())
         if len(params.guided_choice or ()) > cfg.max_guided_choices:
             raise LimitExceededError(
                 "guided_choice",
@@ -920,7 +921,12 @@ class LLMEngine:
             else None
         )
         thinking = (
-            ThinkingBudget(p.thinking_token_budget, p.reasoning_start_token_id, p.reasoning_end_token_id)
+            ThinkingBudget(
+                p.thinking_token_budget,
+                p.reasoning_start_token_id,
+                p.reasoning_end_token_id,
+                p.thinking_budget_message_ids or (),
+            )  # fmt: skip
             if p.thinking_token_budget is not None and p.reasoning_end_token_id is not None
             else None
         )

@@ -374,7 +374,7 @@ class Sampler:
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
-        _end_thinking(x, rows, end_rows)
+        _end_thinking(x, end_rows)
 
         may_sync = not (no_sync and dev.type == "cuda")
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
@@ -796,26 +796,27 @@ def _argmax(x: Tensor, may_sync: bool = True) -> Tensor:
     return tok
 
 
-def _thinking_spent(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:
-    """The rows whose thinking block is open and holds its budget: their next token is its end."""
+def _thinking_spent(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[tuple[int, int]]:
+    """``(row, token)`` for the rows whose thinking block is open and has spent its budget: the
+    token their next must be (the budget's message, then the end tag)."""
     if not meta.thinking.any():
         return []
-    return [
-        i
-        for i in np.flatnonzero(meta.thinking).tolist()
-        if (t := rows[i].thinking) is not None and t.must_end(rows[i].output_token_ids)
-    ]
+    spent: list[tuple[int, int]] = []
+    for i in np.flatnonzero(meta.thinking).tolist():
+        t = rows[i].thinking
+        if t is not None and (tok := t.next_forced(rows[i].output_token_ids)) is not None:
+            spent.append((i, tok))
+    return spent
 
 
-def _end_thinking(x: Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
-    """Rows ``idx`` can sample only their thinking block's end tag (after every other mask, so no
-    other constraint leaves the row without a token)."""
-    if idx:
+def _end_thinking(x: Tensor, spent: list[tuple[int, int]]) -> None:
+    """Each ``(row, token)`` of ``spent`` can sample only that token (after every other mask, so
+    no other constraint leaves the row without one)."""
+    if spent:
         dev = x.device
-        ends = [rows[i].thinking.think_end for i in idx]  # type: ignore[union-attr]
-        r = to_device(idx, dev)
+        r = to_device([i for i, _ in spent], dev)
         x[r] = _NEG_INF
-        x[r, to_device(ends, dev)] = 0.0
+        x[r, to_device([t for _, t in spent], dev)] = 0.0
 
 
 def _below_min_tokens(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:

@@ -28,6 +28,7 @@ MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64
 # schemas nest through $defs / $ref, so real ones stay far below this.
 MAX_SCHEMA_DEPTH = 64
 # The structured-output fields: at most one per request.
+MAX_THINKING_MESSAGE = 64  # thinking_budget_message_ids: a sentence, not a second answer
 GUIDED_FIELDS = (
     "guided_choice", "guided_json", "guided_regex", "guided_grammar", "guided_json_object", "guided_structural_tag",
 )  # fmt: skip
@@ -152,6 +153,10 @@ class SamplingParams:
     # ``reasoning_end_token_id`` (and ``reasoning_start_token_id`` for Qwen3's style), which the
     # chat route sets from the server's reasoning parser.
     thinking_token_budget: int | None = None
+    # Token ids written into the block before its end tag once the budget is spent (llama.cpp's
+    # reasoning budget message, Qwen3's "Considering the limited time ..."): a model told why its
+    # thinking stops answers better than one cut off mid-thought. At most 64; needs the budget.
+    thinking_budget_message_ids: list[int] | None = None
     # vLLM's cache_salt: the request's prompt blocks are shared only with requests of the same salt
     # (a tenant's secret keeps others from timing prefix-cache hits on its prompts).
     cache_salt: str | None = None
@@ -358,6 +363,22 @@ class SamplingParams:
                     "thinking_token_budget",
                     "thinking_token_budget needs reasoning_end_token_id (the thinking block's end tag).",
                 )
+        message = self.thinking_budget_message_ids
+        if message is not None:
+            if (
+                not isinstance(message, (list, tuple))
+                or len(message) > MAX_THINKING_MESSAGE
+                or not all(_is_int(t) and 0 <= t <= _MAX_INT for t in message)
+            ):
+                raise InvalidParamError(
+                    "thinking_budget_message_ids",
+                    f"thinking_budget_message_ids must be a list of at most {MAX_THINKING_MESSAGE} token ids.",
+                )
+            if budget is None:
+                raise InvalidParamError(
+                    "thinking_budget_message_ids", "thinking_budget_message_ids needs thinking_token_budget."
+                )
+            self.thinking_budget_message_ids = list(message)
         given = [n for n in GUIDED_FIELDS if getattr(self, n) not in (None, False)]
         if len(given) > 1:
             raise InvalidParamError(

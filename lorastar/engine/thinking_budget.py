@@ -11,7 +11,8 @@ from collections.abc import Sequence
 class ThinkingBudget:
     """One sampling sequence's thinking block, followed over its output for
     ``SamplingParams.thinking_token_budget``: once the block holds that many tokens (its tags not
-    counted) and is still open, the next token can only be its end tag.
+    counted) and is still open, the next tokens can only be the budget's message, one by one, then
+    the end tag (``forced``).
 
     The block is open from the first output token with ``think_end`` set and no ``think_start``
     (DeepSeek-R1's style: the template leaves the prompt inside it), or from a first output token
@@ -19,10 +20,13 @@ class ThinkingBudget:
     over the output's new ids, as ``GrammarRow`` is, so a fork or a recomputed sequence catches up
     from its output alone."""
 
-    __slots__ = ("budget", "think_start", "think_end", "seen", "inside", "count", "done")
+    __slots__ = ("budget", "think_start", "think_end", "forced", "seen", "inside", "count", "done")
 
-    def __init__(self, budget: int, think_start: int | None, think_end: int) -> None:
+    def __init__(
+        self, budget: int, think_start: int | None, think_end: int, message: Sequence[int] = ()
+    ) -> None:
         self.budget, self.think_start, self.think_end = budget, think_start, think_end
+        self.forced = (*message, think_end)  # written once the budget is spent
         self._reset()
 
     def _reset(self) -> None:
@@ -31,8 +35,10 @@ class ThinkingBudget:
         self.count = 0  # tokens in the block so far
         self.done = False  # the block closed, or the output opened without one
 
-    def must_end(self, output: Sequence[int]) -> bool:
-        """Whether the next token must be the end tag, after reading ``output``'s new ids."""
+    def next_forced(self, output: Sequence[int]) -> int | None:
+        """The token the next one must be (the message's next, or the end tag), or None where the
+        budget does not bind, after reading ``output``'s new ids. The message's tokens count as
+        the block's: the k-th token past the budget is ``forced[k]``."""
         n = len(output)
         if n < self.seen:  # an output never shrinks; a guard, not a path
             self._reset()
@@ -50,4 +56,5 @@ class ThinkingBudget:
             else:
                 self.done = True
         self.seen = n
-        return self.inside and self.count >= self.budget
+        past = self.count - self.budget
+        return self.forced[past] if self.inside and 0 <= past < len(self.forced) else None

@@ -301,6 +301,12 @@ main.add_command(make_lora_group())
     help="Split <think>...</think> into the chat answers' reasoning_content (vLLM's flag).",
 )
 @click.option(
+    "--thinking-budget-message",
+    default=None,
+    help="Text written before </think> when a request's thinking_token_budget is spent "
+    "(llama.cpp's --reasoning-budget-message; default: </think> alone).",
+)
+@click.option(
     "--responses-store-size",
     default=0,
     show_default=True,
@@ -334,6 +340,7 @@ def serve(
     enable_auto_tool_choice: bool,
     tool_call_parser: str | None,
     responses_store_size: int,
+    thinking_budget_message: str | None,
     shutdown_drain_timeout: float,
     log_level: str,
     engine_process: bool,
@@ -370,6 +377,7 @@ def serve(
             tool_call_parser=tool_call_parser,
             enable_adapter_resolver=enable_adapter_resolver,
             responses_store_size=responses_store_size,
+            thinking_budget_message=thinking_budget_message,
             shutdown_drain_timeout=shutdown_drain_timeout,
             engine_process=engine_process,
             engine_address=engine_address,

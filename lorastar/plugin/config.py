@@ -86,6 +86,13 @@ class LoraStarConfig:
     or ``"deepseek_r1"`` (DeepSeek-R1 distills, QwQ, Qwen3-Thinking: the prompt opens it).
     ``None``: answers are returned as generated."""
 
+    thinking_budget_message: str | None = None
+    """Text written into the thinking block before ``</think>`` when a request's
+    ``thinking_token_budget`` (or ``/messages``' ``budget_tokens``) is spent, e.g. Qwen3's
+    ``"\n\nConsidering the limited time by the user, I have to give the solution based on the
+    thinking directly now.\n"`` (llama.cpp's ``--reasoning-budget-message``): a model told why its
+    thinking stops answers better than one cut off mid-thought. ``None``: ``</think>`` alone."""
+
     enable_auto_tool_choice: bool = False
     """Parse the function calls a model writes into chat answers' ``tool_calls`` when a request sends
     ``tools`` (``tool_choice: "auto"``, its default), with ``tool_call_parser`` (vLLM's
@@ -173,6 +180,12 @@ class LoraStarConfig:
         ):
             raise ValueError(
                 f"responses_store_size must be an integer >= 0, got {self.responses_store_size!r}"
+            )
+        if self.thinking_budget_message is not None and (
+            not isinstance(self.thinking_budget_message, str) or not self.thinking_budget_message
+        ):
+            raise ValueError(
+                f"thinking_budget_message must be a non-empty string or None, got {self.thinking_budget_message!r}"
             )
         if self.retry_after_seconds < 0:
             raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")

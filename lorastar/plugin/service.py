@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from lorastar.engine.outputs import RequestOutput
-from lorastar.engine.sampling import RequestOutputKind
+from lorastar.engine.sampling import MAX_THINKING_MESSAGE, RequestOutputKind
 from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableError
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
@@ -90,6 +90,8 @@ class LoraStarService:
         self._resolver_locks: dict[str, asyncio.Lock] = {}
         self.created = int(time.time())
         self.adapter_created: dict[str, int] = {}
+        # config.thinking_budget_message's token ids, encoded at start (None: no message)
+        self.thinking_message_ids: list[int] | None = None
         self.admin_token = config.resolved_admin_token()
         self.adapter_root = config.resolved_adapter_root()
         self.metrics = PluginMetrics(self._stats, lambda: self.served_model_name, self._max_loras)
@@ -134,6 +136,14 @@ class LoraStarService:
                     if name not in loaded:
                         await self.engine.load_adapter(name, str(Path(path).expanduser()))
                     self.adapter_created.setdefault(name, int(time.time()))
+                if (message := self.config.thinking_budget_message) is not None:
+                    ids = list(self.engine.tokenizer.encode(message, add_special_tokens=False))
+                    if not 0 < len(ids) <= MAX_THINKING_MESSAGE:
+                        raise ValueError(
+                            f"thinking_budget_message is {len(ids)} tokens for this tokenizer: "
+                            f"1 to {MAX_THINKING_MESSAGE} are allowed"
+                        )
+                    self.thinking_message_ids = ids
             except BaseException:
                 if self._owns_engine:  # a failed startup must not leave the engine loop running
                     await self.engine.shutdown(drain_timeout=0)

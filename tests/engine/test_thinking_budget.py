@@ -58,6 +58,10 @@ def test_greedy_output_is_transformers_up_to_the_budget_then_the_end_tag(llm: LL
     # Qwen3's style: the first token opens the block (here: the model's own first token)
     got = run(reasoning_start_token_id=free[0], reasoning_end_token_id=end, thinking_token_budget=1)
     assert got == forced(free[:2])
+    # a message before the end tag once the budget is spent: the model's words stand in for it
+    message = [free[6], free[5]]
+    got = run(reasoning_end_token_id=end, thinking_token_budget=1, thinking_budget_message_ids=message)
+    assert got == forced([free[0], *message])
     # closed by the model within its budget, or no block opened: the budget changes nothing
     assert run(reasoning_end_token_id=end, thinking_token_budget=3) == free
     assert run(reasoning_end_token_id=free[1], thinking_token_budget=2) == free
@@ -83,6 +87,18 @@ def test_the_budget_needs_an_end_tag_and_a_count(llm: LLM) -> None:
     with pytest.raises(InvalidParamError, match="use_beam_search") as e:  # beams read the raw logits
         SamplingParams(thinking_token_budget=0, reasoning_end_token_id=1, use_beam_search=True, n=2)
     assert e.value.param == "thinking_token_budget"
+    with pytest.raises(InvalidParamError, match="needs thinking_token_budget") as e:
+        SamplingParams(thinking_budget_message_ids=[1], reasoning_end_token_id=1)
+    assert e.value.param == "thinking_budget_message_ids"
+    for bad_ids in ([-1], "ab", [1.5], [0] * 65):
+        with pytest.raises(InvalidParamError, match="at most 64 token ids"):
+            SamplingParams(
+                thinking_budget_message_ids=bad_ids, thinking_token_budget=1, reasoning_end_token_id=1
+            )  # type: ignore[arg-type]
+    with pytest.raises(InvalidParamError, match="outside the vocabulary") as e:
+        llm.generate("hi", SamplingParams(thinking_budget_message_ids=[10**6], thinking_token_budget=1,
+                                          reasoning_end_token_id=1))  # fmt: skip
+    assert e.value.param == "thinking_budget_message_ids"
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidParamError, match="integer >= 0") as e:
             SamplingParams(thinking_token_budget=bad, reasoning_end_token_id=1)  # type: ignore[arg-type]
@@ -92,13 +108,20 @@ def test_the_budget_needs_an_end_tag_and_a_count(llm: LLM) -> None:
 def test_the_block_is_followed_lazily_over_the_output() -> None:
     start, end, word = 5, 6, 9
     r1 = ThinkingBudget(2, None, end)  # open from the first token
-    assert r1.must_end([]) is False and r1.must_end([word]) is False and r1.must_end([word, word]) is True
-    assert r1.must_end([word, word, end]) is False and r1.must_end([word, word, end, word, word]) is False
+    assert (
+        r1.next_forced([]) is None and r1.next_forced([word]) is None and r1.next_forced([word, word]) == end
+    )
+    assert r1.next_forced([word, word, end]) is None and r1.next_forced([word, word, end, word, word]) is None
     late = ThinkingBudget(2, None, end)  # built after the output grew (a fork, a rebuilt row)
-    assert late.must_end([word, word]) is True and late.count == 2
-    assert ThinkingBudget(0, None, end).must_end([]) is True
+    assert late.next_forced([word, word]) == end and late.count == 2
+    assert ThinkingBudget(0, None, end).next_forced([]) == end
     q = ThinkingBudget(1, start, end)  # Qwen3's: open only if the first token opens it
-    assert q.must_end([]) is False and q.must_end([start]) is False and q.must_end([start, word]) is True
-    assert ThinkingBudget(0, start, end).must_end([start]) is True
-    assert ThinkingBudget(0, start, end).must_end([word]) is False  # no block: never
-    assert ThinkingBudget(0, start, end).must_end([word, start]) is False  # a later start is text
+    assert (
+        q.next_forced([]) is None and q.next_forced([start]) is None and q.next_forced([start, word]) == end
+    )
+    assert ThinkingBudget(0, start, end).next_forced([start]) == end
+    assert ThinkingBudget(0, start, end).next_forced([word]) is None  # no block: never
+    assert ThinkingBudget(0, start, end).next_forced([word, start]) is None  # a later start is text
+    m = ThinkingBudget(1, None, end, message=[7, 8])  # the message, then the end tag
+    assert [m.next_forced([word][:k] + [7, 8][: max(0, k - 1)]) for k in range(4)] == [None, 7, 8, end]
+    assert ThinkingBudget(1, None, end, message=[7, 8]).next_forced([word, 7, 8]) == end  # a late row too

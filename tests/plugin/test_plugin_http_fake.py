@@ -588,6 +588,7 @@ async def test_no_lazy_restart_after_shutdown() -> None:
         ({"adapters": ["x"]}, "adapters"),
         ({"engine": {"device": "cpu"}}, "engine"),
         ({"retry_after_seconds": -1}, "retry_after_seconds"),
+        ({"thinking_budget_message": ""}, "thinking_budget_message"),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict[str, Any], field: str) -> None:

@@ -55,7 +55,7 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
          "--chat-template", str(folders["tpl"]), "--served-model-name", "base", "--enable-lora",
          "--shutdown-drain-timeout", "2.5", "--uvicorn-log-level", "warning", "--cpu-gemm", "torch",
          "--async-scheduling", "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes"],
+         "--tool-call-parser", "hermes", "--thinking-budget-message", "Time is up."],
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     assert seen["port"] > 0 and seen["log_level"] == "warning"
@@ -65,6 +65,7 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
     assert cfg.admin_token == "t" and cfg.shutdown_drain_timeout == 2.5
     assert cfg.reasoning_parser == "deepseek_r1"
     assert cfg.enable_auto_tool_choice and cfg.tool_call_parser == "hermes"
+    assert cfg.thinking_budget_message == "Time is up."
     eng = cfg.engine_config()
     assert eng.max_waiting == 5
     assert (eng.kv_cache_dtype, eng.embedding_quantization, eng.max_lora_rank) == ("fp8", "int8", 32)

@@ -589,6 +589,30 @@ def test_a_thinking_token_budget_reaches_the_engine_with_the_tags(servers: dict)
     assert "no reasoning parser" in r.json()["error"]["message"]
 
 
+async def test_a_thinking_budget_message_is_encoded_once_and_sent_with_each_budget() -> None:
+    """``thinking_budget_message`` is the server's: encoded at start (a startup error when it is
+    longer than the engine takes), then the ids of every budgeted request's message."""
+    from lorastar.plugin.service import LoraStarService
+
+    fake = FakeAsyncLLM(max_model_len=1024)
+    fake.tokenizer = TagTokenizer(fake.tokenizer)
+    message = "\nTime is up.\n"
+    cfg = LoraStarConfig(async_engine=fake, reasoning_parser="qwen3", thinking_budget_message=message)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://t"
+    ) as http:
+        body = {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        r = await http.post("/v1/chat/completions", json={**body, "thinking_token_budget": 3})
+        assert r.status_code == 200, r.text
+        p = fake.last_params
+        assert p.thinking_token_budget == 3 and p.thinking_budget_message_ids == [ord(c) for c in message]
+        await http.post("/v1/chat/completions", json=body)
+        assert fake.last_params.thinking_budget_message_ids is None  # no budget: no message
+    too_long = LoraStarService(LoraStarConfig(async_engine=FakeAsyncLLM(), thinking_budget_message="x" * 65))
+    with pytest.raises(ValueError, match="65 tokens"):
+        await too_long.start()
+
+
 def test_pythonic_answers_parse_as_calls_only_when_they_are_a_list_of_calls() -> None:
     text = '[get_weather(city="Paris", days=2, opts={"unit": "C"}), get_time()]'
     for answer in (text, f"<|python_start|>{text}<|python_end|>", f"  {text}\n"):

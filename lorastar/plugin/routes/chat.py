@@ -398,6 +398,7 @@ async def plan_chat(
             params.reasoning_start_token_id, params.reasoning_end_token_id = tags
     if budget is not None and params.reasoning_end_token_id is not None:
         params.thinking_token_budget = budget
+        params.thinking_budget_message_ids = service.thinking_message_ids
     elif budget is not None and not soft_thinking_budget:
         why = "the server has no reasoning parser (--reasoning-parser)" if not reasoning_style else (
             f"the {reasoning_style} parser's </think> is several tokens for this tokenizer"
