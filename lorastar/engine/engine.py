@@ -926,7 +926,7 @@ class LLMEngine:
                 p.reasoning_start_token_id,
                 p.reasoning_end_token_id,
                 p.thinking_budget_message_ids or (),
-            )  # fmt: skip
+            )
             if p.thinking_token_budget is not None and p.reasoning_end_token_id is not None
             else None
         )

@@ -1,5 +1,6 @@
 """A thinking budget (vLLM's ``SamplingParams.thinking_token_budget``): a reasoning model's
-thinking block is closed once it holds that many tokens, by allowing only its end tag next. The
+thinking block is closed once it holds that many tokens, by allowing only the budget's message
+(``thinking_budget_message_ids``, if any), then its end tag, one token a step. The
 sampler reads each budgeted row's state here (``ThinkingBudget``), on the host, so such requests
 hold async scheduling to one step at a time (engine ``_needs_sync``), as grammars do."""
 

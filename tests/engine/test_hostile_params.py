@@ -140,6 +140,9 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "reasoning_end_token_id": st.one_of(st.none(), st.integers(0, 60), EXTREME_INTS),
     "reasoning_start_token_id": st.one_of(st.none(), st.integers(0, 60), EXTREME_INTS),
     "thinking_token_budget": st.one_of(st.none(), st.integers(0, 4), EXTREME_INTS),
+    "thinking_budget_message_ids": st.one_of(
+        st.none(), st.lists(st.one_of(st.integers(0, 60), EXTREME_INTS), max_size=3)
+    ),
     "guided_structural_tag": st.one_of(
         st.none(),
         st.text(max_size=6),
