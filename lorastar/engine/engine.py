@@ -77,9 +77,9 @@ class _InFlight:
 def _needs_sync(req: Request) -> bool:
     """Requests whose sampling reads the previous token on the host or forks sequences there
     (beams; n > 1 until its samples have forked, after which they are n plain sequences; a bad
-    word of several tokens; guided_choice; a grammar; a thinking budget), or whose prompt logprobs
-    go through the host: while one is live, async scheduling runs steps one at a time. Penalties
-    read the previous token on the device (``PendingTokens``)."""
+    word of several tokens; guided_choice; a grammar; a thinking budget until every sample's block
+    has closed), or whose prompt logprobs go through the host: while one is live, async scheduling
+    runs steps one at a time. Penalties read the previous token on the device (``PendingTokens``)."""
     params = req.params
     return (
         params.use_beam_search
@@ -88,7 +88,7 @@ def _needs_sync(req: Request) -> bool:
         or (req.bad_words is not None and bool(req.bad_words.multi))
         or req.choices is not None
         or req.grammar is not None
-        or params.thinking_token_budget is not None
+        or (params.thinking_token_budget is not None and not req.thinking_settled)
     )
 
 
@@ -862,6 +862,8 @@ class LLMEngine:
             if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
             new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
+            if self._num_sync_requests:
+                self._settle_thinking(rows, seqs)
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
             targets = seqs
@@ -1088,6 +1090,22 @@ class LLMEngine:
             top = zip(e.top_ids[:k], e.top_logprobs[:k])
             result.append([(tok, e.logprob, e.rank), *((t, v, rank) for rank, (t, v) in enumerate(top, 1))])
         return result
+
+    def _settle_thinking(self, rows: list[SamplingRow], seqs: list[Sequence]) -> None:
+        """Requests whose thinking budget can no longer bind (each sample's block closed, or its
+        output opened without one) stop holding steps one at a time: their answers run with
+        async scheduling. A row's budget has read the output up to this step's token."""
+        for row, seq in zip(rows, seqs):
+            req = seq.request
+            if row.thinking is None or req.thinking_settled or not row.thinking.done:
+                continue
+            if all(
+                s.is_finished or (s.sampling_row is not None and s.sampling_row.thinking is not None
+                                  and s.sampling_row.thinking.done)
+                for s in req.sequences
+            ):  # fmt: skip
+                req.thinking_settled = True
+                self._release_sync(req)
 
     def _release_sync(self, req: Request) -> None:
         """``req`` no longer needs steps run one at a time (an n > 1 request once forked)."""

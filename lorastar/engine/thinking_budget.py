@@ -2,7 +2,8 @@
 thinking block is closed once it holds that many tokens, by allowing only the budget's message
 (``thinking_budget_message_ids``, if any), then its end tag, one token a step. The
 sampler reads each budgeted row's state here (``ThinkingBudget``), on the host, so such requests
-hold async scheduling to one step at a time (engine ``_needs_sync``), as grammars do."""
+hold async scheduling to one step at a time (engine ``_needs_sync``) until every sample's block
+has closed (or its output opened without one): their answers then run async."""
 
 from __future__ import annotations
 

@@ -125,3 +125,32 @@ def test_the_block_is_followed_lazily_over_the_output() -> None:
     m = ThinkingBudget(1, None, end, message=[7, 8])  # the message, then the end tag
     assert [m.next_forced([word][:k] + [7, 8][: max(0, k - 1)]) for k in range(4)] == [None, 7, 8, end]
     assert ThinkingBudget(1, None, end, message=[7, 8]).next_forced([word, 7, 8]) == end  # a late row too
+
+
+def test_with_async_scheduling_a_closed_block_lets_the_answer_run_async(model_dir: str, hf: tuple) -> None:
+    """A budgeted request holds steps one at a time only while its block may still need closing:
+    once the model (or the budget) has closed it, its answer runs with async scheduling. The tokens
+    equal the engine's without async scheduling."""
+    ids, greedy = hf
+    free = greedy(ids, NEW)
+    end = free[3]
+    cases = [
+        {"reasoning_end_token_id": free[1], "thinking_token_budget": 4},  # the model closes it
+        {"reasoning_end_token_id": end, "thinking_token_budget": 1},  # the budget closes it
+    ]
+    want = LLM(model_dir, num_kv_blocks=64, max_model_len=256).generate(
+        [ids] * 2, [SamplingParams(temperature=0, max_tokens=NEW, **kw) for kw in cases]
+    )
+    llm = LLM(model_dir, num_kv_blocks=64, max_model_len=256, async_scheduling=True)
+    eng = llm.engine
+    for w, kw in zip(want, cases):
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=NEW, **kw), request_id="r")
+        holding, got = [], None
+        while eng.has_unfinished():
+            holding.append(eng._num_sync_requests)
+            for o in eng.step():  # cumulative outputs: the last is the whole answer
+                got = list(o.outputs[0].token_ids)
+        assert holding[0] == 1 and holding[-1] == 0, holding  # released before the request ended
+        assert got == list(w.outputs[0].token_ids)
+        eng.check_invariants()
+        assert eng._num_sync_requests == 0 and llm.kv_cache_usage()["num_used_blocks"] == 0
