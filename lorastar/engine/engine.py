@@ -861,8 +861,9 @@ class LLMEngine:
             sample_logits = logits  # beam rows below index the step's logits, not these
             if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-            new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
-            if self._num_sync_requests:
+            meta = self.runner.batch.sampling_metadata(seqs)
+            new_tokens = self._sample(sample_logits, rows, meta)
+            if self._num_sync_requests and meta.thinking.any():  # a budgeted request may let go
                 self._settle_thinking(rows, seqs)
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).

@@ -20,6 +20,7 @@ which only EOS is allowed, as for a choice).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -108,8 +109,6 @@ def structural_tag_grammar(text: str) -> Any:
     """A structural tag's grammar, as vLLM reads one: the older form (``structures`` of
     ``{"begin", "schema", "end"}`` and ``triggers``) through xgrammar's item list, any other
     through xgrammar's own parser (``{"type": "structural_tag", "format": {...}}``)."""
-    import json
-
     import xgrammar as xgr
 
     tag = json.loads(text)

@@ -54,13 +54,12 @@ async def sse_frames(events: AsyncIterator[Any], *, retry_after: int = 1) -> Asy
     yield DONE
 
 
+def _event_stream(frames: AsyncIterator[bytes]) -> Stream:
+    return Stream(frames, media_type="text/event-stream", status_code=200, headers=SSE_HEADERS)
+
+
 def sse_response(events: AsyncIterator[Any], *, retry_after: int = 1) -> Stream:
-    return Stream(
-        sse_frames(events, retry_after=retry_after),
-        media_type="text/event-stream",
-        status_code=200,
-        headers=SSE_HEADERS,
-    )
+    return _event_stream(sse_frames(events, retry_after=retry_after))
 
 
 def event_frame(event: dict[str, Any]) -> bytes:
@@ -87,12 +86,7 @@ def sse_event_response(
     *,
     retry_after: int = 1,
 ) -> Stream:
-    return Stream(
-        sse_event_frames(events, error_event, retry_after=retry_after),
-        media_type="text/event-stream",
-        status_code=200,
-        headers=SSE_HEADERS,
-    )
+    return _event_stream(sse_event_frames(events, error_event, retry_after=retry_after))
 
 
 # Key of a placeholder response entry that carries a route's stream-chunk model through
