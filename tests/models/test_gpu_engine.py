@@ -170,3 +170,55 @@ def test_cuda_sampling_controls_match_hf(tiny_model_dir) -> None:
     assert all(set(c.token_ids) <= set(allowed) for c in outs[4].outputs)
     llm.engine.check_invariants()
     assert llm.kv_cache_usage()["num_used_blocks"] == 0
+
+
+def test_cuda_thinking_budget_matches_hf_and_releases_the_hold(tiny_model_dir, device: str = "cuda") -> None:
+    """``thinking_token_budget`` on CUDA with async scheduling (the default there), in one batch:
+    greedy rows equal HF's greedy up to the budget, then the end tag, then HF's greedy continuation;
+    a block the model closes itself is untouched; a plain row beside them equals plain greedy. The
+    batch holds one-step-at-a-time scheduling only until every block has closed."""
+    path = tiny_model_dir("llama-gqa")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    prompt = [11, 250, 3071, 9, 40000, 17, 17, 600]
+    new = 12
+
+    def greedy(prefix: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prefix], device=device)
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+        return out[0, len(prefix) :].tolist()
+
+    free = greedy(prompt, new)
+    end = free[3]  # a token the model writes later stands for </think>: the budget brings it forward
+    assert end not in free[:3], free
+
+    def forced(prefix: list[int]) -> list[int]:
+        return [*prefix, end, *greedy([*prompt, *prefix, end], new - len(prefix) - 1)]
+
+    cases = [
+        ({"reasoning_end_token_id": end, "thinking_token_budget": 0}, forced([])),
+        ({"reasoning_end_token_id": end, "thinking_token_budget": 2}, forced(free[:2])),
+        ({"reasoning_start_token_id": free[0], "reasoning_end_token_id": end, "thinking_token_budget": 1},
+         forced(free[:2])),
+        ({"reasoning_end_token_id": end, "thinking_token_budget": 1, "thinking_budget_message_ids": [free[6]]},
+         forced([free[0], free[6]])),
+        ({"reasoning_end_token_id": free[1], "thinking_token_budget": 4}, free),  # the model closes it
+        ({}, free),
+    ]  # fmt: skip
+    llm = LLM(path, device=device, dtype="float32", num_kv_blocks=128)
+    eng = llm.engine
+    assert eng.async_scheduling
+    for i, (kw, _) in enumerate(cases):
+        eng.add_request(
+            prompt, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, **kw), request_id=str(i)
+        )
+    holding, got = [], {}
+    while eng.has_unfinished():
+        holding.append(eng._num_sync_requests)
+        for o in eng.step():
+            got[o.request_id] = list(o.outputs[0].token_ids)
+    assert [got[str(i)] for i in range(len(cases))] == [want for _, want in cases]
+    assert holding[0] == len(cases) - 1 and holding[-1] == 0, holding  # released before the end
+    eng.check_invariants()
+    assert eng._num_sync_requests == 0 and llm.kv_cache_usage()["num_used_blocks"] == 0
