@@ -7,6 +7,8 @@
 # script right after this tree's for a side-by-side before/after. Time boxes (seconds, env):
 # TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns), KERN_S 120 each for kernels and LoRA step;
 # a session's device time is 900 s in all, machine start included: lower KERN_S=1 to skip those two.
+# The GPU image lacks msgspec, pyzmq and xgrammar (with apache-tvm-ffi, pydantic, pydantic-core,
+# annotated-types, typing-inspection): carry them as wheels and put them on PYTHONPATH first.
 set -u
 tok=$(realpath "$1"); out=$(realpath -m "$2"); other=${3:+$(realpath "$3")}
 cd "$(dirname "$0")/.."
