@@ -13,7 +13,7 @@ here as bytes read + written by a large device-to-device copy) / (those weights'
 LoRA tax (tokens/s with adapters over without) is set against its own roof, the same bytes
 argument with the adapters' weights added (``lora_tax_roof``).
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR] [--batches 1,16,64] [--no-peft] [--sync]
-       [--unstacked] [--targets q_proj,k_proj,v_proj,o_proj]
+       [--unstacked] [--compact] [--targets q_proj,k_proj,v_proj,o_proj]
 Writes gpu_throughput.md, .json and .png under --out.
 """
 
@@ -227,6 +227,11 @@ def main() -> None:
         "--unstacked", action="store_true",
         help="also run the adapters with the shrink outside the base GEMM (layers/lora.py STACKED_MAX_BYTES = 0)",
     )  # fmt: skip
+    ap.add_argument(
+        "--compact", action="store_true",
+        help="also run the adapters with the expand on its compact grid (kernels/lora.py EXPAND_COMPACT_GRID), "
+             "right before and after the plain grid's run",
+    )  # fmt: skip
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp())
     bw = copy_bandwidth()
@@ -274,6 +279,16 @@ def main() -> None:
             print(f"B={b}: +{min(16, b)} adapters, shrink outside the base GEMM: "
                   f"{rows[-1]['lorastar_16_lora_unstacked']:.0f} tok/s (LoRA tax "
                   f"{rows[-1]['lorastar_16_lora_unstacked'] / base:.2f}; stacked {lora / base:.2f})", flush=True)  # fmt: skip
+        if args.compact:
+            import lorastar.kernels.lora as lora_kernels
+
+            saved, lora_kernels.EXPAND_COMPACT_GRID = lora_kernels.EXPAND_COMPACT_GRID, True
+            compact = run_lorastar(path, prompts, adapters[: min(16, b)])
+            lora_kernels.EXPAND_COMPACT_GRID = saved
+            plain_again = run_lorastar(path, prompts, adapters[: min(16, b)])  # the plain grid after it
+            rows[-1].update(lorastar_16_lora_compact=compact, lorastar_16_lora_again=plain_again)
+            print(f"B={b}: +{min(16, b)} adapters, compact expand grid: {compact:.0f} tok/s (LoRA tax "
+                  f"{compact / base:.2f}); plain grid {lora:.0f} before and {plain_again:.0f} after", flush=True)  # fmt: skip
         if args.sync:
             sync = run_lorastar(path, prompts, None, asyn=False)
             lora_sync = run_lorastar(path, prompts, adapters[: min(16, b)], asyn=False)
@@ -323,6 +338,19 @@ def main() -> None:
             lines.append(f"| {r['batch']} | {r['lorastar_16_lora']:.0f} | {r['lorastar_16_lora'] / r['lorastar']:.2f} | "
                          f"{r['lora_roof']:.3f} | {u:.0f} | {u / r['lorastar']:.2f} | {r['lora_roof_unstacked']:.3f} | "
                          f"{r['lorastar_16_lora'] / u:.2f}x |")  # fmt: skip
+    if args.compact:
+        lines += ["", "The expand on its compact grid (`EXPAND_COMPACT_GRID = True`: only the row tiles that can "
+                  "hold rows and the column tiles that hold columns), between two runs on the plain grid, same run:", "",
+                  "| requests | base tok/s | 16 adapters, plain grid | compact grid | plain grid again | LoRA tax (compact) | "
+                  "compact / mean of plain |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            c, plain = (
+                r["lorastar_16_lora_compact"],
+                (r["lorastar_16_lora"] + r["lorastar_16_lora_again"]) / 2,
+            )
+            lines.append(f"| {r['batch']} | {r['lorastar']:.0f} | {r['lorastar_16_lora']:.0f} | {c:.0f} | "
+                         f"{r['lorastar_16_lora_again']:.0f} | {c / r['lorastar']:.2f} | {c / plain:.2f}x |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ column tile. Each variant's output is checked against the first one's.
 A second table puts the base GEMMs in the graph too and compares three forms of a step's 88
 linears: the base GEMMs alone; base GEMM + shrink + expand (the engine's kernels and tiles); and
 the shrink stacked into the base GEMM (every slot's A rows under the weight, ``x @ [W; A].T`` in
-one cuBLAS call) with one expand launch reading each row's own slot's columns (``slot_cols``). The
-LoRA's cost per step is each form's time minus the base GEMMs'.
+one cuBLAS call) with one expand launch reading each row's own slot's columns (``slot_cols``),
+that expand on its plain grid and on its compact one (``EXPAND_COMPACT_GRID``). The LoRA's cost
+per step is each form's time minus the base GEMMs'.
 
     python benchmarks/lora_graph_step.py [--out benchmarks/results] [--engine-tiles-only]
 
@@ -66,6 +67,9 @@ def step(layers: list[tuple], xs: dict, ys: dict, runs: torch.Tensor, n: int, va
 
 
 ENGINE = (False, None, 128, 128)  # the engine's configuration (kernels/lora.py's defaults)
+# base GEMMs alone; + shrink + expand; shrink stacked in the GEMM + expand, on the plain grid and
+# on the compact one (kernels/lora.py EXPAND_COMPACT_GRID)
+FORMS = ("base", "separate", "stacked", "stacked-compact")
 
 
 def make_weights(layers: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,11 +87,12 @@ def step_with_base(
 ) -> None:
     for (h, widths, bounds, a, b, ranks), (w, stacked) in zip(layers, weights, strict=True):
         x, width = xs[h][:n], sum(widths)
-        if form == "stacked":
+        if form.startswith("stacked"):
             z = outs[(h, width, "stacked")][:n]  # [n, N + S * P * R]
             torch.mm(x, stacked.t(), out=z)
             lora_expand(z[:, width:], b, z[:, :width], runs, ranks, bounds, max_rows=n,
-                        max_width=max(widths), slot_cols=a.shape[1])  # fmt: skip
+                        max_width=max(widths), slot_cols=a.shape[1], widths=widths,
+                        compact=form == "stacked-compact")  # fmt: skip
             continue
         y = outs[(h, width, "plain")][:n]
         torch.mm(x, w.t(), out=y)
@@ -150,18 +155,17 @@ def main() -> None:
             outs[(h, width, "plain")] = torch.zeros(n, width, device=dev, dtype=torch.bfloat16)
             outs[(h, width, "stacked")] = torch.zeros(n, width + SLOTS * len(widths) * RANK, device=dev, dtype=torch.bfloat16)  # fmt: skip
         got = {}
-        for form in ("base", "separate", "stacked"):
+        for form in FORMS:
             step_with_base(layers, weights, xs, outs, runs, n, form)
-            got[form] = torch.cat([o[:, :w].float().flatten() for (_, w, kind), o in outs.items() if kind == ("stacked" if form == "stacked" else "plain")])  # fmt: skip
+            got[form] = torch.cat([o[:, :w].float().flatten() for (_, w, kind), o in outs.items() if kind == ("stacked" if form.startswith("stacked") else "plain")])  # fmt: skip
             us = time_graph(partial(step_with_base, layers, weights, xs, outs, runs, n, form))
             base_rows.append({"rows": n, "adapters": slots, "form": form, "us": us})
-        for r in base_rows[-3:]:
-            r["lora_us"] = r["us"] - base_rows[-3]["us"]
-        err = (
-            (got["stacked"] - got["separate"]).abs().max() / (got["separate"] - got["base"]).abs().max()
-        ).item()
-        base_rows[-1]["rel_err"] = err  # of the LoRA delta, stacked vs separate
-        print(base_rows[-3:], flush=True)
+        for r in base_rows[-len(FORMS) :]:
+            r["lora_us"] = r["us"] - base_rows[-len(FORMS)]["us"]
+            if r["form"].startswith("stacked"):  # of the LoRA delta, against the separate shrink's
+                delta = (got["separate"] - got["base"]).abs().max()
+                r["rel_err"] = ((got[r["form"]] - got["separate"]).abs().max() / delta).item()
+        print(base_rows[-len(FORMS) :], flush=True)
     lines = [f"{torch.cuda.get_device_name()}: LoRA of 88 linears (TinyLlama shape, {SLOTS} slots, rank {RANK}) "
              "in one CUDA graph, per replay", "",
              "| rows | adapters | memset | split | shrink block_k | expand block_n | us per step | rel. error |",

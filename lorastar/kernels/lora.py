@@ -6,7 +6,8 @@ rows are one contiguous run: ``slot_runs [2, S]`` holds each slot's (start, coun
 slot absent from the step (vLLM's ``LoRAKernelMeta`` shape: fixed size, so a CUDA graph captured
 with it replays for any mix of adapters). The grid is ``(slot, tile of rows, slice x tile)``;
 programs past a slot's count, of a slot's untargeted slice (rank 0) or past a slice's width exit
-at once.
+at once. The expand has a compact grid too (``EXPAND_COMPACT_GRID``): only the row tiles that
+can hold rows and the column tiles that hold columns.
 
 Weights of a linear's ``P`` slices sit in one buffer each: ``lora_a [S, P * R, H]`` (slice ``i``'s
 A in rows ``i * R .. i * R + R``) and ``lora_b [S, Ntot, R]`` (slice ``i``'s B in the rows of its
@@ -19,6 +20,8 @@ CPU path is ``layers/lora.py``'s ``add_lora_cpu``; the plain semantics are in ``
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -92,24 +95,48 @@ if HAS_TRITON:
     @triton.jit
     def _lora_expand_kernel(
         buf_ptr, b_ptr, y_ptr, runs_ptr, ranks_ptr, bounds_ptr,
-        R, P, N_TILES, SLOT_COLS,
+        R, P, N_TILES, SLOT_COLS, S,
         stride_runs,
         stride_bt, stride_br,
         stride_bs, stride_bn, stride_bk,
         stride_yt, stride_yn,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, IEEE: tl.constexpr,
+        COMPACT: tl.constexpr, S_P2: tl.constexpr, P_P2: tl.constexpr,
     ):  # fmt: skip
-        # One program per (slot, tile of rows, slice x tile of its columns); each y element has
-        # one owner, so no atomics.
-        s = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_in = tl.program_id(2)
-        count = tl.load(runs_ptr + stride_runs + s)
-        m_start = pid_m * BLOCK_M
-        if m_start >= count:
-            return
-        i = pid_in // N_TILES
-        pid_n = pid_in % N_TILES
+        # Each y element has one owner, so no atomics. Plain grid: one program per (slot, tile of
+        # rows, slice x tile of its columns). COMPACT grid: (row tile, column tile), the row
+        # tiles of every slot's run back to back (slot s's after those of slots < s) and the
+        # column tiles of every slice back to back, each program finding its own from the
+        # counts and bounds; only the tiles past the step's last one exit.
+        if COMPACT:
+            offs_s = tl.arange(0, S_P2)
+            counts = tl.load(runs_ptr + stride_runs + offs_s, mask=offs_s < S, other=0)  # [S_P2]
+            tiles = (counts + BLOCK_M - 1) // BLOCK_M
+            pid = tl.program_id(0)
+            s = tl.sum((tl.cumsum(tiles, 0) <= pid).to(tl.int32))  # the slot whose tiles hold pid
+            if s >= S:
+                return
+            count = tl.sum(tl.where(offs_s == s, counts, 0))
+            m_start = (pid - tl.sum(tl.where(offs_s < s, tiles, 0))) * BLOCK_M
+            offs_p = tl.arange(0, P_P2)
+            lo = tl.load(bounds_ptr + offs_p, mask=offs_p < P, other=0)  # [P_P2]
+            hi = tl.load(bounds_ptr + offs_p + 1, mask=offs_p < P, other=0)
+            col_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
+            pid_c = tl.program_id(1)
+            i = tl.sum((tl.cumsum(col_tiles, 0) <= pid_c).to(tl.int32))
+            if i >= P:
+                return
+            pid_n = pid_c - tl.sum(tl.where(offs_p < i, col_tiles, 0))
+        else:
+            s = tl.program_id(0)
+            pid_m = tl.program_id(1)
+            pid_in = tl.program_id(2)
+            count = tl.load(runs_ptr + stride_runs + s)
+            m_start = pid_m * BLOCK_M
+            if m_start >= count:
+                return
+            i = pid_in // N_TILES
+            pid_n = pid_in % N_TILES
         rank = tl.load(ranks_ptr + s * P + i)
         if rank <= 0:
             return
@@ -151,6 +178,15 @@ if HAS_TRITON:
 
 
 _BLOCK_R = 16  # rank chunk; tl.dot needs >= 16 on NVIDIA, the tail of the last chunk is masked
+
+# The expand's compact grid: (row tiles of all slots back to back, column tiles of all slices
+# back to back) instead of (slot, row tile, slice x column tile). The plain grid is sized for the
+# worst case of each axis: a CUDA graph of 64 rows over 16 slots launches 16 x 4 row tiles of which
+# at most 19 hold rows, and a q/k/v linear 3 x 16 column tiles of which 20 hold columns (k and v
+# are narrow): 3072 programs for at most 380 with work, and the expand of a decode step is that
+# small. Off until measured on a GPU (benchmarks/gpu_throughput.py --compact, lora_graph_step.py):
+# the interpreter tests check that both grids give the same sums.
+EXPAND_COMPACT_GRID = False
 
 
 def _require_triton() -> None:
@@ -227,6 +263,13 @@ def lora_shrink(
     )  # fmt: skip
 
 
+def compact_row_tiles(t: int, max_rows: int, num_slots: int, block_m: int) -> int:
+    """Row tiles of the compact grid: a bound of ``sum(cdiv(count_s, block_m))`` over the slots
+    for any runs of ``t`` rows, none longer than ``max_rows``: with ``k`` slots holding rows,
+    ``sum(floor((count_s - 1) / BM) + 1) <= floor((t - k) / BM) + k <= cdiv(t, BM) - 1 + k``."""
+    return min(num_slots * -(-max_rows // block_m), -(-t // block_m) - 1 + min(num_slots, t))
+
+
 def lora_expand(
     buf: torch.Tensor,
     lora_b: torch.Tensor,
@@ -241,6 +284,8 @@ def lora_expand(
     block_r: int | None = None,
     block_n: int | None = None,
     slot_cols: int = 0,
+    widths: Sequence[int] | None = None,
+    compact: bool | None = None,
 ) -> None:
     """Segmented LoRA expand of every slice of a fused linear in one launch, added into ``y``.
 
@@ -256,6 +301,10 @@ def lora_expand(
         bounds: ``[P + 1]`` int32 first output column of each slice, then ``Ntot``.
         max_rows: the longest run, or a bound of it; max_width: the widest slice.
         slot_cols: columns of ``buf`` per slot (0: one ``[T, P * R]`` shrink output for all slots).
+        widths: each slice's width (``bounds``' differences, known on the host): needed for the
+            compact grid, which has one column tile per ``BLOCK_N`` of each slice.
+        compact: the compact grid (``EXPAND_COMPACT_GRID``'s docstring); ``None``: that setting,
+            where ``widths`` is given.
     """
     _require_triton()
     t = buf.shape[0]
@@ -271,12 +320,26 @@ def lora_expand(
     # Decode-sized runs: 128-column tiles halve the programs (lora_graph_step.py: 1.26 vs 1.30 ms).
     block_n = block_n or ((64 if big else 128) if buf.is_cuda else 32)
     n_tiles = triton.cdiv(max_width, block_n)
-    _lora_expand_kernel[(num_slots, triton.cdiv(max_rows, block_m), p * n_tiles)](
+    m_tiles = triton.cdiv(max_rows, block_m)
+    if compact is None:
+        compact = EXPAND_COMPACT_GRID and widths is not None
+    if compact:
+        if widths is None or len(widths) != p:
+            raise ValueError(f"the compact grid needs the width of each of the {p} slices")
+        grid = (
+            compact_row_tiles(t, max_rows, num_slots, block_m),
+            sum(triton.cdiv(w, block_n) for w in widths),
+            1,
+        )
+    else:
+        grid = (num_slots, m_tiles, p * n_tiles)
+    _lora_expand_kernel[grid](
         buf, lora_b, y, slot_runs, ranks, bounds,
-        rank, p, n_tiles, slot_cols,
+        rank, p, n_tiles, slot_cols, num_slots,
         slot_runs.stride(0),
         buf.stride(0), buf.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=lora_b.dtype == torch.float32,
+        COMPACT=compact, S_P2=triton.next_power_of_2(num_slots), P_P2=triton.next_power_of_2(p),
     )  # fmt: skip

@@ -147,6 +147,7 @@ class GpuLoRASlots(LoRASlots):
         self.ranks = torch.zeros(max_loras, len(layer.slice_names), dtype=torch.int32, device=device)
         self.bounds = torch.tensor(layer.slice_offsets(), dtype=torch.int32, device=device)  # [P + 1]
         self.max_width = max(layer.output_sizes)
+        self.widths = list(layer.output_sizes)  # for the expand's compact grid
         self.out_size = sum(layer.output_sizes)
         self.stacked: torch.Tensor | None = None  # [N + S * P * R, in]: W, then every slot's A
         self.stacked_bias: torch.Tensor | None = None  # [N + S * P * R]: the bias, then zeros
@@ -196,7 +197,7 @@ class GpuLoRASlots(LoRASlots):
         )
         lora_expand(
             buf, self.b, y, meta.slot_runs, self.ranks, self.bounds,
-            max_rows=meta.max_rows, max_width=self.max_width,
+            max_rows=meta.max_rows, max_width=self.max_width, widths=self.widths,
         )  # fmt: skip
 
     def fused_forward(self, x: torch.Tensor, meta: LoRAMetadata) -> torch.Tensor | None:
@@ -215,6 +216,7 @@ class GpuLoRASlots(LoRASlots):
             lora_expand(
                 z[:, n:], self.b, y, meta.slot_runs, self.ranks, self.bounds,
                 max_rows=meta.max_rows, max_width=self.max_width, slot_cols=self.a.shape[1],
+                widths=self.widths,
             )  # fmt: skip
         return y
 

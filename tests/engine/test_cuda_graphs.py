@@ -47,8 +47,15 @@ def test_graphs_match_eager_across_batch_sizes(tiny_model_dir, name: str) -> Non
 
 
 @pytest.mark.gpu
-def test_graphs_with_lora_match_peft_through_hot_loads(tiny_model_dir, tmp_path: Path) -> None:
+@pytest.mark.parametrize("compact", [False, True], ids=["plain-grid", "compact-grid"])
+def test_graphs_with_lora_match_peft_through_hot_loads(
+    tiny_model_dir, tmp_path: Path, compact: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compact``: the expand on its compact grid (``kernels/lora.py`` ``EXPAND_COMPACT_GRID``)."""
+    import lorastar.kernels.lora as lora_kernels
     from tests.adapters.test_lora_vs_peft import make_adapters, peft_greedy, peft_reference
+
+    monkeypatch.setattr(lora_kernels, "EXPAND_COMPACT_GRID", compact)
 
     base_dir = tiny_model_dir("llama-gqa")
     paths = make_adapters(base_dir, tmp_path)

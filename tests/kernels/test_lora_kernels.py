@@ -11,7 +11,7 @@ import torch
 
 from lorastar.forward_context import LoRAMetadata, lora_ranges, slot_runs
 from lorastar.kernels import cpu_native
-from lorastar.kernels.lora import lora_expand, lora_shrink
+from lorastar.kernels.lora import compact_row_tiles, lora_expand, lora_shrink
 from lorastar.kernels.reference import (
     ref_lora_expand,
     ref_lora_expand_runs,
@@ -116,6 +116,7 @@ def _runs_case(
     out = {k: v.to(DEVICE) for k, v in out.items()}
     out["max_rows"] = max((e - s for _, s, e in ranges), default=0)
     out["max_width"] = max(widths)
+    out["widths"] = widths
     return out
 
 
@@ -126,8 +127,15 @@ def _shrink(c: dict, **kw: object) -> torch.Tensor:
 
 
 def _expand(c: dict, **kw: object) -> torch.Tensor:
+    """The expand on ``c``'s buffers; ``compact=True``: on the compact grid."""
     y = c["y"].clone()
-    kw = {"max_rows": c["max_rows"], "max_width": c["max_width"], **kw}
+    kw = {
+        "max_rows": c["max_rows"],
+        "max_width": c["max_width"],
+        "widths": c["widths"],
+        "compact": False,
+        **kw,
+    }
     lora_expand(c["buf"], c["b"], y, c["runs"], c["ranks"], c["bounds"], **kw)  # type: ignore[arg-type]
     return y
 
@@ -159,6 +167,7 @@ def test_lora_shrink_expand(
     ref = ref_lora_shrink_runs(c["x"], c["a"], c["runs"], c["ranks"])
     torch.testing.assert_close(_shrink(c), ref, **_tol(dtype))
     torch.testing.assert_close(_expand(c), _ref_expand(c), **_tol(dtype))
+    torch.testing.assert_close(_expand(c, compact=True), _ref_expand(c), **_tol(dtype))
 
 
 def test_runs_reference_is_the_per_token_semantics() -> None:
@@ -197,11 +206,13 @@ def test_expand_of_every_slots_shrink(rank: int, batch: int, dtype: torch.dtype,
     c["a"] = a
     c["b"][0] = 0.0
     dense = (c["x"].float() @ a.reshape(num_slots * p * rank, -1).float().T).to(dtype)  # [T, S * P * R]
-    y = c["y"].clone()
-    kw = {"max_rows": c["max_rows"], "max_width": c["max_width"], "slot_cols": p * rank}
-    lora_expand(dense, c["b"], y, c["runs"], c["ranks"], c["bounds"], **kw)  # type: ignore[arg-type]
     want = ref_lora_expand_runs(c["y"], dense, c["b"], c["runs"], c["ranks"], c["bounds"], slot_cols=p * rank)
-    torch.testing.assert_close(y, want, **_tol(dtype))
+    for compact in (False, True):
+        y = c["y"].clone()
+        kw = {"max_rows": c["max_rows"], "max_width": c["max_width"], "slot_cols": p * rank,
+              "widths": c["widths"], "compact": compact}  # fmt: skip
+        lora_expand(dense, c["b"], y, c["runs"], c["ranks"], c["bounds"], **kw)  # type: ignore[arg-type]
+        torch.testing.assert_close(y, want, **_tol(dtype))
     per_slot = ref_lora_expand_runs(
         c["y"],
         ref_lora_shrink_runs(c["x"], a, c["runs"], c["ranks"]),
@@ -237,16 +248,18 @@ def test_untouched_rows_and_columns() -> None:
             written[start : start + count, i * 16 : i * 16 + int(c["ranks"][s, i])] = True
     assert (~written).any() and written.any()
     torch.testing.assert_close(out, torch.where(written, ref, torch.full_like(ref, sentinel)))
-    y = _expand(c)
     base_rows = c["token_slots"] < 0
     assert base_rows.any()
-    torch.testing.assert_close(y[base_rows], c["y"][base_rows])
+    for compact in (False, True):
+        y = _expand(c, compact=compact)
+        torch.testing.assert_close(y[base_rows], c["y"][base_rows])
 
 
 def test_no_rows_with_an_adapter() -> None:
     c = _runs_case(8, 5, torch.float32, "uniform")
     c["runs"] = torch.zeros_like(c["runs"])
     torch.testing.assert_close(_expand(c, max_rows=5), c["y"])
+    torch.testing.assert_close(_expand(c, max_rows=5, compact=True), c["y"])
     assert _shrink(c, max_rows=5).abs().sum() == 0
 
 
@@ -268,15 +281,52 @@ def test_fixed_grid_replays_any_mix() -> None:
         torch.testing.assert_close(_shrink(c, max_rows=16), ref, **_tol(torch.float32))
         torch.testing.assert_close(_shrink(fitted), ref, **_tol(torch.float32))
         torch.testing.assert_close(_expand(c, max_rows=16), _ref_expand(c), **_tol(torch.float32))
+        torch.testing.assert_close(
+            _expand(c, max_rows=16, compact=True), _ref_expand(c), **_tol(torch.float32)
+        )
 
 
-@pytest.mark.parametrize(("block_m", "block_r"), [(32, 32), (16, 64)])
-def test_expand_tiles(block_m: int, block_r: int) -> None:
-    # Larger row / rank tiles (GPU prefill tuning) must keep the rank masking exact.
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize(("block_m", "block_r", "block_n"), [(32, 32, 32), (16, 64, 16)])
+def test_expand_tiles(block_m: int, block_r: int, block_n: int, compact: bool) -> None:
+    # Larger row / rank tiles (GPU prefill tuning) must keep the rank masking exact; column tiles
+    # narrower than a slice give the compact grid several per slice.
     c = _runs_case(33, 16, torch.float32, "skewed", seed=4)
     torch.testing.assert_close(
-        _expand(c, block_m=block_m, block_r=block_r), _ref_expand(c), **_tol(torch.float32)
+        _expand(c, block_m=block_m, block_r=block_r, block_n=block_n, compact=compact),
+        _ref_expand(c),
+        **_tol(torch.float32),
     )
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("popularity", ["identical", "skewed"])
+def test_expand_runs_of_several_row_tiles(popularity: str, compact: bool) -> None:
+    # A slot's run longer than a row tile: its tiles follow each other (in the compact grid,
+    # after the other slots' tiles before it), each at its own row offset.
+    c = _runs_case(16, 40, torch.float32, popularity, seed=5)
+    assert c["max_rows"] > 16
+    torch.testing.assert_close(_expand(c, compact=compact), _ref_expand(c), **_tol(torch.float32))
+    torch.testing.assert_close(
+        _expand(c, max_rows=40, compact=compact), _ref_expand(c), **_tol(torch.float32)
+    )  # a graph's grid
+
+
+def test_compact_row_tiles_bound_every_mix() -> None:
+    """The compact grid's row tiles cover every slot's tiles for any runs of T rows (rows of no
+    slot among them), and are fewer than the plain grid's slot x tile programs once slots share
+    a batch: 19 instead of 64 for a 64-row CUDA graph over 16 slots."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2000):
+        t = int(torch.randint(1, 300, (), generator=gen))
+        slots = int(torch.randint(1, 33, (), generator=gen))
+        bm = int(torch.tensor([16, 32, 64])[torch.randint(0, 3, (), generator=gen)])
+        cuts = torch.sort(torch.randint(0, t + 1, (slots + 1,), generator=gen)).values.tolist()
+        counts = [b - a for a, b in zip(cuts, cuts[1:])]  # the rest: rows without an adapter
+        need = sum(-(-n // bm) for n in counts)
+        assert need <= compact_row_tiles(t, max(counts), slots, bm), (t, slots, bm, counts)
+        assert compact_row_tiles(t, t, slots, bm) >= need  # a graph's grid: max_rows = T
+    assert compact_row_tiles(64, 64, 16, 16) == 19 and compact_row_tiles(1, 1, 16, 16) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,11 +465,12 @@ def test_lora_gpu_realistic(dtype: torch.dtype, batch: int) -> None:
                 ref_buf[start:end, cols] @ b[s, bounds[i] : bounds[i + 1], :r].float().t()
             )
     max_rows = max((e - s for _, s, e in ranges), default=0)
-    for rows in (max_rows, batch):  # fitted grid (eager) and the whole batch (a CUDA graph)
+    # fitted grid (eager) and the whole batch (a CUDA graph), each on the plain and compact grids
+    for rows, compact in [(max_rows, False), (batch, False), (max_rows, True), (batch, True)]:
         buf = torch.zeros(batch, 3 * rank, device="cuda")
         y = y0.clone()
         lora_shrink(x, a, buf, runs, ranks.cuda(), max_rows=rows)
         lora_expand(buf, b, y, runs, ranks.cuda(), torch.tensor(bounds, dtype=torch.int32, device="cuda"),
-                    max_rows=rows, max_width=max(widths))  # fmt: skip
+                    max_rows=rows, max_width=max(widths), widths=widths, compact=compact)  # fmt: skip
         torch.testing.assert_close(buf, ref_buf, atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(y.float(), ref_y, atol=3e-2, rtol=3e-2)

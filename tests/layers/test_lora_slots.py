@@ -12,8 +12,12 @@ from lorastar.layers.linear import Linear
 from lorastar.layers.lora import CpuLoRASlots, GpuLoRASlots
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("graph_grid", [False, True])
-def test_cpu_and_gpu_slots_agree(graph_grid: bool) -> None:
+def test_cpu_and_gpu_slots_agree(graph_grid: bool, compact: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lorastar.kernels.lora as lora_kernels
+
+    monkeypatch.setattr(lora_kernels, "EXPAND_COMPACT_GRID", compact)
     gen = torch.Generator().manual_seed(0)
     layer = Linear(
         16, [8, 4, 4], bias=False, prefix="qkv", slice_names=["q", "k", "v"], params_dtype=torch.float32
@@ -62,11 +66,16 @@ def test_lora_ranges_rejects_unsorted_rows() -> None:
         lora_ranges([(1, 1), (0, 1)])
 
 
+@pytest.mark.parametrize("compact", [False, True])
 @pytest.mark.parametrize("graph_grid", [False, True])
-def test_stacked_shrink_in_the_base_gemm(graph_grid: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stacked_shrink_in_the_base_gemm(
+    graph_grid: bool, compact: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Stacked slots: the linear's weight and bias become views of ``[W; A]`` / ``[bias; 0]``
     with their values unchanged, and ``fused_forward`` (one GEMM, one expand) equals the base
-    output plus ``apply``'s deltas of unstacked slots; ``None`` where it does not apply."""
+    output plus ``apply``'s deltas of unstacked slots; ``None`` where it does not apply. The
+    expand on either grid (``compact``: ``EXPAND_COMPACT_GRID``)."""
+    import lorastar.kernels.lora as lora_kernels
     import lorastar.layers.lora as lora_layers
 
     gen = torch.Generator().manual_seed(1)
@@ -84,6 +93,7 @@ def test_stacked_shrink_in_the_base_gemm(graph_grid: bool, monkeypatch: pytest.M
     monkeypatch.setattr(lora_layers, "STACKED_MAX_BYTES", 0)
     separate = GpuLoRASlots(plain, 3, 8, torch.float32, torch.device("cpu"))
     monkeypatch.undo()
+    monkeypatch.setattr(lora_kernels, "EXPAND_COMPACT_GRID", compact)
     stacked = GpuLoRASlots(stacked_layer, 3, 8, torch.float32, torch.device("cpu"))
     assert separate.stacked is None and stacked.stacked is not None
     assert stacked_layer.weight.data_ptr() == stacked.stacked.data_ptr()
