@@ -5,7 +5,9 @@
 # OUT_DIR: logs, tables and plots; OTHER_LORASTAR_PARENT: a folder holding another checkout's
 # lorastar/ package (e.g. `git archive <rev> lorastar | tar -x -C DIR`), run by the same throughput
 # script right after this tree's for a side-by-side before/after. Time boxes (seconds, env):
-# TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns), KERN_S 120 each for kernels and LoRA step;
+# TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns; COMPACT=1 adds the
+# expand's compact grid), PROFILE_S 0 (> 0: gpu_step_profile.py first, adapters on q/k/v/o, both
+# expand grids), KERN_S 120 each for kernels and LoRA step;
 # a session's device time is 900 s in all, machine start included: lower KERN_S=1 to skip those two.
 # The GPU image lacks msgspec, pyzmq and xgrammar (with apache-tvm-ffi, pydantic, pydantic-core,
 # annotated-types, typing-inspection): carry them as wheels and put them on PYTHONPATH first.
@@ -17,6 +19,12 @@ export LORASTAR_TEST_TOKENIZER=$tok PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=fa
 py=${PYTHON:-python3}
 base=${PYTHONPATH:+$PYTHONPATH:}
 per_test=$($py -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # where the plugin is installed
+if [ "${PROFILE_S:-0}" -gt 0 ]; then
+  t0=$(date +%s)
+  PYTHONPATH=$base$PWD timeout "$PROFILE_S" $py benchmarks/gpu_step_profile.py --tokenizer "$tok" --out "$out" \
+    --targets q_proj,k_proj,v_proj,o_proj --compact > "$out/gpu_step_profile.log" 2>&1
+  echo "step profile rc=$? in $(( $(date +%s) - t0 )) s"; grep "^|" "$out/gpu_step_profile.log" | head -24
+fi
 t0=$(date +%s)
 PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cacheprovider $per_test -rfE \
   tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py tests/models/test_gpu_engine.py \
@@ -24,7 +32,7 @@ PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cac
 echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/gpu_tests.log"
 t0=$(date +%s)
 PYTHONPATH=$base$PWD timeout "${TPUT_S:-400}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \
-  --sync --unstacked > "$out/gpu_throughput.log" 2>&1
+  --sync --unstacked ${COMPACT:+--compact} > "$out/gpu_throughput.log" 2>&1
 echo "throughput rc=$? in $(( $(date +%s) - t0 )) s"; grep "^B=\|roof" "$out/gpu_throughput.log"
 if [ -n "$other" ]; then
   mkdir -p "$out/other"; t0=$(date +%s)
