@@ -222,3 +222,39 @@ def test_cuda_thinking_budget_matches_hf_and_releases_the_hold(tiny_model_dir, d
     assert holding[0] == len(cases) - 1 and holding[-1] == 0, holding  # released before the end
     eng.check_invariants()
     assert eng._num_sync_requests == 0 and llm.kv_cache_usage()["num_used_blocks"] == 0
+
+
+def test_cuda_bad_words_match_hf(tiny_model_dir, device: str = "cuda") -> None:
+    """``bad_words`` on CUDA with async scheduling: words of one and of two tokens taken from plain
+    greedy's output (a two-token word holds the batch to one step at a time while its first token
+    may come), tokenized as vLLM does, equal HF's ``generate(bad_words_ids=...)`` with the same
+    ids; a plain row beside it equals plain greedy."""
+    from transformers import AutoTokenizer
+
+    from lorastar.engine.sampling import bad_words_token_ids
+
+    path = tiny_model_dir("llama-gqa")
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    prompt = [11, 250, 3071, 9, 40000, 17, 17, 600]
+    ids = torch.tensor([prompt], device=device)
+
+    def hf_greedy(**kw: object) -> list[int]:
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                              do_sample=False, pad_token_id=0, **kw)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    free = hf_greedy()
+    words = [tok.decode(free[k : k + n]).strip() for k, n in ((1, 1), (4, 2), (9, 2))]
+    words = [w for w in words if w]
+    banned = bad_words_token_ids(lambda t: tok.encode(t, add_special_tokens=False), words)
+    assert any(len(w) > 1 for w in banned), banned
+    want = hf_greedy(bad_words_ids=banned)
+    assert want != free
+    llm = LLM(path, device=device, dtype="float32", num_kv_blocks=128)
+    base = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([prompt] * 2, [SamplingParams(**base, bad_words=words), SamplingParams(**base)])
+    assert [o.outputs[0].token_ids for o in outs] == [want, free]
+    llm.engine.check_invariants()
+    assert llm.kv_cache_usage()["num_used_blocks"] == 0
