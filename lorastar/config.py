@@ -112,7 +112,9 @@ class EngineConfig:
     without it (greedy and seeded sampling token for token); a sequence that ends at step N has
     one extra token computed and dropped. While any live request uses beam search or prompt
     logprobs, or an ``n > 1`` request has not forked its samples yet, steps run one at a time
-    (they fork or read on the host); penalties count the previous token on the device. On a CPU
+    (they fork or read on the host); penalties count the previous token on the device; requests
+    whose sampling reads the output on the host (a grammar, guided_choice, a bad word of several
+    tokens, a thinking budget) complete the step in flight between the forward and sampling. On a CPU
     nothing overlaps (a step runs in the calling thread). ``None`` (default): on for CUDA, off
     elsewhere; measured on an H200 (1.1B Llama, bf16, 128+64 tokens) at 1.02x / 1.30x / 1.42x the
     tokens/s of one-at-a-time steps for 1 / 16 / 64 requests, 1.26x / 1.20x / 1.32x with 16

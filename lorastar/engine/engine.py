@@ -72,23 +72,30 @@ class _InFlight:
     out: SchedulerOutput
     targets: list[tuple[Sequence, int]]
     sample: PendingSample
+    completed_prev: bool = False  # the step before it was completed inside its launch
 
 
 def _needs_sync(req: Request) -> bool:
-    """Requests whose sampling reads the previous token on the host or forks sequences there
-    (beams; n > 1 until its samples have forked, after which they are n plain sequences; a bad
-    word of several tokens; guided_choice; a grammar; a thinking budget until every sample's block
-    has closed), or whose prompt logprobs go through the host: while one is live, async scheduling
-    runs steps one at a time. Penalties read the previous token on the device (``PendingTokens``)."""
+    """Requests whose sampling forks sequences on the host (beams; n > 1 until its samples have
+    forked, after which they are n plain sequences), or whose prompt logprobs go through the host:
+    while one is live, async scheduling runs steps one at a time. Penalties read the previous token
+    on the device (``PendingTokens``); the rows of ``_reads_host`` read it on the host once the
+    step in flight is complete."""
     params = req.params
+    return params.use_beam_search or (params.n > 1 and not req.forked) or params.prompt_logprobs is not None
+
+
+def _reads_host(req: Request) -> bool:
+    """Requests whose sampling reads the output so far on the host: a bad word of several tokens,
+    guided_choice, a grammar, a thinking budget. While one is live, an async step completes the
+    step in flight (its tokens put in place, its outputs built) after launching the model and
+    before sampling: the host reads a known output while the device runs the forward (vLLM v1
+    fills its grammar bitmasks the same way, beside the forward)."""
     return (
-        params.use_beam_search
-        or (params.n > 1 and not req.forked)
-        or params.prompt_logprobs is not None
-        or (req.bad_words is not None and bool(req.bad_words.multi))
+        (req.bad_words is not None and bool(req.bad_words.multi))
         or req.choices is not None
         or req.grammar is not None
-        or (params.thinking_token_budget is not None and not req.thinking_settled)
+        or req.params.thinking_token_budget is not None
     )
 
 
@@ -320,6 +327,7 @@ class LLMEngine:
         self.adapter_tokens: dict[str, int] = {}
         self._inflight: _InFlight | None = None  # async scheduling: the step launched last
         self._num_sync_requests = 0  # live requests that make async scheduling wait (_needs_sync)
+        self._num_host_readers = 0  # live requests whose sampling reads the output on the host (_reads_host)
         # Live requests with prompt logprobs, and with an adapter: while there are none, a step
         # skips the passes over its sequences that only those need (check_invariants counts both).
         self._num_prompt_logprobs = 0
@@ -570,6 +578,8 @@ class LLMEngine:
             req.bad_words, req.choices, req.grammar = bad_words, choices, grammar
             req.holds_sync = _needs_sync(req)
             self._num_sync_requests += req.holds_sync
+            req.reads_host = _reads_host(req)
+            self._num_host_readers += req.reads_host
             self.scheduler.add(seq)
             return req
 
@@ -657,8 +667,11 @@ class LLMEngine:
     # their prefix-cache hashes only once every token in them is known (``Scheduler.commit``). A
     # sequence found finished at N (EOS, a stop token; aborted, a stop string) has its N+1 token
     # dropped; freeing its blocks at once is safe because one device stream runs the steps in
-    # order. One step in flight at most; the steps of requests that need host-side sampling state
-    # (``_needs_sync``) run one at a time.
+    # order. One step in flight at most; the steps of requests that fork on the host or score their
+    # prompts (``_needs_sync``) run one at a time; while a request whose sampling reads its output
+    # on the host is live (``_reads_host``: a grammar, guided_choice, a bad word of several tokens, a
+    # thinking budget), step N is completed inside N+1's launch, after the forward and before
+    # sampling, so its host work still runs while the device computes.
     def _step_async(self) -> list[EngineCoreOutput]:
         prev, self._inflight = self._inflight, None
         if self._num_sync_requests:
@@ -668,13 +681,21 @@ class LLMEngine:
         self.runner.batch.remove(out.finished_seq_ids)
         if out.is_empty:
             return self._complete(prev) if prev is not None else []
-        launched = self._launch(out, prev)
-        outputs = self._complete(prev) if prev is not None else []
+        completed: list[EngineCoreOutput] = []
+        launched = self._launch(out, prev, completed if self._num_host_readers else None)
+        outputs = completed if launched.completed_prev else self._complete(prev) if prev is not None else []
         self._inflight = launched
         return outputs
 
-    def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
-        """Run ``out`` and sample it on the device; give each sampling sequence its placeholder."""
+    def _launch(
+        self,
+        out: SchedulerOutput,
+        prev: _InFlight | None,
+        complete_into: list[EngineCoreOutput] | None = None,
+    ) -> _InFlight:
+        """Run ``out`` and sample it on the device; give each sampling sequence its placeholder.
+        ``complete_into``: complete ``prev`` (into that list) once the model is launched, before
+        sampling: rows that read their output on the host (``_reads_host``) then read it whole."""
         now = time.monotonic()
         patch_src: list[int] = []
         patch_dst: list[int] = []
@@ -695,6 +716,10 @@ class LLMEngine:
         )
         self.iteration_tokens.observe(tokens)
         self.scheduler.update(out, commit=False)
+        completed_prev = prev is not None and complete_into is not None
+        if completed_prev:  # the device runs the forward meanwhile; no placeholder is left after
+            complete_into.extend(self._complete(prev))  # type: ignore[union-attr, arg-type]
+            prev = None
         rows: list[SamplingRow] = []
         seqs: list[Sequence] = []
         pending = PendingTokens(prev.sample.token_ids, [], []) if prev is not None else None
@@ -715,6 +740,9 @@ class LLMEngine:
         )
         targets: list[tuple[Sequence, int]] = []
         for j, seq in enumerate(seqs):
+            if seq.status is SeqStatus.FINISHED:  # ended by the step completed above: its row is dropped
+                targets.append((seq, -1))
+                continue
             seq.token_ids.append(0)  # any valid id: read only through placeholder-aware paths
             seq.num_placeholders += 1
             seq.placeholder_row = j
@@ -722,7 +750,7 @@ class LLMEngine:
             if n - seq.num_prompt_tokens >= seq.request.params.max_tokens or n >= self.max_model_len:
                 seq.ends_pending = True
             targets.append((seq, n - 1))
-        return _InFlight(out, targets, sample)
+        return _InFlight(out, targets, sample, completed_prev)
 
     def _complete(self, step: _InFlight) -> list[EngineCoreOutput]:
         """Read ``step``'s tokens back, put them in place of its placeholders, and build outputs."""
@@ -863,8 +891,6 @@ class LLMEngine:
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
             meta = self.runner.batch.sampling_metadata(seqs)
             new_tokens = self._sample(sample_logits, rows, meta)
-            if self._num_sync_requests and meta.thinking.any():  # a budgeted request may let go
-                self._settle_thinking(rows, seqs)
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
             targets = seqs
@@ -1092,22 +1118,6 @@ class LLMEngine:
             result.append([(tok, e.logprob, e.rank), *((t, v, rank) for rank, (t, v) in enumerate(top, 1))])
         return result
 
-    def _settle_thinking(self, rows: list[SamplingRow], seqs: list[Sequence]) -> None:
-        """Requests whose thinking budget can no longer bind (each sample's block closed, or its
-        output opened without one) stop holding steps one at a time: their answers run with
-        async scheduling. A row's budget has read the output up to this step's token."""
-        for row, seq in zip(rows, seqs):
-            req = seq.request
-            if row.thinking is None or req.thinking_settled or not row.thinking.done:
-                continue
-            if all(
-                s.is_finished or (s.sampling_row is not None and s.sampling_row.thinking is not None
-                                  and s.sampling_row.thinking.done)
-                for s in req.sequences
-            ):  # fmt: skip
-                req.thinking_settled = True
-                self._release_sync(req)
-
     def _release_sync(self, req: Request) -> None:
         """``req`` no longer needs steps run one at a time (an n > 1 request once forked)."""
         if req.holds_sync and not _needs_sync(req):
@@ -1119,6 +1129,8 @@ class LLMEngine:
         if self.requests.pop(req.request_id, None) is not None:
             self._num_sync_requests -= req.holds_sync
             req.holds_sync = False
+            self._num_host_readers -= req.reads_host
+            req.reads_host = False
             self._num_prompt_logprobs -= req.prompt_logprobs is not None
             if not self.requests:  # the step in flight has only ended sequences left: nothing to read
                 self._inflight = None
@@ -1187,6 +1199,11 @@ class LLMEngine:
             holding = sum(r.holds_sync for r in self.requests.values())
             if holding != self._num_sync_requests:
                 raise AssertionError(f"{self._num_sync_requests} sync requests counted, {holding} live")
+            reading = sum(r.reads_host for r in self.requests.values())
+            if reading != self._num_host_readers:
+                raise AssertionError(
+                    f"{self._num_host_readers} host-reading requests counted, {reading} live"
+                )
             scoring = sum(r.prompt_logprobs is not None for r in self.requests.values())
             if scoring != self._num_prompt_logprobs:
                 raise AssertionError(

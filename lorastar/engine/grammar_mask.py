@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lorastar.engine.structured import ENDED, MASKED
+from lorastar.forward_context import to_device
 
 _BIT = torch.arange(32, dtype=torch.int32)
 
@@ -66,11 +67,11 @@ def apply_grammars(x: Tensor, rows: Sequence[Any], idx: list[int]) -> list[int]:
             eos_only.append(i)
     if masked:
         keep = masked if len(masked) < len(idx) else slice(None)
-        add = bitmask_to_additive(bitmask[keep].to(x.device, non_blocking=True), vocab)  # [M, V]
+        add = bitmask_to_additive(to_device(bitmask[keep], x.device), vocab)  # [M, V]; pinned: no wait
         inf = float("inf")
         if len(masked) == x.shape[0]:  # every row is masked (then idx is 0..R-1)
             x.add_(add).nan_to_num_(nan=-inf, posinf=inf, neginf=-inf)  # +inf + -inf: masked
         else:
-            r = torch.tensor([idx[j] for j in masked], device=x.device)
+            r = to_device([idx[j] for j in masked], x.device)
             x[r] = (x[r] + add).nan_to_num_(nan=-inf, posinf=inf, neginf=-inf)
     return eos_only

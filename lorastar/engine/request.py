@@ -128,7 +128,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     forked: bool = False  # n > 1: children created after the first token
     holds_sync: bool = False  # async scheduling runs steps one at a time while it is live
-    thinking_settled: bool = False  # every sample's thinking block closed (or never opened)
+    reads_host: bool = False  # its sampling reads the output on the host (engine._reads_host)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     aborted: bool = False
     beam: Any = None  # BeamState when params.use_beam_search

@@ -667,7 +667,8 @@ def _apply_allowed(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list
 def _apply_choices(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
     """Rows ``idx`` keep only the tokens that continue their guided_choice paths (EOS where the
     output spells a whole choice), or that their grammar accepts next (EOS once it is complete).
-    Reads the output on the host: the request holds steps synchronous (engine ``_needs_sync``)."""
+    Reads the output on the host: with async scheduling the step before is complete by then
+    (engine ``_reads_host``)."""
     kept = [i for i in idx if rows[i].choices is not None]
     allowed = [rows[i].choices.allowed(rows[i].output_token_ids) for i in kept]  # type: ignore[union-attr]
     ended = apply_grammars(x, rows, [i for i in idx if rows[i].grammar is not None])
@@ -690,8 +691,8 @@ def _keep_only(x: Tensor, idx: list[int], per_row: list[np.ndarray], vocab: int)
 def _apply_bad_words(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
     """Rows ``idx``: each bad word's last token is -inf where the row's output ends with the tokens
     before it (one-token words at every step), one scatter for the batch. A row with a word of
-    several tokens reads its output on the host: its request holds steps synchronous
-    (engine ``_needs_sync``), so no such row is pending."""
+    several tokens reads its output on the host: with async scheduling the step before is
+    complete by then (engine ``_reads_host``), so no such row is pending."""
     per_row: list[np.ndarray] = []
     kept: list[int] = []
     for i in idx:

@@ -1,9 +1,8 @@
 """A thinking budget (vLLM's ``SamplingParams.thinking_token_budget``): a reasoning model's
 thinking block is closed once it holds that many tokens, by allowing only the budget's message
 (``thinking_budget_message_ids``, if any), then its end tag, one token a step. The
-sampler reads each budgeted row's state here (``ThinkingBudget``), on the host, so such requests
-hold async scheduling to one step at a time (engine ``_needs_sync``) until every sample's block
-has closed (or its output opened without one): their answers then run async."""
+sampler reads each budgeted row's state here (``ThinkingBudget``), on the host: with async
+scheduling the step before is complete by then (engine ``_reads_host``)."""
 
 from __future__ import annotations
 

@@ -212,11 +212,11 @@ def test_n_samples_run_async_once_forked(base) -> None:  # noqa: ANN001
     eng = asy.engine
     launch, overlapped = eng._launch, []
 
-    def counting(out, prev):  # noqa: ANN001, ANN202
+    def counting(out, prev, *rest):  # noqa: ANN001, ANN002, ANN202
         eng.check_invariants()
         forked = [s.seq for s in out.scheduled if s.seq.request.params.n > 1]
         overlapped.append(bool(forked) and prev is not None)
-        return launch(out, prev)
+        return launch(out, prev, *rest)
 
     eng._launch = counting  # type: ignore[method-assign]
     got = _outputs(asy.generate(prompts[:5], params))
@@ -247,6 +247,73 @@ def test_requests_that_need_sync_steps_mix_in(base) -> None:  # noqa: ANN001
         assert outs[i].outputs[0].token_ids == refs[i]
     _clean(sync)
     _clean(asy)
+
+
+def _host_reader_params(tokenizer, refs: list[list[int]]) -> list[SamplingParams]:  # noqa: ANN001
+    """Seven requests for seven prompts: plain greedy first and last, between them rows whose
+    sampling reads the output on the host (a regex that ends on EOS, guided_choice, a bad word of
+    two tokens from row 3's own greedy output, a thinking budget of one token closed by row 4's
+    fourth greedy token) and a penalty (read on the device). ``refs``: greedy outputs."""
+    from lorastar.engine.sampling import bad_words_token_ids
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    words = [  # the first two-token piece of row 3's output that tokenizes back to itself
+        next(w for k in range(1, NEW - 2) if (w := tokenizer.decode(refs[3][k : k + 2]).strip())
+             and refs[3][k : k + 2] in bad_words_token_ids(enc, [w]))
+    ]  # fmt: skip
+    greedy = {"temperature": 0, "max_tokens": NEW, "ignore_eos": True}
+    return [
+        SamplingParams(**greedy),
+        SamplingParams(temperature=0, max_tokens=NEW, guided_regex="(yes|no), [0-9]{1,2}!"),  # ends on EOS
+        SamplingParams(**greedy, guided_choice=["black cat", "white cat", "a ginger cat called Tom"]),
+        SamplingParams(**greedy, bad_words=words),
+        SamplingParams(**greedy, reasoning_end_token_id=refs[4][3], thinking_token_budget=1),
+        SamplingParams(**greedy, repetition_penalty=1.3),
+        SamplingParams(**greedy),
+    ]
+
+
+def test_rows_that_read_their_output_on_the_host_keep_the_overlap(base) -> None:  # noqa: ANN001
+    """A grammar, guided_choice, a bad word of several tokens and a thinking budget read the
+    output on the host: with async scheduling their steps still launch while the step before is
+    in flight, which completes between the forward and sampling (no step runs one at a time);
+    every output equals the engine's without async scheduling, plain rows beside them HF's, and
+    a sequence that ends (a grammar's EOS; one of two samples on a stop token) while its next step
+    is launched leaves nothing behind: no token is added to it after its end."""
+    path, prompts, refs = base
+    sync, asy = _llm(path, False), _llm(path, True)
+    eng = asy.engine
+    params = _host_reader_params(eng.tokenizer, refs)
+    # Two samples, the first ending early on a stop token its sibling never draws.
+    two = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=NEW, ignore_eos=True)
+    a, b = (c.token_ids for c in sync.generate([prompts[2]], two)[0].outputs)
+    stop = next(t for t in a[2:] if t not in b)
+    params.append(
+        SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=NEW, ignore_eos=True, stop_token_ids=[stop])
+    )
+    prompts = [*prompts, prompts[2]]
+    want = _outputs(sync.generate(prompts, params))
+    assert len(want[-2][0]) < NEW and len(want[-1][0]) == NEW  # the samples end apart
+    launch, early, holding = eng._launch, [], []
+
+    def watching(out, prev, complete_into=None):  # noqa: ANN001, ANN202
+        holding.append(eng._num_sync_requests)
+        early.append(prev is not None and complete_into is not None)
+        return launch(out, prev, complete_into)
+
+    eng._launch = watching  # type: ignore[method-assign]
+    got = _outputs(asy.generate(prompts, params))
+    assert got == want
+    assert [got[i][0] for i in (0, 6)] == [refs[0], refs[6]]
+    assert got[1][1] == "stop" and len(got[1][0]) < NEW  # the grammar's answer ended early
+    assert got[3][0] != refs[3]  # the bad word bit
+    assert got[4][0][:2] == [refs[4][0], refs[4][3]]  # the budget closed the block after one token
+    assert sum(early) >= NEW - 2 and not any(holding)  # every decode step overlapped
+    _clean(asy)
+    assert eng._num_host_readers == 0
+    _clean(sync)
 
 
 def test_abort_while_in_flight(base) -> None:  # noqa: ANN001
@@ -381,7 +448,7 @@ def _generate_strictly(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list,
     checked: list[int] = []
     checked_round = False
 
-    def strict(out, prev):  # noqa: ANN001, ANN202
+    def strict(out, prev, *rest):  # noqa: ANN001, ANN002, ANN202
         graphs = eng.runner.graphs
         if (
             not checked_round
@@ -389,10 +456,10 @@ def _generate_strictly(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list,
             or any(s.num_new_tokens != 1 for s in out.scheduled)
             or (graphs is not None and (graphs.padded_size(len(out.scheduled)), False) not in graphs.graphs)
         ):  # a prefill, or a batch size without a graph yet: its capture synchronizes
-            return launch(out, prev)
+            return launch(out, prev, *rest)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return launch(out, prev)
+            return launch(out, prev, *rest)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             checked.append(len(out.scheduled))
@@ -403,6 +470,42 @@ def _generate_strictly(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list,
     outs = llm.generate(prompts, sp)
     assert len(checked) >= 10
     return outs
+
+
+@pytest.mark.gpu
+def test_cuda_rows_that_read_the_host_sample_without_waiting(base, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """On a GPU: rows whose sampling reads the output on the host (a grammar, guided_choice, a bad
+    word of two tokens, a thinking budget) in an async batch; sampling a step launched with a step
+    in flight queues nothing that synchronizes (their masks go through pinned memory), and every
+    output equals the engine's without async scheduling, the plain rows HF's (fp32)."""
+    path, prompts, refs = base
+    kw = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 256}
+    sync, llm = LLM(path, async_scheduling=False, **kw), LLM(path, async_scheduling=True, **kw)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    refs = [hf_greedy(hf, p, NEW) for p in prompts]  # this GPU's greedy: the words and tags come from it
+    params = _host_reader_params(llm.tokenizer, refs)
+    want = _outputs(sync.generate(prompts, params))
+    eng = llm.engine
+    launch, checked, strict_round = eng.sampler.launch, [], False
+
+    def strict(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not (strict_round and kwargs.get("no_sync") and eng._num_host_readers):
+            return launch(*args, **kwargs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(args[1]))
+
+    monkeypatch.setattr(eng.sampler, "launch", strict)
+    assert _outputs(llm.generate(prompts, params)) == want  # captures graphs, compiles the grammars
+    strict_round = True
+    got = _outputs(llm.generate(prompts, params))
+    assert got == want and [got[0][0], got[6][0]] == [refs[0], refs[6]]
+    assert len(checked) >= NEW - 2
+    _clean(llm)
+    _clean(sync)
 
 
 @pytest.mark.gpu
@@ -441,15 +544,18 @@ def fuzz_setup(tiny_model_dir, request):  # noqa: ANN001, ANN201
             st.integers(0, 5),  # step it arrives at
             st.one_of(st.none(), st.integers(0, 12)),  # step it is aborted at
             st.one_of(st.none(), st.integers(0, 9)),  # a stop token: HF's token at this index
+            st.booleans(),  # reads its output on the host (a thinking budget that never binds)
         ),
         min_size=1,
         max_size=6,
     )
 )
 def test_random_workloads_match_hf_and_leak_nothing(fuzz_setup, reqs) -> None:  # noqa: ANN001
-    """Arrivals, aborts, stop tokens and preemption at random steps: every request that is not
-    aborted ends exactly as HF's greedy continuation (cut at its stop token), an aborted one holds
-    a prefix of it, and the engine is left with no request, block or placeholder."""
+    """Arrivals, aborts, stop tokens and preemption at random steps, with requests whose sampling
+    reads the output on the host among them (their step in flight completes inside the next
+    launch): every request that is not aborted ends exactly as HF's greedy continuation (cut at its
+    stop token), an aborted one holds a prefix of it, and the engine is left with no request,
+    block or placeholder."""
     llm, hf, refs = fuzz_setup
     eng = llm.engine
     for p, *_ in reqs:
@@ -459,12 +565,15 @@ def test_random_workloads_match_hf_and_leak_nothing(fuzz_setup, reqs) -> None:  
     got: dict[str, tuple[list[int], str | None]] = {}
     step = 0
     while len(ids) < len(reqs) or eng.has_unfinished():
-        for i, (p, n, arrive, _, stop) in enumerate(reqs):
+        for i, (p, n, arrive, _, stop, host) in enumerate(reqs):
             if arrive == step:
                 stops = [refs[tuple(p)][stop]] if stop is not None and stop < n else None
-                sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop_token_ids=stops)
+                budget_kw = {"reasoning_end_token_id": 1, "thinking_token_budget": 1000} if host else {}
+                sp = SamplingParams(
+                    temperature=0, max_tokens=n, ignore_eos=True, stop_token_ids=stops, **budget_kw
+                )
                 ids[i] = eng.add_request(p, sp).request_id
-        for i, (*_, abort, _) in enumerate(reqs):
+        for i, (*_, abort, _, _) in enumerate(reqs):
             if abort == step and i in ids and (out := eng.abort_request(ids[i])) is not None:
                 got[out.request_id] = (out.outputs[0].token_ids, "abort")
         for out in eng.step():
@@ -473,7 +582,7 @@ def test_random_workloads_match_hf_and_leak_nothing(fuzz_setup, reqs) -> None:  
         eng.check_invariants()
         step += 1
         assert step < 500
-    for i, (p, n, _, _, stop) in enumerate(reqs):
+    for i, (p, n, _, _, stop, _) in enumerate(reqs):
         ref = refs[tuple(p)][:n]
         if stop is not None and stop < n:
             ref = ref[: ref.index(ref[stop]) + 1]

@@ -108,10 +108,10 @@ def test_bad_words_refusals_and_sync_holds(model_dir: str) -> None:
     assert e2.value.param == "bad_words"
     assert SamplingParams(bad_words=[]).bad_words is None  # vLLM's default: no words
     # A word of several tokens reads the output on the host: under async scheduling its request
-    # runs steps one at a time; one-token words are a mask alone.
+    # has the step in flight completed before sampling; one-token words are a mask alone.
     multi = eng.add_request("hi", SamplingParams(bad_words=["to play"], max_tokens=2))
     single = eng.add_request("hi", SamplingParams(bad_words=["sun"], max_tokens=2))
-    assert multi.holds_sync and not single.holds_sync
+    assert multi.reads_host and not single.reads_host and not multi.holds_sync
     assert single.bad_words is not None and not single.bad_words.multi
     assert np.array_equal(np.sort(single.bad_words.single), np.sort(np.asarray(bad_words_token_ids(
         lambda s: eng.tokenizer.encode(s, add_special_tokens=False), ["sun"]

@@ -71,7 +71,7 @@ def test_guided_choice_refusals(model_dir: str) -> None:
     with pytest.raises(LimitExceededError, match="max_guided_choices"):
         llm.generate("hi", SamplingParams(guided_choice=["a", "b", "c"]))
     req = llm.engine.add_request("hi", SamplingParams(guided_choice=["a", "b"], max_tokens=3))
-    assert req.holds_sync  # the paths read the output on the host
+    assert req.reads_host and not req.holds_sync  # the paths read the output on the host
     while llm.engine.requests:
         llm.engine.step()
     llm.engine.check_invariants()

@@ -187,10 +187,10 @@ def test_refusals_name_the_field_and_hold_nothing(llm: LLM) -> None:
     assert not llm.engine.requests
     llm.engine.check_invariants()
     req = llm.engine.add_request("hi", SamplingParams(guided_regex="a+", max_tokens=3))
-    assert req.holds_sync  # the matcher reads the output on the host
+    assert req.reads_host and not req.holds_sync  # the matcher reads the output on the host
     while llm.engine.requests:
         llm.engine.step()
-    assert llm.engine._num_sync_requests == 0
+    assert llm.engine._num_host_readers == 0
 
 
 def _nested(depth: int) -> dict:
