@@ -13,7 +13,7 @@ here as bytes read + written by a large device-to-device copy) / (those weights'
 LoRA tax (tokens/s with adapters over without) is set against its own roof, the same bytes
 argument with the adapters' weights added (``lora_tax_roof``).
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR] [--batches 1,16,64] [--no-peft] [--sync]
-       [--unstacked] [--compact] [--targets q_proj,k_proj,v_proj,o_proj]
+       [--unstacked] [--compact] [--regex] [--targets q_proj,k_proj,v_proj,o_proj]
 Writes gpu_throughput.md, .json and .png under --out.
 """
 
@@ -142,7 +142,10 @@ def run_lorastar(
     adapters: list[Path] | None,
     eager: bool = False,
     asyn: bool | None = None,
+    regex_rows: int = 0,
 ) -> float:
+    """Generated tokens/s of ``prompts`` (128 + 64 tokens, greedy); ``regex_rows``: that many of
+    the requests under ``guided_regex`` (their sampling reads the output on the host)."""
     from lorastar import LLM, SamplingParams
 
     # async_scheduling only when asked: an older checkout run side by side may not know the flag
@@ -155,6 +158,9 @@ def run_lorastar(
             llm.load_adapter(f"a{i}", str(a))
         names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    if regex_rows:  # unbounded, so a random model writes its 64 tokens as the plain rows do
+        guided = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, guided_regex="[a-z ]+")
+        sp = [guided] * regex_rows + [sp] * (len(prompts) - regex_rows)  # type: ignore[assignment]
     # Warm-up on the same batch: compiles the kernels and captures this batch size's CUDA graphs.
     llm.generate(prompts, sp, adapter=names)
     torch.cuda.synchronize()
@@ -228,6 +234,11 @@ def main() -> None:
         help="also run the adapters with the shrink outside the base GEMM (layers/lora.py STACKED_MAX_BYTES = 0)",
     )  # fmt: skip
     ap.add_argument(
+        "--regex", action="store_true",
+        help="also run the base model with one request of each batch under guided_regex (its rows read the output "
+             "on the host; before 195867c they held the whole batch to one step at a time)",
+    )  # fmt: skip
+    ap.add_argument(
         "--compact", action="store_true",
         help="also run the adapters with the expand on its compact grid (kernels/lora.py EXPAND_COMPACT_GRID), "
              "right before and after the plain grid's run",
@@ -279,6 +290,13 @@ def main() -> None:
             print(f"B={b}: +{min(16, b)} adapters, shrink outside the base GEMM: "
                   f"{rows[-1]['lorastar_16_lora_unstacked']:.0f} tok/s (LoRA tax "
                   f"{rows[-1]['lorastar_16_lora_unstacked'] / base:.2f}; stacked {lora / base:.2f})", flush=True)  # fmt: skip
+        if args.regex:
+            regex = run_lorastar(path, prompts, None, regex_rows=1)
+            rows[-1]["lorastar_one_regex"] = regex
+            print(
+                f"B={b}: one request under guided_regex: {regex:.0f} tok/s ({regex / base:.2f} of all plain)",
+                flush=True,
+            )
         if args.compact:
             import lorastar.kernels.lora as lora_kernels
 
@@ -338,6 +356,12 @@ def main() -> None:
             lines.append(f"| {r['batch']} | {r['lorastar_16_lora']:.0f} | {r['lorastar_16_lora'] / r['lorastar']:.2f} | "
                          f"{r['lora_roof']:.3f} | {u:.0f} | {u / r['lorastar']:.2f} | {r['lora_roof_unstacked']:.3f} | "
                          f"{r['lorastar_16_lora'] / u:.2f}x |")  # fmt: skip
+    if args.regex:
+        lines += ["", "One request of each batch under `guided_regex` (its grammar mask is filled on the host; "
+                  "the step before completes between the forward and sampling), same run:", "",
+                  "| requests | all plain tok/s | one under a regex tok/s | ratio |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['batch']} | {r['lorastar']:.0f} | {r['lorastar_one_regex']:.0f} | "
+                  f"{r['lorastar_one_regex'] / r['lorastar']:.2f} |" for r in rows]  # fmt: skip
     if args.compact:
         lines += ["", "The expand on its compact grid (`EXPAND_COMPACT_GRID = True`: only the row tiles that can "
                   "hold rows and the column tiles that hold columns), between two runs on the plain grid, same run:", "",
