@@ -6,7 +6,7 @@
 # lorastar/ package (e.g. `git archive <rev> lorastar | tar -x -C DIR`), run by the same throughput
 # script right after this tree's for a side-by-side before/after. Time boxes (seconds, env):
 # TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns; COMPACT=1 adds the
-# expand's compact grid), PROFILE_S 0 (> 0: gpu_step_profile.py first, adapters on q/k/v/o, both
+# expand's compact grid, REGEX=1 one request of each batch under a regex), PROFILE_S 0 (> 0: gpu_step_profile.py first, adapters on q/k/v/o, both
 # expand grids), KERN_S 120 each for kernels and LoRA step;
 # a session's device time is 900 s in all, machine start included: lower KERN_S=1 to skip those two.
 # The GPU image lacks msgspec, pyzmq and xgrammar (with apache-tvm-ffi, pydantic, pydantic-core,
@@ -32,7 +32,7 @@ PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cac
 echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/gpu_tests.log"
 t0=$(date +%s)
 PYTHONPATH=$base$PWD timeout "${TPUT_S:-400}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \
-  --sync --unstacked ${COMPACT:+--compact} > "$out/gpu_throughput.log" 2>&1
+  --sync --unstacked ${COMPACT:+--compact} ${REGEX:+--regex} > "$out/gpu_throughput.log" 2>&1
 echo "throughput rc=$? in $(( $(date +%s) - t0 )) s"; grep "^B=\|roof" "$out/gpu_throughput.log"
 if [ -n "$other" ]; then
   mkdir -p "$out/other"; t0=$(date +%s)
