@@ -203,6 +203,7 @@ class Scheduler:
             elif left > 1:
                 prefills.append(s)
         allocate, running, scheduled = self.bm.allocate, SeqStatus.RUNNING, out.scheduled
+        bs, refs = self.bm.block_size, self.bm.ref_counts
         for seq in decodes + prefills:
             if budget <= 0:
                 break
@@ -214,7 +215,11 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
                 continue
-            copies = allocate(seq, num_new)
+            nc, table = seq.num_computed_tokens, seq.block_table
+            if nc + num_new <= len(table) * bs and refs[table[nc // bs]] == 1:
+                copies = []  # most decode steps: allocate's own first check, inline (256 calls a step)
+            else:
+                copies = allocate(seq, num_new)
             while copies is None:
                 # Out of blocks: preempt the newest running sequence not yet scheduled (possibly
                 # ``seq`` itself, which is then the newest such).
