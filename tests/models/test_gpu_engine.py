@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,16 @@ from transformers import AutoModelForCausalLM
 from lorastar import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
+PROMPT = [11, 250, 3071, 9, 40000, 17, 17, 600]
+
+
+def _hf_greedy(hf, prompt: list[int], new: int, **kw: object) -> list[int]:  # noqa: ANN001
+    """HF's greedy continuation of ``prompt``, exactly ``new`` tokens; ``kw``: more ``generate`` args."""
+    ids = torch.tensor([prompt], device=hf.device)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0, **kw)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2", "llama-mha-llama3"])
@@ -134,15 +145,8 @@ def test_cuda_sampling_controls_match_hf(tiny_model_dir) -> None:
     vocab = hf.config.vocab_size
     g = torch.Generator().manual_seed(3)
     allowed = sorted(torch.randperm(vocab, generator=g)[:64].tolist())
-    prompt = [11, 250, 3071, 9, 40000, 17, 17, 600]
-    ids = torch.tensor([prompt], device="cuda")
-
-    def hf_greedy(**kw: object) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
-                              do_sample=False, pad_token_id=0, **kw)  # fmt: skip
-        return out[0, len(prompt) :].tolist()
-
+    prompt = PROMPT
+    hf_greedy = partial(_hf_greedy, hf, prompt, 12)
     want_plain = hf_greedy()
     want_allowed = hf_greedy(suppress_tokens=sorted(set(range(vocab)) - set(allowed)))
     # Banned: plain greedy's first picks; raised a little: random ids (a random model's logits are
@@ -182,13 +186,7 @@ def test_cuda_thinking_budget_matches_hf_and_releases_the_hold(tiny_model_dir, d
     prompt = [11, 250, 3071, 9, 40000, 17, 17, 600]
     new = 12
 
-    def greedy(prefix: list[int], n: int) -> list[int]:
-        ids = torch.tensor([prefix], device=device)
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-        return out[0, len(prefix) :].tolist()
-
+    greedy = partial(_hf_greedy, hf)
     free = greedy(prompt, new)
     end = free[3]  # a token the model writes later stands for </think>: the budget brings it forward
     assert end not in free[:3], free
@@ -237,15 +235,8 @@ def test_cuda_bad_words_match_hf(tiny_model_dir, device: str = "cuda") -> None:
     path = tiny_model_dir("llama-gqa")
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    prompt = [11, 250, 3071, 9, 40000, 17, 17, 600]
-    ids = torch.tensor([prompt], device=device)
-
-    def hf_greedy(**kw: object) -> list[int]:
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                              do_sample=False, pad_token_id=0, **kw)  # fmt: skip
-        return out[0, len(prompt) :].tolist()
-
+    prompt = PROMPT
+    hf_greedy = partial(_hf_greedy, hf, prompt, 16)
     free = hf_greedy()
     words = [tok.decode(free[k : k + n]).strip() for k, n in ((1, 1), (4, 2), (9, 2))]
     words = [w for w in words if w]
