@@ -72,7 +72,6 @@ class _InFlight:
     out: SchedulerOutput
     targets: list[tuple[Sequence, int]]
     sample: PendingSample
-    completed_prev: bool = False  # the step before it was completed inside its launch
 
 
 def _needs_sync(req: Request) -> bool:
@@ -681,9 +680,9 @@ class LLMEngine:
         self.runner.batch.remove(out.finished_seq_ids)
         if out.is_empty:
             return self._complete(prev) if prev is not None else []
-        completed: list[EngineCoreOutput] = []
-        launched = self._launch(out, prev, completed if self._num_host_readers else None)
-        outputs = completed if launched.completed_prev else self._complete(prev) if prev is not None else []
+        early: list[EngineCoreOutput] | None = [] if prev is not None and self._num_host_readers else None
+        launched = self._launch(out, prev, early)
+        outputs = early if early is not None else self._complete(prev) if prev is not None else []
         self._inflight = launched
         return outputs
 
@@ -694,8 +693,9 @@ class LLMEngine:
         complete_into: list[EngineCoreOutput] | None = None,
     ) -> _InFlight:
         """Run ``out`` and sample it on the device; give each sampling sequence its placeholder.
-        ``complete_into``: complete ``prev`` (into that list) once the model is launched, before
-        sampling: rows that read their output on the host (``_reads_host``) then read it whole."""
+        ``complete_into`` (with ``prev``): complete ``prev`` into that list once the model is
+        launched, before sampling: rows that read their output on the host (``_reads_host``) then
+        read it whole."""
         now = time.monotonic()
         patch_src: list[int] = []
         patch_dst: list[int] = []
@@ -716,10 +716,9 @@ class LLMEngine:
         )
         self.iteration_tokens.observe(tokens)
         self.scheduler.update(out, commit=False)
-        completed_prev = prev is not None and complete_into is not None
-        if completed_prev:  # the device runs the forward meanwhile; no placeholder is left after
-            complete_into.extend(self._complete(prev))  # type: ignore[union-attr, arg-type]
-            prev = None
+        if prev is not None and complete_into is not None:  # the device runs the forward meanwhile
+            complete_into.extend(self._complete(prev))
+            prev = None  # no placeholder is left
         rows: list[SamplingRow] = []
         seqs: list[Sequence] = []
         pending = PendingTokens(prev.sample.token_ids, [], []) if prev is not None else None
@@ -750,7 +749,7 @@ class LLMEngine:
             if n - seq.num_prompt_tokens >= seq.request.params.max_tokens or n >= self.max_model_len:
                 seq.ends_pending = True
             targets.append((seq, n - 1))
-        return _InFlight(out, targets, sample, completed_prev)
+        return _InFlight(out, targets, sample)
 
     def _complete(self, step: _InFlight) -> list[EngineCoreOutput]:
         """Read ``step``'s tokens back, put them in place of its placeholders, and build outputs."""
@@ -889,8 +888,7 @@ class LLMEngine:
             sample_logits = logits  # beam rows below index the step's logits, not these
             if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-            meta = self.runner.batch.sampling_metadata(seqs)
-            new_tokens = self._sample(sample_logits, rows, meta)
+            new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
             targets = seqs

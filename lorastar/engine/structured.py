@@ -20,6 +20,7 @@ which only EOS is allowed, as for a choice).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -101,8 +102,16 @@ def parse_grammar(params: SamplingParams) -> Any:
         raise _refusal(field, exc) from None
     if params.reasoning_end_token_id is None:
         return grammar
-    lead = xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{JSON_LEADING_WHITESPACE}}}")
-    return xgr.Grammar.concat(lead, grammar)
+    return xgr.Grammar.concat(_leading_whitespace(), grammar)
+
+
+@functools.cache
+def _leading_whitespace() -> Any:
+    """Up to ``JSON_LEADING_WHITESPACE`` whitespace characters (built once: every request's JSON
+    after a reasoning block starts with it)."""
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf(f"root ::= [ \\t\\n\\r]{{0,{JSON_LEADING_WHITESPACE}}}")
 
 
 def structural_tag_grammar(text: str) -> Any:
