@@ -413,7 +413,7 @@ class Sampler:
                     r_idx.append(i)
                     t_idx.append(t)
         if r_idx:
-            x[to_device(r_idx, x.device), to_device(t_idx, x.device)] = float("-inf")
+            _fill(x, (to_device(r_idx, x.device), to_device(t_idx, x.device)), _NEG_INF)
 
     def _apply_penalties(
         self,
@@ -678,13 +678,21 @@ def _apply_choices(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list
         _keep_only(x, kept, allowed, vocab)
 
 
+def _fill(x: Tensor, index: tuple[Tensor, ...], value: float) -> None:
+    """``x[index] = value`` without waiting for the device. Assigned through tensor indices, a
+    Python number becomes a CPU scalar that index_put_ copies to CUDA from pageable memory, which
+    synchronizes the stream (caught by test_cuda_rows_that_read_the_host_sample_without_waiting
+    under torch.cuda.set_sync_debug_mode("error")); a 0-dim tensor filled on the device does not."""
+    x.index_put_(index, x.new_full((), value))
+
+
 def _keep_only(x: Tensor, idx: list[int], per_row: list[np.ndarray], vocab: int) -> None:
     """Rows ``idx`` keep only the logits of their ``per_row`` token ids; the rest become -inf."""
     r_idx, toks, _ = _batch_entries(idx, per_row, vocab)
     dev = x.device
     r, t = to_device(r_idx, dev), to_device(toks, dev)
     kept = x[r, t]
-    x[to_device(idx, dev)] = _NEG_INF
+    _fill(x, (to_device(idx, dev),), _NEG_INF)
     x[r, t] = kept
 
 
@@ -705,7 +713,7 @@ def _apply_bad_words(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: li
     if kept:
         r_idx, toks, _ = _batch_entries(kept, per_row, vocab)
         if len(toks):
-            x[to_device(r_idx, x.device), to_device(toks, x.device)] = _NEG_INF
+            _fill(x, (to_device(r_idx, x.device), to_device(toks, x.device)), _NEG_INF)
 
 
 def _apply_logit_bias(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list[int]) -> None:
@@ -816,8 +824,8 @@ def _end_thinking(x: Tensor, spent: list[tuple[int, int]]) -> None:
     if spent:
         dev = x.device
         r = to_device([i for i, _ in spent], dev)
-        x[r] = _NEG_INF
-        x[r, to_device([t for _, t in spent], dev)] = 0.0
+        _fill(x, (r,), _NEG_INF)
+        _fill(x, (r, to_device([t for _, t in spent], dev)), 0.0)
 
 
 def _below_min_tokens(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:
