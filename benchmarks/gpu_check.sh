@@ -5,7 +5,7 @@
 # OUT_DIR: logs, tables and plots; OTHER_LORASTAR_PARENT: a folder holding another checkout's
 # lorastar/ package (e.g. `git archive <rev> lorastar | tar -x -C DIR`), run by the same throughput
 # script right after this tree's for a side-by-side before/after. Time boxes (seconds, env):
-# TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns; COMPACT=1 adds the
+# TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns; COMPACT=1 adds runs with the
 # expand's compact grid, REGEX=1 one request of each batch under a regex), PROFILE_S 0 (> 0: gpu_step_profile.py first, adapters on q/k/v/o, both
 # expand grids), KERN_S 120 each for kernels and LoRA step;
 # a session's device time is 900 s in all, machine start included: KERN_S=0 skips those two.

@@ -3,8 +3,8 @@
 gpu_throughput.py measures the LoRA tax (tokens/s with 16 adapters over without); this says
 where it goes. Same model and workload on a GPU: a random 1.1B Llama (TinyLlama's shape) in bf16
 with SmolLM2's tokenizer (--tokenizer), B requests of 128 prompt tokens decoding greedily, and
-16 distinct rank-16 adapters on --targets. For the base model, the adapters, and with --compact
-the adapters with the LoRA expand on its compact grid (kernels/lora.py EXPAND_COMPACT_GRID),
+16 distinct rank-16 adapters on --targets. For the base model and the adapters (with --compact
+twice: the LoRA expand on its plain grid, then its compact one; kernels/lora.py EXPAND_COMPACT_GRID),
 the prompts are prefilled untimed, then torch.profiler records --steps decode steps of the
 engine (CUDA graphs and async scheduling, its CUDA defaults). Printed per configuration: wall ms
 per step, device-busy ms per step (the union of its kernels' intervals: the rest of the wall is
@@ -41,7 +41,7 @@ def profile_decode(
     adapters: list[Path] | None,
     steps: int,
     device: str,
-    compact: bool = False,
+    compact: bool | None = None,
 ) -> dict[str, Any]:
     """Profile ``steps`` decode steps of ``prompts`` (each with its own adapter, round robin, when
     ``adapters``) after their prefill. Returns wall and busy ms per step and time per step by name."""
@@ -51,7 +51,8 @@ def profile_decode(
     import lorastar.kernels.lora as lora_kernels
     from lorastar import LLM, SamplingParams
 
-    saved, lora_kernels.EXPAND_COMPACT_GRID = lora_kernels.EXPAND_COMPACT_GRID, compact
+    saved = lora_kernels.EXPAND_COMPACT_GRID
+    lora_kernels.EXPAND_COMPACT_GRID = saved if compact is None else compact
     try:
         kw: dict[str, Any] = (
             {"kv_cache_memory": 8 << 30} if device == "cuda" else {"num_kv_blocks": 64 + 16 * len(prompts)}
@@ -182,8 +183,8 @@ def main() -> None:
     prompts = torch.randint(3, cfg["vocab_size"], (args.batch, 128), generator=g).tolist()
     results = {"base": profile_decode(path, prompts, None, args.steps, args.device)}
     if adapters:
-        results[f"{len(adapters)} adapters"] = profile_decode(
-            path, prompts, adapters, args.steps, args.device
+        results[f"{len(adapters)} adapters" + (", plain grid" if args.compact else "")] = profile_decode(
+            path, prompts, adapters, args.steps, args.device, compact=False if args.compact else None
         )
         if args.compact:
             results["compact grid"] = profile_decode(
