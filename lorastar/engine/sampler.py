@@ -496,7 +496,9 @@ class Sampler:
         dev = x.device
         temp = to_device(meta.temperature.astype(np.float32), dev)  # [R]
         x = x / temp.unsqueeze(1)  # [R, V], our own tensor from here on
-        x = _top_k_top_p(x, meta.top_k, meta.top_p)
+        # CUDA sorts a top-p-only row whole: the window search reads back which rows need more,
+        # which would wait for the step in flight under async scheduling.
+        x = _top_k_top_p(x, meta.top_k, meta.top_p, search_window=dev.type != "cuda")
         # exp(x - max) in place: the draw scales by the row total and min-p compares with the
         # row's maximum, so the softmax's normalizing pass (and its output tensor) is not needed.
         x = x.sub_(x.amax(dim=-1, keepdim=True))  # [R, V], max 0 per row
@@ -899,11 +901,19 @@ def _mostly_masked(meta: SamplingMetadata) -> np.ndarray:
     return (meta.top_k > 0) | (meta.top_p < 1.0) | meta.allowed | meta.guided
 
 
-def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[float] | np.ndarray) -> Tensor:
+def _top_k_top_p(
+    x: Tensor,
+    top_k: Sequence[int] | np.ndarray,
+    top_p: Sequence[float] | np.ndarray,
+    search_window: bool = True,
+) -> Tensor:
     """Mask x [R, V] to each row's top-k, then to the top-p nucleus of the renormalized top-k.
 
     top-p keeps a token while the mass strictly before it is < top_p, so the token that
-    crosses top_p is kept and the best token always is (vLLM's rule).
+    crosses top_p is kept and the best token always is (vLLM's rule). ``search_window``: a
+    top-p-only row looks for its cut among its best ``_TOP_P_WINDOW`` tokens first (the host
+    reads back which rows need more); off: every active row is sorted whole, with no read back
+    (vLLM's GPU sampler sorts the whole vocabulary too). The masks are the same.
     """
     num_rows, vocab = x.shape
     dev = x.device
@@ -914,7 +924,8 @@ def _top_k_top_p(x: Tensor, top_k: Sequence[int] | np.ndarray, top_p: Sequence[f
     if not active:
         return x
     need_full = [i for i in active if ps[i] and not ks[i]]
-    window = min(vocab, max([ks[i] for i in active] + ([_TOP_P_WINDOW] if need_full else [0])))
+    first = _TOP_P_WINDOW if search_window else vocab
+    window = min(vocab, max([ks[i] for i in active] + ([first] if need_full else [0])))
 
     # Every row active (the usual batch): no gather of the rows and no copy of x for the result.
     all_active = len(active) == num_rows

@@ -431,11 +431,18 @@ def test_logit_bias_of_many_rows_equals_a_dense_add() -> None:
     assert out.token_ids == (logits + dense).argmax(-1).tolist()
 
 
-def test_top_p_windows_equal_the_full_sort() -> None:
+@pytest.mark.parametrize("search_window", [True, False])
+def test_top_p_windows_equal_the_full_sort(search_window: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """top-p finds its cut among the best 256 tokens, then 4096, then sorts the row: whichever
     tier a row needs, its mask is the full sort's (rows with nuclei of ~3, ~1000 and ~20000
-    tokens at a 49,152 vocabulary, and top-k rows beside them)."""
+    tokens at a 49,152 vocabulary, and top-k rows beside them). Without the window search (CUDA:
+    no read back) every active row is sorted whole, to the same masks."""
+    import lorastar.engine.sampler as sampler_mod
     from lorastar.engine.sampler import _top_k_top_p
+
+    wider = sampler_mod._nucleus_in_window
+    calls: list[int] = []
+    monkeypatch.setattr(sampler_mod, "_nucleus_in_window", lambda *a: calls.append(1) or wider(*a))
 
     gen = torch.Generator().manual_seed(5)
     v = 49152
@@ -445,7 +452,7 @@ def test_top_p_windows_equal_the_full_sort() -> None:
     x[3, :3] += 20.0
     top_p = [0.95, 0.95, 0.9, 0.5, 0.99, 1.0]
     top_k = [0, 0, 0, 2, 0, 40]
-    got = _top_k_top_p(x.clone(), top_k, top_p)
+    got = _top_k_top_p(x.clone(), top_k, top_p, search_window=search_window)
     for r in range(6):
         row = x[r]
         if top_k[r]:
@@ -461,6 +468,7 @@ def test_top_p_windows_equal_the_full_sort() -> None:
         assert torch.equal(got[r][kept], x[r][kept])
     sizes = torch.isfinite(got).sum(-1).tolist()
     assert sizes[0] <= 3 and 256 < sizes[1] < 4096 and sizes[2] > 4096 and sizes[3] == 1 and sizes[5] == 40
+    assert bool(calls) == search_window  # the wider window's search follows a read back
 
 
 def test_sparse_penalties_equal_the_dense_form_bitwise() -> None:
