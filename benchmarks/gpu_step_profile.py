@@ -7,9 +7,11 @@ with SmolLM2's tokenizer (--tokenizer), B requests of 128 prompt tokens decoding
 twice: the LoRA expand on its plain grid, then its compact one; kernels/lora.py EXPAND_COMPACT_GRID),
 the prompts are prefilled untimed, then torch.profiler records --steps decode steps of the
 engine (CUDA graphs and async scheduling, its CUDA defaults). Printed per configuration: wall ms
-per step, device-busy ms per step (the union of its kernels' intervals: the rest of the wall is
-the device waiting for the host), kernels per step; then kernel time per step by kernel name
-with each adapter configuration's difference to the base, largest first.
+per step, device-busy ms per step (the union of its kernels' intervals), the idle rest split into
+gaps under GAP_US between kernels (the device's own launch latency, a graph replay's kernels
+back to back) and longer ones (the device waiting for the host), the host's time inside the CUDA
+runtime and driver calls, kernels per step; then kernel time per step by kernel name with each
+adapter configuration's difference to the base, largest first.
 
 With --model DIR --device cpu it profiles a local model on the CPU instead (torch ops by name,
 no adapters unless --adapters), which is also how this script is tested without a GPU.
@@ -32,6 +34,9 @@ from typing import Any
 
 import torch
 
+# A gap this short between two kernels is the device's own launch latency (kernels queued back to
+# back: a graph replay's run ~1-2 us apart); a longer one is the device waiting for the host.
+GAP_US = 10.0
 NAME_WIDTH = 70  # kernel names are long (cuBLAS tile configurations): grouped by their first characters
 
 
@@ -95,16 +100,23 @@ def profile_decode(
     by_name: dict[str, float] = defaultdict(float)
     spans: list[tuple[float, float]] = []
     count = 0
+    api_us = 0.0  # host time inside the CUDA runtime and driver (launches, graph replays, copies)
     for evt in prof.events():
+        if device == "cuda" and evt.device_type == DeviceType.CPU and evt.name.startswith(("cuda", "cu")):
+            api_us += evt.time_range.elapsed_us()
         if evt.device_type != want or (device != "cuda" and evt.cpu_parent is not None):
             continue  # CPU: top-level ops only (no double counting)
         us = evt.time_range.elapsed_us()
         by_name[evt.name[:NAME_WIDTH]] += us
         spans.append((evt.time_range.start, evt.time_range.end))
         count += 1
+    short, long = _gaps(spans, GAP_US)
     return {
         "wall_ms": 1e3 * wall / steps,
         "busy_ms": _union(spans) / 1e3 / steps,
+        "short_gap_ms": short / 1e3 / steps,
+        "long_gap_ms": long / 1e3 / steps,
+        "api_ms": api_us / 1e3 / steps,
         "ops_per_step": count / steps,
         "us_per_step": {k: v / steps for k, v in by_name.items()},
     }
@@ -121,18 +133,36 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _gaps(spans: list[tuple[float, float]], threshold: float) -> tuple[float, float]:
+    """Idle time between the union's intervals: the gaps shorter than ``threshold`` (kernels
+    queued back to back, inside a graph replay or not: launch latency on the device) and the
+    longer ones (the device waited for the host), each summed."""
+    short = long = 0.0
+    end = None
+    for s, e in sorted(spans):
+        if end is not None and s > end:
+            if s - end < threshold:
+                short += s - end
+            else:
+                long += s - end
+        end = e if end is None else max(end, e)
+    return short, long
+
+
 def table(results: dict[str, dict[str, Any]], top: int = 25) -> list[str]:
     """Markdown: the summary per configuration, then time per step by name with each
     configuration's difference to the first (the base), largest differences first."""
     cfgs = list(results)
     lines = [
-        "| configuration | wall ms/step | device-busy ms/step | busy / wall | ops per step |",
-        "|---|---|---|---|---|",
+        f"| configuration | wall ms/step | device-busy ms/step | busy / wall | idle in gaps < {GAP_US:.0f} us, ms/step | "
+        "idle in longer gaps, ms/step | host in CUDA API ms/step | ops per step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in cfgs:
         r = results[c]
         lines.append(f"| {c} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | {r['busy_ms'] / r['wall_ms']:.2f} | "
-                     f"{r['ops_per_step']:.0f} |")  # fmt: skip
+                     f"{r.get('short_gap_ms', float('nan')):.3f} | {r.get('long_gap_ms', float('nan')):.3f} | "
+                     f"{r.get('api_ms', float('nan')):.3f} | {r['ops_per_step']:.0f} |")  # fmt: skip
     base = results[cfgs[0]]["us_per_step"]
     names = set().union(*(results[c]["us_per_step"] for c in cfgs))
     rest = cfgs[1:]

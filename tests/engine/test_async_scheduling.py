@@ -440,7 +440,9 @@ def test_cuda_launch_never_waits_for_the_device(
     _clean(llm)
 
 
-def _generate_strictly(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list, sp: list) -> list:  # noqa: ANN001
+def _generate_strictly(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list, sp: list, adapter: list | None = None
+) -> list:
     """Generate twice; in the second round every decode step with a step in flight (and, with
     graphs, a captured graph) is launched under torch's sync debug mode "error"."""
     eng = llm.engine
@@ -465,9 +467,9 @@ def _generate_strictly(llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list,
             checked.append(len(out.scheduled))
 
     monkeypatch.setattr(eng, "_launch", strict)
-    llm.generate(prompts, sp)
+    llm.generate(prompts, sp, adapter=adapter)
     checked_round = True
-    outs = llm.generate(prompts, sp)
+    outs = llm.generate(prompts, sp, adapter=adapter)
     assert len(checked) >= 10
     return outs
 
@@ -543,6 +545,33 @@ def test_cuda_truncated_sampling_never_waits_and_equals_sync(
     got = _outputs(_generate_strictly(llm, monkeypatch, prompts, sp))
     assert [g for i, g in enumerate(got) if i != 5] == [w for i, w in enumerate(want) if i != 5]
     assert len(got[5][0]) == 16
+    _clean(llm)
+
+
+@pytest.mark.gpu
+def test_cuda_adapter_batches_never_wait_and_match_peft(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # noqa: ANN001
+    """On a GPU: decode steps of a batch mixing four adapters and the base launch without waiting
+    for the device (the slot runs reach the graph's buffer through pinned memory), and the greedy
+    tokens equal PEFT's on the same GPU."""
+    base_dir = tiny_model_dir("llama-gqa")
+    paths = make_adapters(base_dir, tmp_path)
+    ref = peft_reference(base_dir, paths).cuda()
+    llm = LLM(base_dir, device="cuda", dtype="float32", num_kv_blocks=256, max_loras=4, max_lora_rank=16,
+              async_scheduling=True)  # fmt: skip
+    for n, p in paths.items():
+        llm.load_adapter(n, p)
+    order = [None, "a", "b", "c", "d", "a", None, "c"]
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 30))] for _ in order]
+    sp = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * len(order)
+    outs = _generate_strictly(llm, monkeypatch, prompts, sp, adapter=order)
+    for p, a, o in zip(prompts, order, outs):
+        ids = torch.tensor([p], device="cuda")
+        want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                            do_sample=False, pad_token_id=0, adapter_names=[a or "__base__"])[0, len(p):].tolist()  # fmt: skip
+        assert o.outputs[0].token_ids == want, f"adapter {a}"
     _clean(llm)
 
 
