@@ -81,6 +81,8 @@ def to_device(x: Any, device: torch.device | str | None, dtype: torch.dtype | No
     dev = torch.device(device) if device is not None else t.device
     if dev.type != "cuda":
         return t if t.device == dev else t.to(dev)
+    if t.device.type != "cpu":  # already on a device: no staging
+        return t.to(dev, non_blocking=True)
     return t.pin_memory().to(dev, non_blocking=True)
 
 

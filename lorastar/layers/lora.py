@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from lorastar.forward_context import LoRAMetadata
+from lorastar.forward_context import LoRAMetadata, to_device
 from lorastar.kernels._triton import HAS_TRITON
 from lorastar.kernels.cpu_native import lora_segments
 from lorastar.kernels.lora import lora_expand, lora_shrink
@@ -295,7 +295,11 @@ class LoRADeviceState:
     ) -> None:
         """Upload an adapter (``(layer, module) -> (A [r, in], B [out, r] scaled)``) into ``slot``;
         linears it does not target get their slot zeroed. ``key`` (the content hash) is the
-        registry's record, not kept here."""
+        registry's record, not kept here. On CUDA the weights go through pinned staging without
+        waiting for the device: an adapter swapped in while a step is in flight (async scheduling)
+        does not hold the host until that step ends (``.to("cuda")`` from pageable memory did, once
+        per tensor). Stream order keeps it safe: the write is queued after every step launched
+        before it, the one in flight included (which may still read the evicted adapter's rows)."""
         allocated = self._num_buffers()
         for layer_idx, lora in self.slots:
             per_slice = {name: w for name in lora.slice_names if (w := weights.get((layer_idx, name)))}
@@ -305,7 +309,7 @@ class LoRADeviceState:
                 a, b = fused
                 per_slice = dict(zip(lora.slice_names, ((a, p) for p in b.split(lora.output_sizes))))
             lora.set_slot(slot, {
-                name: (a.to(self.device, lora.dtype), b.to(self.device, lora.dtype))
+                name: (to_device(a, self.device, lora.dtype), to_device(b, self.device, lora.dtype))
                 for name, (a, b) in per_slice.items()
             }, shared_a=fused is not None and len(lora.slice_names) > 1)  # fmt: skip
         rank = max((a.shape[0] for a, _ in weights.values()), default=0)

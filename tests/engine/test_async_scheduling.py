@@ -554,7 +554,8 @@ def test_cuda_adapter_batches_never_wait_and_match_peft(
 ) -> None:  # noqa: ANN001
     """On a GPU: decode steps of a batch mixing four adapters and the base launch without waiting
     for the device (the slot runs reach the graph's buffer through pinned memory), and the greedy
-    tokens equal PEFT's on the same GPU."""
+    tokens equal PEFT's on the same GPU. Uploading an adapter into a slot (a swap, which may come
+    with a step in flight) does not wait either."""
     base_dir = tiny_model_dir("llama-gqa")
     paths = make_adapters(base_dir, tmp_path)
     ref = peft_reference(base_dir, paths).cuda()
@@ -572,6 +573,16 @@ def test_cuda_adapter_batches_never_wait_and_match_peft(
         want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                             do_sample=False, pad_token_id=0, adapter_names=[a or "__base__"])[0, len(p):].tolist()  # fmt: skip
         assert o.outputs[0].token_ids == want, f"adapter {a}"
+    entry = llm.engine.registry.acquire("b")
+    assert entry.slot is not None and entry.weights is not None
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # the same weights into the slot they hold: the registry's record stays true
+        llm.engine.lora_state.load_slot(entry.slot, entry.content_hash, entry.weights.weights)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    llm.engine.registry.release(entry)
+    again = llm.generate(prompts[2:3], sp[0], adapter="b")[0].outputs[0].token_ids
+    assert again == outs[2].outputs[0].token_ids
     _clean(llm)
 
 
