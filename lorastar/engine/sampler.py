@@ -368,10 +368,21 @@ class Sampler:
                 torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
             )
 
-        _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
+        allowed_idx: list[int] = np.flatnonzero(meta.allowed).tolist()
+        _apply_allowed(x, rows, vocab, allowed_idx)
+        # allowed_token_ids is a whitelist no other constraint overrides: a row whose grammar or
+        # choice, bad words or min_tokens' bans leave none of its ids samples among them alone.
+        banning = set(min_tok_rows)
+        wl_rows = [i for i in allowed_idx if meta.guided[i] or meta.bad_words[i] or i in banning]
+        wl_idx = to_device(wl_rows, dev) if wl_rows else None
+        whitelist = x[wl_idx] if wl_idx is not None else None  # [W, V]: a copy
         _apply_choices(x, rows, vocab, np.flatnonzero(meta.guided).tolist())
         _apply_bad_words(x, rows, vocab, np.flatnonzero(meta.bad_words).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
+        if wl_idx is not None and whitelist is not None:
+            left = x[wl_idx]  # [W, V]
+            emptied = left.amax(dim=-1, keepdim=True) == _NEG_INF  # [W, 1], on the device: no wait
+            x[wl_idx] = torch.where(emptied, whitelist, left)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
         _end_thinking(x, end_rows)

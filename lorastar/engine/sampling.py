@@ -379,6 +379,14 @@ class SamplingParams:
                     "thinking_budget_message_ids", "thinking_budget_message_ids needs thinking_token_budget."
                 )
             self.thinking_budget_message_ids = list(message)
+        if budget is not None and self.allowed_token_ids is not None:
+            forced = [self.reasoning_end_token_id, *(message or ())]
+            if missing := sorted({t for t in forced if t not in set(self.allowed_token_ids)}):  # type: ignore[misc]
+                raise InvalidParamError(
+                    "allowed_token_ids",
+                    "allowed_token_ids must hold the tokens a spent thinking_token_budget forces "
+                    f"(reasoning_end_token_id, thinking_budget_message_ids); missing {missing}.",
+                )
         given = [n for n in GUIDED_FIELDS if getattr(self, n) not in (None, False)]
         if len(given) > 1:
             raise InvalidParamError(

@@ -160,6 +160,32 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"guided_json_object": True}, {"guided_choice": ["yes", "no"]}, {"guided_regex": "[a-z]+"},
+     {"bad_words": ["Hello", "there"]}, {"min_tokens": 5}],
+    ids=["json_object", "choice", "regex", "bad_words", "min_tokens"],
+)  # fmt: skip
+def test_allowed_token_ids_hold_under_every_other_constraint(llm: LLM, extra: dict[str, Any]) -> None:
+    """allowed_token_ids whose ids another constraint leaves none of (a grammar or choice that
+    cannot start with them, bad words that are them, min_tokens banning them as EOS): the row
+    samples among its allowed ids, never outside them (the fuzz test's find: guided_json_object
+    with allowed_token_ids=[1] gave token 0 sixteen times). A thinking budget that would force
+    a token outside them is refused up front, naming allowed_token_ids."""
+    bad = bad_words_token_ids(
+        functools.partial(llm.engine.tokenizer.encode, add_special_tokens=False), ["Hello"]
+    )
+    allowed = [bad[0][-1], *llm.engine.eos_token_ids]  # a bad word's token, and the EOS min_tokens bans
+    params = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed, **extra)
+    out = llm.generate("Hello there", params)[0].outputs[0]
+    assert out.token_ids and set(out.token_ids) <= set(allowed), out.token_ids
+    with pytest.raises(InvalidParamError, match="missing \\[7\\]") as exc:
+        SamplingParams(allowed_token_ids=[3], thinking_token_budget=2, reasoning_end_token_id=3,
+                       thinking_budget_message_ids=[7])  # fmt: skip
+    assert exc.value.param == "allowed_token_ids"
+    llm.engine.check_invariants()
+
+
 @budget(120, derandomize=False, database=None)
 @given(d=st.fixed_dictionaries({}, optional=FIELDS))
 def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, Any]) -> None:
@@ -180,7 +206,7 @@ def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, 
         encode = functools.partial(llm.engine.tokenizer.encode, add_special_tokens=False)
         for c in outs[0].outputs:
             assert all(0 <= t < vocab for t in c.token_ids)
-            if params.allowed_token_ids and not params.min_tokens:  # min_tokens may mask all of them
+            if params.allowed_token_ids:  # a whitelist: no other constraint overrides it
                 assert set(c.token_ids) <= set(params.allowed_token_ids)
             elif params.guided_choice and not (params.min_tokens or params.bad_words):  # (each may mask all)
                 paths = [encode(ch) for ch in params.guided_choice]

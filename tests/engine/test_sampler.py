@@ -407,6 +407,23 @@ def test_allowed_token_ids_keep_only_those_ids() -> None:
         SamplingParams(allowed_token_ids=[1], use_beam_search=True, n=2)
 
 
+def test_allowed_token_ids_hold_when_min_tokens_bans_them_all() -> None:
+    """allowed_token_ids is a whitelist no other mask overrides: a row whose allowed ids are all
+    EOS while min_tokens bans EOS samples its allowed id (every logit -inf fell back to token 0
+    before), greedy and random alike; a row with an allowed id left samples as usual."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 32, generator=g)  # [R, V]
+    x[:, 9] = 5.0  # the best token, allowed in row 2 only
+    only_eos = {"allowed_token_ids": [5], "min_tokens": 2}
+    rows = [
+        _row(SamplingParams(temperature=0, **only_eos), eos=(5,)),
+        _row(SamplingParams(temperature=1.0, seed=3, **only_eos), eos=(5,)),
+        _row(SamplingParams(temperature=0, allowed_token_ids=[5, 9], min_tokens=2), eos=(5,)),
+        _row(SamplingParams(temperature=0, **only_eos), output=[1, 2], eos=(5,)),  # min_tokens reached
+    ]
+    assert Sampler(seed=0)(x.clone(), rows).token_ids == [5, 5, 9, 5]
+
+
 def test_logit_bias_of_many_rows_equals_a_dense_add() -> None:
     """The batch's biases as one scatter (arrays kept per request): greedy picks equal
     ``argmax(logits + dense bias)`` row by row, with one request's params shared by several rows (n > 1)."""
