@@ -368,21 +368,19 @@ class Sampler:
                 torch.log_softmax(lp_rows, dim=-1).nan_to_num_(nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
             )
 
-        allowed_idx: list[int] = np.flatnonzero(meta.allowed).tolist()
-        _apply_allowed(x, rows, vocab, allowed_idx)
-        # allowed_token_ids is a whitelist no other constraint overrides: a row whose grammar or
-        # choice, bad words or min_tokens' bans leave none of its ids samples among them alone.
-        banning = set(min_tok_rows)
-        wl_rows = [i for i in allowed_idx if meta.guided[i] or meta.bad_words[i] or i in banning]
-        wl_idx = to_device(wl_rows, dev) if wl_rows else None
-        whitelist = x[wl_idx] if wl_idx is not None else None  # [W, V]: a copy
+        _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
+        # Rows whose masks together may leave no token (every logit -inf: the argmax took token 0,
+        # which is "!" in Llama 3's vocabulary): their fallback, applied where that happens.
+        guard = _may_empty(meta, set(min_tok_rows))
+        fallback = _fallback_rows(x, rows, guard, self.eos_token_ids) if guard else None  # [G, V]
         _apply_choices(x, rows, vocab, np.flatnonzero(meta.guided).tolist())
         _apply_bad_words(x, rows, vocab, np.flatnonzero(meta.bad_words).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
-        if wl_idx is not None and whitelist is not None:
-            left = x[wl_idx]  # [W, V]
-            emptied = left.amax(dim=-1, keepdim=True) == _NEG_INF  # [W, 1], on the device: no wait
-            x[wl_idx] = torch.where(emptied, whitelist, left)
+        if fallback is not None:
+            g = to_device(guard, dev)
+            left = x[g]  # [G, V]
+            emptied = left.amax(dim=-1, keepdim=True) == _NEG_INF  # [G, 1], on the device: no wait
+            x[g] = torch.where(emptied, fallback, left)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
         _end_thinking(x, end_rows)
@@ -689,6 +687,32 @@ def _apply_choices(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list
     allowed += [rows[i].grammar.eos for i in ended]  # type: ignore[union-attr]
     if kept:
         _keep_only(x, kept, allowed, vocab)
+
+
+def _may_empty(meta: SamplingMetadata, banning: set[int]) -> list[int]:
+    """Rows whose masks together may leave no token: allowed_token_ids beside a grammar or choice,
+    bad words or min_tokens' bans; a grammar or choice beside bad words or those bans. Alone, none
+    empties a row (a finished grammar or choice allows EOS)."""
+    return [
+        i for i in range(len(meta.greedy))
+        if (meta.allowed[i] and (meta.guided[i] or meta.bad_words[i] or i in banning))
+        or (meta.guided[i] and (meta.bad_words[i] or i in banning))
+    ]  # fmt: skip
+
+
+def _fallback_rows(x: Tensor, rows: Sequence[SamplingRow], guard: list[int], eos: tuple[int, ...]) -> Tensor:
+    """``[G, V]``: what rows ``guard`` sample where their masks leave nothing. allowed_token_ids is
+    a whitelist no other constraint overrides: such a row samples among its allowed ids alone
+    (``x`` holds them now); any other row ends (its EOS: a grammar or choice that bad words or
+    min_tokens' bans cut off has nothing valid to add)."""
+    fb = x[to_device(guard, x.device)]  # [G, V]: a copy
+    ends = [(j, (r.eos_token_ids or eos)[0]) for j, i in enumerate(guard)
+            if not (r := rows[i]).params.allowed_token_ids and (r.eos_token_ids or eos)]  # fmt: skip
+    if ends:
+        j = to_device([j for j, _ in ends], x.device)
+        _fill(fb, (j,), _NEG_INF)
+        _fill(fb, (j, to_device([t for _, t in ends], x.device)), 0.0)
+    return fb
 
 
 def _fill(x: Tensor, index: tuple[Tensor, ...], value: float) -> None:

@@ -186,6 +186,22 @@ def test_allowed_token_ids_hold_under_every_other_constraint(llm: LLM, extra: di
     llm.engine.check_invariants()
 
 
+def test_a_choice_or_grammar_its_bans_cut_off_ends(llm: LLM) -> None:
+    """A choice whose only path bad words ban, or a finished regex while min_tokens bans EOS: no
+    token is valid and the row takes EOS (every logit was -inf and the argmax took token 0, "!"
+    in Llama 3's vocabulary), ending the request or, under min_tokens, filling to it."""
+    eos = llm.engine.eos_token_ids[0]
+    greedy = {"temperature": 0, "max_tokens": 8}
+    out = llm.generate("Hello there", SamplingParams(guided_choice=["yes"], bad_words=["yes"], **greedy))
+    assert out[0].outputs[0].token_ids == [eos] and out[0].outputs[0].finish_reason == "stop"
+    out = llm.generate("Hello there", SamplingParams(guided_regex="ab", min_tokens=5, **greedy))
+    ids = out[0].outputs[0].token_ids
+    words = [t for t in ids if t != eos]
+    assert len(ids) == 5 and ids[len(words) :] == [eos] * (5 - len(words)), ids
+    assert llm.engine.tokenizer.decode(words) == "ab" and out[0].outputs[0].finish_reason == "stop"
+    llm.engine.check_invariants()
+
+
 @budget(120, derandomize=False, database=None)
 @given(d=st.fixed_dictionaries({}, optional=FIELDS))
 def test_any_params_are_refused_naming_a_field_or_served(llm: LLM, d: dict[str, Any]) -> None:
