@@ -531,7 +531,8 @@ def test_cuda_truncated_sampling_never_waits_and_equals_sync(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # noqa: ANN001
     """On a GPU: rows under top-p alone (OpenAI's usual sampling), top-k with top-p, and min-p,
-    with EOS banned until min_tokens, allowed_token_ids or a logit_bias beside them, launch
+    with EOS banned until min_tokens (with allowed_token_ids too: the rows checked for masks that
+    leave nothing), allowed_token_ids or a logit_bias beside them, launch
     without waiting for the device (top-p alone sorts the whole row there: the window search read
     back which rows needed more, which waits for the step in flight; the bans and the allowed-ids
     mask filled from a Python number, which copies it from pageable memory), and the seeded rows
@@ -539,8 +540,12 @@ def test_cuda_truncated_sampling_never_waits_and_equals_sync(
     path = tiny_model_dir("llama-gqa")
     prompts = mixed_prompts(17, [1, 3, 16, 17, 31, 64])
     truncation = [{"top_p": 0.9}, {"top_k": 20, "top_p": 0.95}, {"min_p": 0.1}, {"top_p": 0.5}]
-    extra = [{"ignore_eos": False, "min_tokens": 16}, {"ignore_eos": True, "allowed_token_ids": list(range(3, 600))},
-             {"ignore_eos": True, "logit_bias": {5: 3.0, 77: -2.0}}]  # fmt: skip
+    ban = {"ignore_eos": False, "min_tokens": 16}
+    extra = [
+        ban,
+        {**ban, "allowed_token_ids": list(range(3, 600))},
+        {"ignore_eos": True, "logit_bias": {5: 3.0}},
+    ]
     sp = [SamplingParams(temperature=[0.8, 1.0, 1.3][i % 3], seed=None if i == 5 else i, max_tokens=16,
                          **truncation[i % 4], **extra[i % 3]) for i in range(len(prompts))]  # fmt: skip
     opts = {"device": "cuda", "dtype": "float32", "num_kv_blocks": 256, "max_num_batched_tokens": 96}
