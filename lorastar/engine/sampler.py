@@ -371,19 +371,19 @@ class Sampler:
         _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
         # Rows whose masks together may leave no token (every logit -inf: the argmax took token 0,
         # which is "!" in Llama 3's vocabulary): their fallback, applied where that happens.
-        guard = _may_empty(meta, set(min_tok_rows))
-        fallback = _fallback_rows(x, rows, guard, self.eos_token_ids) if guard else None  # [G, V]
+        guard = _may_empty(meta, min_tok_rows)
+        g = to_device(guard, dev) if guard else None
+        fallback = _fallback_rows(x, rows, guard, g, self.eos_token_ids) if g is not None else None  # [G, V]
         _apply_choices(x, rows, vocab, np.flatnonzero(meta.guided).tolist())
         _apply_bad_words(x, rows, vocab, np.flatnonzero(meta.bad_words).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
-        if fallback is not None:
-            g = to_device(guard, dev)
+        if g is not None and fallback is not None:
             left = x[g]  # [G, V]
             emptied = left.amax(dim=-1, keepdim=True) == _NEG_INF  # [G, 1], on the device: no wait
             x[g] = torch.where(emptied, fallback, left)
         _apply_logit_bias(x, rows, vocab, np.flatnonzero(meta.logit_bias).tolist())
         self._apply_penalties(x, rows, vocab, meta, pending)
-        _end_thinking(x, end_rows)
+        _force_tokens(x, end_rows)  # a spent thinking budget's message, then its end tag
 
         may_sync = not (no_sync and dev.type == "cuda")
         token_ids = torch.empty(num_rows, dtype=torch.long, device=dev)  # [R]
@@ -689,29 +689,27 @@ def _apply_choices(x: Tensor, rows: Sequence[SamplingRow], vocab: int, idx: list
         _keep_only(x, kept, allowed, vocab)
 
 
-def _may_empty(meta: SamplingMetadata, banning: set[int]) -> list[int]:
+def _may_empty(meta: SamplingMetadata, banning: list[int]) -> list[int]:
     """Rows whose masks together may leave no token: allowed_token_ids beside a grammar or choice,
-    bad words or min_tokens' bans; a grammar or choice beside bad words or those bans. Alone, none
-    empties a row (a finished grammar or choice allows EOS)."""
-    return [
-        i for i in range(len(meta.greedy))
-        if (meta.allowed[i] and (meta.guided[i] or meta.bad_words[i] or i in banning))
-        or (meta.guided[i] and (meta.bad_words[i] or i in banning))
-    ]  # fmt: skip
+    bad words or min_tokens' bans (rows ``banning``); a grammar or choice beside bad words or those
+    bans. Alone, none empties a row (a finished grammar or choice allows EOS)."""
+    if not (meta.allowed.any() or meta.guided.any()):  # the usual step: no per-row work
+        return []
+    cut = meta.bad_words.copy()  # [R] bool: bad words or min_tokens' bans
+    cut[banning] = True
+    return np.flatnonzero((meta.allowed & (meta.guided | cut)) | (meta.guided & cut)).tolist()
 
 
-def _fallback_rows(x: Tensor, rows: Sequence[SamplingRow], guard: list[int], eos: tuple[int, ...]) -> Tensor:
-    """``[G, V]``: what rows ``guard`` sample where their masks leave nothing. allowed_token_ids is
-    a whitelist no other constraint overrides: such a row samples among its allowed ids alone
-    (``x`` holds them now); any other row ends (its EOS: a grammar or choice that bad words or
-    min_tokens' bans cut off has nothing valid to add)."""
-    fb = x[to_device(guard, x.device)]  # [G, V]: a copy
-    ends = [(j, (r.eos_token_ids or eos)[0]) for j, i in enumerate(guard)
-            if not (r := rows[i]).params.allowed_token_ids and (r.eos_token_ids or eos)]  # fmt: skip
-    if ends:
-        j = to_device([j for j, _ in ends], x.device)
-        _fill(fb, (j,), _NEG_INF)
-        _fill(fb, (j, to_device([t for _, t in ends], x.device)), 0.0)
+def _fallback_rows(
+    x: Tensor, rows: Sequence[SamplingRow], guard: list[int], g: Tensor, eos: tuple[int, ...]
+) -> Tensor:
+    """``[G, V]``: what rows ``guard`` (``g`` on the device) sample where their masks leave
+    nothing. allowed_token_ids is a whitelist no other constraint overrides: such a row samples
+    among its allowed ids alone (``x`` holds them now); any other row ends (its EOS: a grammar or
+    choice that bad words or min_tokens' bans cut off has nothing valid to add)."""
+    fb = x[g]  # [G, V]: a copy
+    _force_tokens(fb, [(j, (r.eos_token_ids or eos)[0]) for j, i in enumerate(guard)
+                       if not (r := rows[i]).params.allowed_token_ids and (r.eos_token_ids or eos)])  # fmt: skip
     return fb
 
 
@@ -855,14 +853,14 @@ def _thinking_spent(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list
     return spent
 
 
-def _end_thinking(x: Tensor, spent: list[tuple[int, int]]) -> None:
-    """Each ``(row, token)`` of ``spent`` can sample only that token (after every other mask, so
-    no other constraint leaves the row without one)."""
-    if spent:
+def _force_tokens(x: Tensor, forced: list[tuple[int, int]]) -> None:
+    """Each ``(row, token)`` of ``forced`` can sample only that token (for a spent thinking
+    budget: after every other mask, so no other constraint leaves the row without one)."""
+    if forced:
         dev = x.device
-        r = to_device([i for i, _ in spent], dev)
+        r = to_device([i for i, _ in forced], dev)
         _fill(x, (r,), _NEG_INF)
-        _fill(x, (r, to_device([t for _, t in spent], dev)), 0.0)
+        _fill(x, (r, to_device([t for _, t in forced], dev)), 0.0)
 
 
 def _below_min_tokens(rows: Sequence[SamplingRow], meta: SamplingMetadata) -> list[int]:

@@ -380,8 +380,8 @@ class SamplingParams:
                 )
             self.thinking_budget_message_ids = list(message)
         if budget is not None and self.allowed_token_ids is not None:
-            forced = [self.reasoning_end_token_id, *(message or ())]
-            if missing := sorted({t for t in forced if t not in set(self.allowed_token_ids)}):  # type: ignore[misc]
+            forced = {self.reasoning_end_token_id, *(message or ())}
+            if missing := sorted(forced - set(self.allowed_token_ids)):  # type: ignore[type-var]
                 raise InvalidParamError(
                     "allowed_token_ids",
                     "allowed_token_ids must hold the tokens a spent thinking_token_budget forces "
