@@ -441,10 +441,17 @@ def test_cuda_launch_never_waits_for_the_device(
 
 
 def _generate_strictly(
-    llm: LLM, monkeypatch: pytest.MonkeyPatch, prompts: list, sp: list, adapter: list | None = None
+    llm: LLM,
+    monkeypatch: pytest.MonkeyPatch,
+    prompts: list,
+    sp: list,
+    adapter: list | None = None,
+    mixed: list[int] | None = None,
 ) -> list:
     """Generate twice; in the second round every decode step with a step in flight (and, with
-    graphs, a captured graph) is launched under torch's sync debug mode "error"."""
+    graphs, a captured graph) is launched under torch's sync debug mode "error". With ``mixed``
+    (a list), steps that run prefill chunks (eager: never a graph) are checked too, and the number
+    of prefill tokens of each is appended to it."""
     eng = llm.engine
     launch = eng._launch
     checked: list[int] = []
@@ -452,12 +459,17 @@ def _generate_strictly(
 
     def strict(out, prev, *rest):  # noqa: ANN001, ANN002, ANN202
         graphs = eng.runner.graphs
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens != 1)
         if (
             not checked_round
             or prev is None
-            or any(s.num_new_tokens != 1 for s in out.scheduled)
-            or (graphs is not None and (graphs.padded_size(len(out.scheduled)), False) not in graphs.graphs)
-        ):  # a prefill, or a batch size without a graph yet: its capture synchronizes
+            or (prefill and mixed is None)
+            or (
+                not prefill
+                and graphs is not None
+                and (graphs.padded_size(len(out.scheduled)), False) not in graphs.graphs
+            )
+        ):  # a prefill (unless asked), or a batch size without a graph yet: its capture synchronizes
             return launch(out, prev, *rest)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -465,6 +477,8 @@ def _generate_strictly(
         finally:
             torch.cuda.set_sync_debug_mode("default")
             checked.append(len(out.scheduled))
+            if prefill and mixed is not None:
+                mixed.append(prefill)
 
     monkeypatch.setattr(eng, "_launch", strict)
     llm.generate(prompts, sp, adapter=adapter)
@@ -592,6 +606,38 @@ def test_cuda_adapter_batches_never_wait_and_match_peft(
     llm.engine.registry.release(entry)
     again = llm.generate(prompts[2:3], sp[0], adapter="b")[0].outputs[0].token_ids
     assert again == outs[2].outputs[0].token_ids
+    _clean(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_mixed_prefill_steps_never_wait_and_match_peft(
+    tiny_model_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, eager: bool
+) -> None:  # noqa: ANN001
+    """On a GPU: steps that run prefill chunks beside decodes (the prompts outnumber a 24-token
+    budget, so chunks of the later ones share steps with the earlier ones' decodes), with two
+    adapters and the base among the rows and prefix caching off (the checked round prefills
+    again), launch without waiting for the device; greedy tokens equal PEFT's on the same GPU."""
+    base_dir = tiny_model_dir("llama-gqa")
+    paths = make_adapters(base_dir, tmp_path)
+    ref = peft_reference(base_dir, paths).cuda()
+    llm = LLM(base_dir, device="cuda", dtype="float32", num_kv_blocks=256, max_loras=4, max_lora_rank=16,
+              max_num_batched_tokens=24, enable_prefix_caching=False, async_scheduling=True,
+              enforce_eager=eager)  # fmt: skip
+    for n in ("a", "c"):
+        llm.load_adapter(n, paths[n])
+    order = [None, "a", "c", None, "a", "c", "a", None, "c", "a"]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.choice([1, 5, 17, 30, 45]))] for _ in order]
+    sp = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(order)
+    mixed: list[int] = []
+    outs = _generate_strictly(llm, monkeypatch, prompts, sp, adapter=order, mixed=mixed)
+    assert len(mixed) >= 5 and max(mixed) > 8, mixed  # several steps of real chunks were checked
+    for p, a, o in zip(prompts, order, outs):
+        ids = torch.tensor([p], device="cuda")
+        want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                            do_sample=False, pad_token_id=0, adapter_names=[a or "__base__"])[0, len(p):].tolist()  # fmt: skip
+        assert o.outputs[0].token_ids == want, f"adapter {a}, prompt of {len(p)} tokens"
     _clean(llm)
 
 
