@@ -21,13 +21,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 from lorastar.adapters.info import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
+from lorastar.engine.input_processor import InputProcessor, PromptInputs
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
@@ -42,7 +43,7 @@ from lorastar.errors import (
 logger = logging.getLogger("lorastar")
 
 
-class AsyncLLM:
+class AsyncLLM(PromptInputs):
     # Rebuild backoff: first wait, cap (seconds); the wait doubles per failed rebuild and resets
     # after a step succeeds. Rebuilds are retried until one works or shutdown() is called.
     restart_backoff: tuple[float, float] = (0.5, 30.0)
@@ -318,30 +319,10 @@ class AsyncLLM:
         return self.engine.list_adapters()
 
     # ---- misc ------------------------------------------------------------------------------------
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added unless
-        ``add_special_tokens`` is off). Blocking (the HTTP layer calls it from a worker thread);
-        refuses text over ``max_prompt_bytes`` before tokenizing."""
-        return self.engine.tokenize(prompt, add_special_tokens)
-
-    def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
-        self.engine.check_prompt_size(text, param)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
-        *,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return self.engine.apply_chat_template(
-            messages, add_generation_prompt, add_special_tokens,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )  # fmt: skip
+    @property
+    def inputs(self) -> InputProcessor:
+        """The engine's prompt checks and tokenizer (``PromptInputs``' methods go through it)."""
+        return self.engine.inputs
 
     def stats(self) -> EngineStats | None:
         """The engine's counters; ``None`` while it is being rebuilt (its gauges are gone)."""

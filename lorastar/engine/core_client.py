@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ import zmq
 
 from lorastar.adapters.info import AdapterInfo
 from lorastar.config import EngineConfig
-from lorastar.engine.input_processor import InputProcessor, load_tokenizer
+from lorastar.engine.input_processor import InputProcessor, PromptInputs, load_tokenizer
 from lorastar.engine.messages import (
     Abort,
     AddRequest,
@@ -71,7 +71,7 @@ STALE_S = 5.0  # a shared core silent this long counts as restarting
 RESPAWN_BACKOFF = (0.5, 30.0)
 
 
-class AsyncCoreClient:
+class AsyncCoreClient(PromptInputs):
     """``EngineClient`` over an engine core process (see the module docstring)."""
 
     def __init__(
@@ -451,28 +451,6 @@ class AsyncCoreClient:
 
     def list_adapters(self) -> list[AdapterInfo]:
         return list(self._state.adapters) if self._state is not None else []
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.inputs.tokenize(prompt, add_special_tokens)
-
-    def check_prompt_size(self, text: str | list[str], param: str = "prompt") -> None:
-        self.inputs.check_prompt_size(text, param)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
-        *,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return self.inputs.apply_chat_template(
-            messages, add_generation_prompt, add_special_tokens,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )  # fmt: skip
 
     def stats(self) -> EngineStats | None:
         """The counters the core sent last (at most ``STATE_EVERY_S`` old while it steps)."""

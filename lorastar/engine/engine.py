@@ -22,7 +22,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
 from lorastar.engine.host_memory import keep_freed_memory
-from lorastar.engine.input_processor import InputProcessor, TokenizerLoader
+from lorastar.engine.input_processor import InputProcessor, PromptInputs, TokenizerLoader
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
 from lorastar.engine.metrics import EngineStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
@@ -146,7 +146,7 @@ def resolve_dtype(dtype: Any, device: torch.device, cfg: dict[str, Any]) -> torc
     return ckpt if ckpt != torch.float32 else torch.bfloat16
 
 
-class LLMEngine:
+class LLMEngine(PromptInputs):
     def __init__(
         self, config: EngineConfig, *, lazy_tokenizer: bool = False, tokenizer: TokenizerLoader | None = None
     ) -> None:
@@ -379,28 +379,6 @@ class LLMEngine:
     def tokenizer(self) -> Any:
         """The model's transformers tokenizer (loaded now if ``lazy_tokenizer`` left it unloaded)."""
         return self.tokenizer_loader.get()
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.inputs.tokenize(prompt, add_special_tokens)
-
-    def check_prompt_size(self, text: str | Sequence_[str], param: str = "prompt") -> None:
-        self.inputs.check_prompt_size(text, param)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
-        *,
-        continue_final_message: bool = False,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return self.inputs.apply_chat_template(
-            messages, add_generation_prompt, add_special_tokens,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
-        )  # fmt: skip
 
     def check_limits(self, params: SamplingParams, num_prompt_tokens: int) -> None:
         """The configured per-request limits, and whether the request can ever fit the KV cache."""

@@ -218,3 +218,36 @@ class InputProcessor:
                 "(prompt + at least one generated token)",
             )
         return text, ids
+
+
+class PromptInputs:
+    """``tokenize``, ``check_prompt_size`` and ``apply_chat_template`` for a class that holds an
+    ``InputProcessor`` as ``inputs``: the engine, the in-process client (its engine's) and the
+    core-process client (its own), one definition for the three. Blocking: the HTTP layer calls
+    them from a worker thread."""
+
+    inputs: InputProcessor
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt`` as ``generate`` would see them (special tokens added unless
+        ``add_special_tokens`` is off); text over ``max_prompt_bytes`` is refused before tokenizing."""
+        return self.inputs.tokenize(prompt, add_special_tokens)
+
+    def check_prompt_size(self, text: str | Sequence[str], param: str = "prompt") -> None:
+        self.inputs.check_prompt_size(text, param)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        *,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        return self.inputs.apply_chat_template(
+            messages, add_generation_prompt, add_special_tokens,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )  # fmt: skip
