@@ -708,8 +708,13 @@ def _fallback_rows(
     among its allowed ids alone (``x`` holds them now); any other row ends (its EOS: a grammar or
     choice that bad words or min_tokens' bans cut off has nothing valid to add)."""
     fb = x[g]  # [G, V]: a copy
-    _force_tokens(fb, [(j, (r.eos_token_ids or eos)[0]) for j, i in enumerate(guard)
-                       if not (r := rows[i]).params.allowed_token_ids and (r.eos_token_ids or eos)])  # fmt: skip
+    ends: list[tuple[int, int]] = []
+    for j, i in enumerate(guard):
+        r = rows[i]
+        row_eos = r.eos_token_ids or eos
+        if row_eos and not r.params.allowed_token_ids:
+            ends.append((j, row_eos[0]))
+    _force_tokens(fb, ends)
     return fb
 
 
