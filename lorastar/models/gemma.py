@@ -105,6 +105,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     architectures: ClassVar[dict[str, str]] = GEMMA_ARCHITECTURES
     rope_per_layer_type: ClassVar[bool] = True
+    layer_cls: ClassVar[type[nn.Module]] = GemmaDecoderLayer
 
     def __init__(
         self,
@@ -121,17 +122,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def rope_config(self, cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
         return _rope_config(cfg, layer_type)
-
-    def make_layer(
-        self,
-        cfg: dict[str, Any],
-        layer_idx: int,
-        dtype: torch.dtype,
-        quant: QuantConfig | None,
-        rope: RotaryEmbedding,
-        sliding_window: int,
-    ) -> nn.Module:
-        return GemmaDecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
 
     def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
         return GemmaRMSNorm(size, eps, dtype)

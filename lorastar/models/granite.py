@@ -41,22 +41,12 @@ class GraniteDecoderLayer(DecoderLayer):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[dict[str, str]] = {"GraniteForCausalLM": "granite"}
+    layer_cls: ClassVar[type[nn.Module]] = GraniteDecoderLayer
 
     def __init__(self, cfg: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         super().__init__(cfg, *args, **kwargs)
         self.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
         self.logits_scaling = float(cfg.get("logits_scaling", 1.0))
-
-    def make_layer(
-        self,
-        cfg: dict[str, Any],
-        layer_idx: int,
-        dtype: torch.dtype,
-        quant: QuantConfig | None,
-        rope: RotaryEmbedding,
-        sliding_window: int,
-    ) -> nn.Module:
-        return GraniteDecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier  # [T, hidden]

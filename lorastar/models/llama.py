@@ -244,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
     # A RoPE per layer type (Gemma 2/3, OLMo 3): each layer gets its type's table (``rope_config``)
     # and reads it itself, no step-wide cos/sin.
     rope_per_layer_type: ClassVar[bool] = False
+    # The decoder layer ``make_layer`` builds: a family with another layer shape names its class
+    # here (same constructor); one that adjusts the built layer overrides ``make_layer``.
+    layer_cls: ClassVar[type[nn.Module]] = DecoderLayer
 
     @classmethod
     def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -311,8 +314,8 @@ class LlamaForCausalLM(nn.Module):
         rope: RotaryEmbedding,
         sliding_window: int,
     ) -> nn.Module:
-        """One decoder layer (families with another layer shape override this)."""
-        return DecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
+        """Layer ``layer_idx``: ``layer_cls`` built from these arguments."""
+        return self.layer_cls(cfg, layer_idx, dtype, quant, rope, sliding_window)
 
     def make_rope(self, cfg: dict[str, Any], max_positions: int) -> RotaryEmbedding:
         return RotaryEmbedding(cfg, self.head_dim, max_positions)

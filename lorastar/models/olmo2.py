@@ -91,17 +91,7 @@ class Olmo2DecoderLayer(nn.Module):
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
     architectures: ClassVar[dict[str, str]] = {"Olmo2ForCausalLM": "olmo2"}
-
-    def make_layer(
-        self,
-        cfg: dict[str, Any],
-        layer_idx: int,
-        dtype: torch.dtype,
-        quant: QuantConfig | None,
-        rope: RotaryEmbedding,
-        sliding_window: int,
-    ) -> nn.Module:
-        return Olmo2DecoderLayer(cfg, layer_idx, dtype, quant, rope, sliding_window)
+    layer_cls: ClassVar[type[nn.Module]] = Olmo2DecoderLayer
 
     def make_norm(self, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
         return Olmo2RMSNorm(size, eps, dtype)
