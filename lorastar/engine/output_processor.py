@@ -44,6 +44,7 @@ class _Sample:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # DELTA: output tokens and text characters handed out already
     sent_chars: int = 0
+    sent_finish: bool = False  # DELTA: its finish went out (a finished sample is not sent again)
 
 
 @dataclass(eq=False)
@@ -174,7 +175,9 @@ class OutputProcessor:
                 break
             new_text = detok.add(tok)
             s.text += new_text
-            if p.stop and len(s.token_ids) >= p.min_tokens:
+            # vLLM's rule: stop strings count from output token min_tokens + 1, the first one
+            # EOS may be (the sampler bans it until min_tokens are out).
+            if p.stop and len(s.token_ids) > p.min_tokens:
                 hit = find_stop(s.text, len(new_text), p.stop, p.include_stop_str_in_output)
                 if hit is not None:
                     cut, stop_str = hit
@@ -205,6 +208,8 @@ class OutputProcessor:
         outs = []
         samples = st.samples.values()
         for s in samples if len(samples) == 1 else sorted(samples, key=lambda s: s.index):
+            if delta and s.sent_finish:  # n > 1: a sample that finished earlier has nothing new
+                continue
             text = s.text
             if s.finish_reason is None and p.stop:
                 text = text[: len(text) - hold_back(text, p.stop)]  # never stream a partial stop
@@ -213,6 +218,7 @@ class OutputProcessor:
                 text, s.sent_chars = text[s.sent_chars :], max(s.sent_chars, len(text))
                 ids, lps = ids[s.sent_tokens :], lps[s.sent_tokens :]
                 s.sent_tokens = len(s.token_ids)
+                s.sent_finish = s.finish_reason is not None
             else:
                 ids, lps = list(ids), list(lps)
             outs.append(

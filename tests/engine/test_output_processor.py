@@ -81,10 +81,40 @@ def test_an_eos_kept_as_a_special_token_is_no_text(tok) -> None:  # noqa: ANN001
 
 def test_min_tokens_defers_stop_strings(tok) -> None:  # noqa: ANN001
     ids = _ids(tok, " stop here stop")
-    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["stop"], min_tokens=len(ids)))
+    assert len(ids) == 3
+    # vLLM's rule: stop strings count from output token min_tokens + 1 (the first EOS may be).
+    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["stop"], min_tokens=len(ids) - 1))
     outs, stops = _step(proc, SampleDelta(0, ids))
     assert stops == [("r", 0, "stop")]
     assert outs[0].outputs[0].text == " stop here "  # the first match in the new text window
+    proc = _proc(tok, SamplingParams(max_tokens=50, stop=["stop"], min_tokens=len(ids)))
+    outs, stops = _step(proc, SampleDelta(0, ids))  # a stop string ending in token min_tokens: text
+    assert stops == [] and outs[0].outputs[0].text == " stop here stop" and not outs[0].finished
+
+
+def test_stream_sends_each_finished_sample_once(tok) -> None:  # noqa: ANN001
+    """n > 1, DELTA: a sample finished by a stop string (here) or by the core (EOS, stop token,
+    length) is not repeated in later outputs: a stream gets one finishing chunk per choice."""
+    a, b, c = _ids(tok, " red fox"), _ids(tok, " blue cat runs"), _ids(tok, " green owl flies far")
+    params = SamplingParams(n=3, max_tokens=50, stop=["fox"], output_kind=RequestOutputKind.DELTA)
+    proc = _proc(tok, params)
+    finishes: dict[int, int] = {}
+    steps = [
+        (SampleDelta(0, a), SampleDelta(1, b[:1]), SampleDelta(2, c[:1])),  # 0: stop string here
+        (SampleDelta(0, [9]), SampleDelta(1, b[1:2], finish_reason="stop"), SampleDelta(2, c[1:2])),
+        (SampleDelta(2, c[2:3]),),
+        (SampleDelta(2, c[3:], finish_reason="length"),),
+    ]
+    texts: dict[int, str] = {}
+    for i, step in enumerate(steps):
+        outs, _ = _step(proc, *step, finished=i == len(steps) - 1)
+        for o in outs[0].outputs:
+            texts[o.index] = texts.get(o.index, "") + o.text
+            if o.finish_reason is not None:
+                finishes[o.index] = finishes.get(o.index, 0) + 1
+    assert outs[0].finished
+    assert finishes == {0: 1, 1: 1, 2: 1}
+    assert texts == {0: " red ", 1: tok.decode(b[:1]), 2: tok.decode(c)}
 
 
 def test_delta_stream_holds_back_a_partial_stop_and_joins_to_the_final_text(tok) -> None:  # noqa: ANN001
@@ -117,11 +147,15 @@ def test_n_samples_finish_separately_and_output_kinds(tok) -> None:  # noqa: ANN
             proc, SampleDelta(0, []), SampleDelta(1, b[1:], finish_reason="length"), finished=True
         )
         (out,) = outs
-        assert out.finished and [o.index for o in out.outputs] == [0, 1]
-        want_b = b[1:] if kind == RequestOutputKind.DELTA else b
-        assert out.outputs[1].token_ids == want_b
-        assert out.outputs[1].text == tok.decode(want_b) and out.outputs[1].finish_reason == "length"
-        assert out.outputs[0].text == ("" if kind == RequestOutputKind.DELTA else " red ")
+        delta = kind == RequestOutputKind.DELTA
+        # A stream sent sample 0's finish with its stop: it is not sent again (one finishing chunk
+        # per choice, as vLLM's n > 1 children); the other kinds carry every sample.
+        assert out.finished and [o.index for o in out.outputs] == ([1] if delta else [0, 1])
+        want_b = b[1:] if delta else b
+        assert out.outputs[-1].token_ids == want_b
+        assert out.outputs[-1].text == tok.decode(want_b) and out.outputs[-1].finish_reason == "length"
+        if not delta:
+            assert out.outputs[0].text == " red "
 
 
 def test_logprobs_are_named_and_summed(tok) -> None:  # noqa: ANN001
