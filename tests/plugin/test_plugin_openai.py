@@ -406,6 +406,24 @@ def test_n_greater_than_one_and_prompt_lists(client: openai.OpenAI) -> None:
         assert text == chat.choices[i].message.content  # same seed, same samples, streamed or not
 
 
+def test_n_greater_than_one_streams_one_finish_per_choice(client: openai.OpenAI) -> None:
+    """Samples that stop at different steps: each choice's finish_reason goes out once (it was
+    repeated in every later chunk), and the streamed texts equal the non-streamed ones."""
+    kw: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "n": 3, "temperature": 1.0}
+    kw |= {"seed": 7, "stop": ["e"]}
+    full = client.completions.create(**kw)
+    assert len({len(c.text) for c in full.choices}) > 1, full.choices  # they finish at different steps
+    finishes: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    texts = {0: "", 1: "", 2: ""}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finishes[c.index].append(c.finish_reason)
+    assert finishes == {c.index: [c.finish_reason] for c in full.choices}
+    assert texts == {c.index: c.text for c in full.choices}
+
+
 def test_stop_strings(client: openai.OpenAI, reference: Any) -> None:
     text = reference.generate(PROMPT, greedy(20))[0].outputs[0].text
     # A 3-character stop string from the middle of the greedy answer (not blank).
