@@ -64,6 +64,18 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_text(x: object) -> bool:
+    """A non-empty string that is valid Unicode (a lone surrogate, which Python's API lets in and
+    JSON does not, cannot be tokenized or sent to an engine process)."""
+    if not isinstance(x, str) or not x:
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -217,7 +229,7 @@ class SamplingParams:
                 "stop", f"stop must be a string or a list of strings, got {type(stop).__name__}."
             )
         for s in stop:
-            if not isinstance(s, str) or not s:
+            if not _is_text(s):
                 raise InvalidParamError("stop", f"stop must contain only non-empty strings, got {s!r}.")
         self.stop = stop
 
@@ -253,7 +265,9 @@ class SamplingParams:
 
         if self.allowed_token_ids is not None:
             allowed = self.allowed_token_ids
-            if not isinstance(allowed, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in allowed):
+            if not isinstance(allowed, (list, tuple)) or not all(
+                _is_int(t) and 0 <= t <= _MAX_INT for t in allowed
+            ):
                 raise InvalidParamError(
                     "allowed_token_ids", "allowed_token_ids must be a list of non-negative token ids."
                 )
@@ -265,19 +279,13 @@ class SamplingParams:
 
         if self.bad_words is not None:
             words = self.bad_words
-            if not isinstance(words, (list, tuple)) or not all(
-                isinstance(w, str) and w.strip() for w in words
-            ):
+            if not isinstance(words, (list, tuple)) or not all(_is_text(w) and w.strip() for w in words):
                 raise InvalidParamError("bad_words", "bad_words must be a list of words (non-blank strings).")
             self.bad_words = list(dict.fromkeys(words)) or None
 
         if self.guided_choice is not None:
             choices = self.guided_choice
-            if (
-                not isinstance(choices, (list, tuple))
-                or not choices
-                or not all(isinstance(c, str) and c for c in choices)
-            ):
+            if not isinstance(choices, (list, tuple)) or not choices or not all(_is_text(c) for c in choices):
                 raise InvalidParamError(
                     "guided_choice", "guided_choice must be a non-empty list of non-empty strings."
                 )

@@ -68,6 +68,12 @@ def test_normalization() -> None:
         ("skip_special_tokens", "no"),
         ("min_tokens", -1),
         ("length_penalty", "x"),
+        # Values the engine process's messages cannot carry (an int64 overflow, a lone surrogate):
+        # rejected here, by name, instead of failing the send.
+        ("allowed_token_ids", [2**64]),
+        ("stop", ["ok\ud800"]),
+        ("bad_words", ["\udfff"]),
+        ("guided_choice", ["yes", "n\ud800o"]),
     ],
 )
 def test_invalid_value_names_field(field: str, value: object) -> None:
