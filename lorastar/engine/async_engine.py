@@ -68,6 +68,11 @@ class AsyncLLM(PromptInputs):
         self._streams: dict[str, Stream] = {}
         self._streams_lock = threading.Lock()
         self._aborts: deque[str] = deque()
+        # Ids whose add is in flight (``_add_request`` on a worker thread), and those of them an
+        # abort named meanwhile: the loop applied that abort before the request existed, so it is
+        # queued again once the add lands (under ``_streams_lock``).
+        self._adding: set[str] = set()
+        self._aborted_adding: set[str] = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -241,6 +246,7 @@ class AsyncLLM(PromptInputs):
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
+            self._adding.add(rid)
         add = asyncio.ensure_future(
             asyncio.to_thread(self._add_request, prompt, sampling_params, adapter, rid)
         )
@@ -274,14 +280,22 @@ class AsyncLLM(PromptInputs):
     def _add_request(
         self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str
     ) -> None:
-        grammar = None
-        if isinstance(params, SamplingParams) and params.grammar_spec is not None:
-            # Compiling can take seconds: outside the lock, so other requests' adds do not queue
-            # behind it (xgrammar releases the GIL: the step loop runs on meanwhile).
-            grammar = self.engine.compile_grammar(params)
-        with self._swap_lock:
-            self._check_available()
-            self.engine.add_request(prompt, params, adapter=adapter, request_id=rid, grammar=grammar)
+        try:
+            grammar = None
+            if isinstance(params, SamplingParams) and params.grammar_spec is not None:
+                # Compiling can take seconds: outside the lock, so other requests' adds do not queue
+                # behind it (xgrammar releases the GIL: the step loop runs on meanwhile).
+                grammar = self.engine.compile_grammar(params)
+            with self._swap_lock:
+                self._check_available()
+                self.engine.add_request(prompt, params, adapter=adapter, request_id=rid, grammar=grammar)
+        finally:
+            with self._streams_lock:
+                self._adding.discard(rid)
+                aborted = rid in self._aborted_adding
+                self._aborted_adding.discard(rid)
+        if aborted:  # aborted while being added: the abort the loop applied found nothing
+            self._queue_abort(rid)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -301,6 +315,9 @@ class AsyncLLM(PromptInputs):
         self._wake.set()
 
     async def abort(self, request_id: str) -> None:
+        with self._streams_lock:
+            if request_id in self._adding:
+                self._aborted_adding.add(request_id)
         self._queue_abort(request_id)
 
     # ---- adapters ------------------------------------------------------------------------------

@@ -119,3 +119,41 @@ async def test_a_slow_grammar_holds_back_only_its_own_request(tiny_model_dir) ->
     assert order == ["plain", "slow"]
     assert not engine.engine.requests and engine.kv_cache_usage()["num_used_blocks"] == 0
     await engine.shutdown()
+
+
+async def test_abort_while_the_request_is_being_added_ends_it(tiny_model_dir) -> None:  # noqa: ANN001
+    """``abort(rid)`` while rid's add is still on its worker thread (a grammar compiling, say): the
+    loop applies it before the request exists, so it is applied again once the add lands. The
+    stream ends with finish_reason 'abort' instead of running to max_tokens."""
+    import threading
+
+    engine = AsyncLLM(model=tiny_model_dir("llama-gqa"), num_kv_blocks=64)
+    await engine.start()
+    entered, gate = threading.Event(), threading.Event()
+    add = engine.engine.add_request
+
+    def held_add(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        entered.set()
+        assert gate.wait(30)
+        return add(*args, **kwargs)
+
+    engine.engine.add_request = held_add  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    task = asyncio.create_task(_collect_id(engine, [4] * 8, params, "held"))
+    assert await asyncio.to_thread(entered.wait, 30)
+    await engine.abort("held")
+    for _ in range(50):  # the loop takes the abort (finding nothing) before the add lands
+        await asyncio.sleep(0.01)
+        if not engine._aborts:
+            break
+    assert not engine._aborts
+    gate.set()
+    outs = await asyncio.wait_for(task, 60)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 200
+    assert not engine.engine.requests and not engine._adding and not engine._aborted_adding
+    await engine.shutdown(drain_timeout=0)
+
+
+async def _collect_id(engine: AsyncLLM, prompt: list[int], params: SamplingParams, rid: str) -> list:  # noqa: ANN401
+    return [o async for o in engine.generate(prompt, params, request_id=rid)]
