@@ -72,6 +72,26 @@ _REFUSED_FLAGS: dict[str, str] = {
     "monteclora_config": "MonteCLoRA (monteclora_config) is not supported",
 }
 
+# init_lora_weights values whose initialization also rewrites the base weights (PEFT repeats it
+# when it loads the adapter): such an adapter was trained against that changed base, so serving it
+# on the shared base would be base + B.A, not what PEFT computes. Others ("gaussian", "eva",
+# "orthogonal", True/False...) only set A and B before training and are served exactly.
+_BASE_CHANGING_INITS: dict[str, str] = {
+    "pissa": "PiSSA trains against the base less its principal components",
+    "corda": "CorDA trains against the base less its initial B.A",
+    "olora": "OLoRA trains against the base less its initial B.A",
+    "loftq": "LoftQ trains against a quantized base",
+}
+
+
+def _base_changing_init(value: object) -> str | None:
+    """The reason a ``init_lora_weights`` value cannot be served on the shared base, or None."""
+    if not isinstance(value, str):
+        return None
+    key = value.lower()
+    key = "pissa" if key.startswith("pissa") else "corda" if key.startswith("corda") else key
+    return _BASE_CHANGING_INITS.get(key)
+
 
 @dataclass
 class ModelSpec:
@@ -193,6 +213,14 @@ def _validate_config(
     for flag, reason in _REFUSED_FLAGS.items():
         if cfg.get(flag):
             raise _fail(cfg_path, f"refused: {reason}")
+    init = cfg.get("init_lora_weights")
+    if (why := _base_changing_init(init)) is not None:
+        raise _fail(
+            cfg_path,
+            f"refused: init_lora_weights={init!r} ({why}; PEFT changes the base when it loads the "
+            "adapter, and the base here is shared). Convert it to a plain LoRA first: PEFT's "
+            "save_pretrained(..., path_initial_model_for_weight_conversion=<the initial adapter>)",
+        )
     if cfg.get("modules_to_save"):
         raise _fail(
             cfg_path,

@@ -245,6 +245,12 @@ CASES: list[tuple[str, dict[str, Any], str, str]] = [
     ("c_attn", {"cfg": _set(target_modules=["c_attn"])}, "adapter_config.json", "supported modules"),
     ("rank_zero", {"cfg": _set(r=0)}, "adapter_config.json", "rank must be >= 1"),
     ("dora", {"cfg": _set(use_dora=True)}, "adapter_config.json", "DoRA"),
+    # Inits that rewrite the base too (PEFT repeats them at load): served on our base, wrong.
+    ("pissa", {"cfg": _set(init_lora_weights="pissa")}, "adapter_config.json", "init_lora_weights='pissa'"),
+    ("pissa_niter", {"cfg": _set(init_lora_weights="pissa_niter_4")}, "adapter_config.json", "PiSSA"),
+    ("olora", {"cfg": _set(init_lora_weights="olora")}, "adapter_config.json", "OLoRA"),
+    ("corda", {"cfg": _set(init_lora_weights="corda")}, "adapter_config.json", "CorDA"),
+    ("loftq", {"cfg": _set(init_lora_weights="loftq")}, "adapter_config.json", "quantized base"),
     ("bias", {"cfg": _set(bias="all")}, "adapter_config.json", "bias='all'"),
     ("lora_bias", {"cfg": _set(lora_bias=True)}, "adapter_config.json", "lora_bias"),
     ("bad_alpha", {"cfg": _set(lora_alpha="x")}, "adapter_config.json", "lora_alpha"),
@@ -392,6 +398,11 @@ def test_real_peft_variants_refused(spec: ModelSpec, tmp_path: Path) -> None:
     make_peft(tmp_path / "mts", target_modules=["q_proj"], modules_to_save=["lm_head"])
     with pytest.raises(AdapterError, match="modules_to_save"):
         load_peft_adapter(tmp_path / "mts", spec, max_rank=64)
+    make_peft(tmp_path / "pissa", target_modules=["q_proj"], init_lora_weights="pissa")
+    with pytest.raises(AdapterError, match="PiSSA"):  # PEFT rewrote the base when it made it
+        load_peft_adapter(tmp_path / "pissa", spec, max_rank=64)
+    make_peft(tmp_path / "gaussian", target_modules=["q_proj"], init_lora_weights="gaussian")
+    load_peft_adapter(tmp_path / "gaussian", spec, max_rank=64)  # only A and B's start: served as is
     make_peft(tmp_path / "head", target_modules=["q_proj", "lm_head"])
     with pytest.raises(AdapterError, match=r"unsupported target_modules \['lm_head'\]"):
         load_peft_adapter(tmp_path / "head", spec, max_rank=64)
