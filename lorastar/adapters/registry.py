@@ -97,6 +97,9 @@ class AdapterRegistry:
         with self._lock:
             old = self._names.get(name)
             if old is not None and old.content_hash == weights.content_hash:
+                # Same content from (maybe) another folder: that one was just read, so reloads
+                # and listings use it (the old folder may be gone).
+                self._paths[name] = old.path = path
                 return old
             entry = self._by_hash.get(weights.content_hash)
             if entry is None:
@@ -314,21 +317,32 @@ class AdapterRegistry:
     def _ensure_loaded(self, entry: AdapterEntry) -> LoRAWeights:
         if entry.weights is not None:
             return entry.weights
-        try:
-            w = self._loader(entry.path)
-        except AdapterError:
-            raise
-        except Exception as e:  # the loader's own failure, with the adapter named
-            raise AdapterError(f"{entry.path}: reloading adapter {sorted(entry.names)} failed: {e}") from e
-        if w.content_hash != entry.content_hash:
-            raise AdapterError(
-                f"{entry.path}: adapter {sorted(entry.names)} changed on disk since it was registered "
-                f"(hash {w.content_hash[:12]} != {entry.content_hash[:12]}); load it again under a name"
-            )
-        # No CPU-limit enforcement here: the caller pins the entry (in flight / slot) first.
-        entry.weights = w
-        self._touch(entry)
-        return w
+        # The entry's folder first, then those of its other names (same content): any one that
+        # still holds it will do.
+        paths = [entry.path, *sorted({self._paths[n] for n in entry.names} - {entry.path})]
+        first: AdapterError | None = None
+        for path in paths:
+            try:
+                w = self._loader(path)
+            except AdapterError as e:
+                first = first or e
+                continue
+            except Exception as e:  # the loader's own failure, with the adapter named
+                first = first or AdapterError(f"{path}: reloading adapter {sorted(entry.names)} failed: {e}")
+                continue
+            if w.content_hash != entry.content_hash:
+                first = first or AdapterError(
+                    f"{path}: adapter {sorted(entry.names)} changed on disk since it was registered "
+                    f"(hash {w.content_hash[:12]} != {entry.content_hash[:12]}); load it again under a name"
+                )
+                continue
+            # No CPU-limit enforcement here: the caller pins the entry (in flight / slot) first.
+            entry.path = path
+            entry.weights = w
+            self._touch(entry)
+            return w
+        assert first is not None
+        raise first
 
     def _cpu_evictable(self, entry: AdapterEntry) -> bool:
         return entry.weights is not None and entry.slot is None and entry.in_flight == 0

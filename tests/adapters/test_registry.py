@@ -245,6 +245,38 @@ def test_reload_refuses_changed_or_missing_file() -> None:
     assert reg.register("b", p, fake("a")) is e and e.weights is not None and len(disk.reads) == n
 
 
+def test_reloads_read_a_folder_that_still_holds_the_content() -> None:
+    """A name reloaded in place with the same content from another folder moves there (listings
+    and disk-tier reloads used the old one, which may be gone); an identity two names share
+    reloads from either name's folder."""
+    reg, disk = make(max_cpu_loras=1)
+    w = fake("x")
+    disk.files["/old"] = disk.files["/new"] = w
+    e = reg.register("x", "/old", w)
+    assert reg.register("x", "/new", w) is e
+    assert [(i.name, i.path) for i in reg.list()] == [("x", "/new")]
+    del disk.files["/old"]
+    reg.register("z", *disk.put("z"))  # max_cpu_loras=1: x drops to the disk tier
+    assert e.weights is None
+    assert reg.acquire("x") is e and disk.reads == ["/new"]
+    reg.release(e)
+    y = fake("y")
+    disk.files["/p1"] = disk.files["/p2"] = y
+    ey = reg.register("y1", "/p1", y)
+    assert reg.register("y2", "/p2", y) is ey
+    reg.register("q", *disk.put("q"))
+    assert ey.weights is None
+    del disk.files["/p1"]
+    assert reg.acquire("y2") is ey and disk.reads[-2:] == ["/p1", "/p2"] and ey.path == "/p2"
+    reg.release(ey)
+    del disk.files["/p2"]  # no folder holds it any more: the first folder's error
+    reg.register("r", *disk.put("r"))
+    assert ey.weights is None
+    with pytest.raises(AdapterError, match="/p2: reloading adapter"):
+        reg.acquire("y1")
+    reg.check_invariants()
+
+
 def test_check_invariants_catches_corruption() -> None:
     reg, disk = make()
     e = reg.register("a", *disk.put("a"))
@@ -338,6 +370,12 @@ def test_real_folders_reload_and_change_detection(tmp_path: Path) -> None:
     reg.register("b2", tmp_path / "b", loader(str(tmp_path / "b")))  # pushes a out again
     assert ea.weights is None
     _write_adapter(tmp_path / "a", 3.0)  # the file changed behind our back
+    # "same"'s folder still holds a's content: the identity reloads from there.
+    assert reg.acquire("a") is ea and ea.path == str(tmp_path / "a_copy")
+    reg.release(ea)
+    reg.register("b3", tmp_path / "b", loader(str(tmp_path / "b")))  # pushes a out again
+    assert ea.weights is None
+    _write_adapter(tmp_path / "a_copy", 4.0)  # now no folder holds it
     with pytest.raises(AdapterError, match="changed on disk"):
         reg.acquire("a")
     reg.check_invariants()
