@@ -261,14 +261,17 @@ class PluginMetrics:
         r = self.registry
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
+            "Histogram of time to first token in seconds (from the request's submission to the "
+            "engine to its first generated token, of any choice).",
             ["model_name"],
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
+            "Histogram of inter-token latency in seconds: one observation per generated token after "
+            "its choice's first, the gap since the choice's previous token (a non-streamed request: "
+            "the engine's first-to-last token time spread evenly over the longest choice's gaps).",
             ["model_name"],
             buckets=_ITL_BUCKETS,
             registry=r,
@@ -345,12 +348,12 @@ class PluginMetrics:
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(self._model_name()).observe(max(seconds, 0.0))
 
-    def inter_token(self, seconds: float, num_tokens: int) -> None:
-        # One observation per token, the step's gap spread evenly (as one step yields them together).
-        h = self.itl.labels(self._model_name())
-        per = max(seconds, 0.0) / max(num_tokens, 1)
-        for _ in range(min(num_tokens, 64)):
-            h.observe(per)
+    def inter_token(self, gap: float, count: int = 1) -> None:
+        """``count`` tokens, each ``gap`` seconds after its choice's previous token: ``count``
+        observations of ``gap`` (one bucket and the sum updated once, not ``count`` times)."""
+        if count <= 0:
+            return
+        _observe_many(self.itl.labels(self._model_name()), max(gap, 0.0), count)
 
     def request_finished(
         self,
@@ -378,3 +381,91 @@ class PluginMetrics:
                             ("decode", first, last), ("inference", scheduled, last)):  # fmt: skip
             if a is not None and b is not None:
                 self.phase[phase].labels(name).observe(max(b - a, 0.0))
+
+
+def _observe_many(h: Any, value: float, count: int) -> None:
+    """``count`` observations of ``value`` in histogram child ``h``: exact counts and sum at O(1)
+    (prometheus_client has no weighted observe; its internals are used where they are there)."""
+    try:
+        bounds, buckets, total = h._upper_bounds, h._buckets, h._sum
+    except AttributeError:  # another prometheus_client layout: one observe per token
+        for _ in range(count):
+            h.observe(value)
+        return
+    total.inc(value * count)
+    for bound, bucket in zip(bounds, buckets):
+        if value <= bound:
+            bucket.inc(count)
+            break
+
+
+class RequestTimer:
+    """One request's token latencies, as vLLM defines them, from the outputs the service sees.
+
+    TTFT: from ``t0`` (the service's ``time.monotonic()`` just before it submits the request) to
+    the request's first generated token. A stream observes it when the first token reaches the
+    service; a non-streamed request (FINAL_ONLY: the first output is the final one) reads the
+    engine's ``first_token_time``. The engine's timestamps are ``time.monotonic()`` too, on this
+    host (an engine core process included: CLOCK_MONOTONIC is system-wide), taken after ``t0``; one
+    outside ``[t0, now]`` is from another clock (a remote or fake engine) and is not used.
+
+    ITL: one observation per token after its choice's first, the gap since that choice's previous
+    token (tokens of other choices do not count; a choice's first token is no gap). Tokens of one
+    choice that arrive together are spread over the time since its previous token (its first:
+    since the engine's ``first_token_time``). A non-streamed request only has the request's first
+    and last token times: its choices step together, so each gap is (last - first) / (longest
+    choice's tokens - 1), observed once per token after each choice's first (count and sum right
+    for one choice; an approximation when choices differ in pace). Without engine timestamps a
+    non-streamed request observes no ITL (the gaps are unknown).
+    """
+
+    def __init__(self, metrics: PluginMetrics, t0: float, *, delta: bool, final_only: bool) -> None:
+        self.metrics = metrics
+        self.t0 = t0
+        self.delta = delta  # outputs hold only new tokens (else every output holds all so far)
+        self.final_only = final_only
+        self.seen_first = False
+        self.choices: dict[int, tuple[int, float]] = {}  # index -> (tokens so far, last one's time)
+
+    def _engine_time(self, value: float | None, now: float) -> float | None:
+        return value if value is not None and self.t0 <= value <= now else None
+
+    def observe(self, out: Any, now: float) -> int:
+        """Account output ``out`` (seen at ``now``); the tokens generated so far, all choices."""
+        times = out.metrics
+        first = self._engine_time(times.first_token_time if times is not None else None, now)
+        if self.final_only:
+            if out.finished:
+                self._final(out, now, first, times)
+            return sum(len(o.token_ids) for o in out.outputs)
+        for o in out.outputs:
+            have, last = self.choices.get(o.index, (0, None))
+            new = len(o.token_ids) if self.delta else len(o.token_ids) - have
+            if new <= 0:
+                continue
+            if not self.seen_first:
+                self.seen_first = True
+                self.metrics.first_token(now - self.t0)
+            if last is None:  # the choice's first token; any others came with it
+                if new > 1:
+                    since = first if first is not None else now
+                    self.metrics.inter_token((now - since) / (new - 1), new - 1)
+            else:
+                self.metrics.inter_token((now - last) / new, new)
+            self.choices[o.index] = (have + new, now)
+        if self.delta:
+            return sum(n for n, _ in self.choices.values())
+        return sum(len(o.token_ids) for o in out.outputs)
+
+    def _final(self, out: Any, now: float, first: float | None, times: Any) -> None:
+        counts = [len(o.token_ids) for o in out.outputs]
+        if not any(counts):
+            return
+        self.metrics.first_token((first if first is not None else now) - self.t0)
+        last = self._engine_time(times.last_token_time if times is not None else None, now)
+        longest = max(counts)
+        if first is None or last is None or longest < 2:
+            return
+        gap = (last - first) / (longest - 1)
+        for k in counts:
+            self.metrics.inter_token(gap, k - 1)

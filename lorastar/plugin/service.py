@@ -22,7 +22,7 @@ from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableErro
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, forbidden, not_found
-from lorastar.plugin.metrics import PluginMetrics
+from lorastar.plugin.metrics import PluginMetrics, RequestTimer
 
 logger = logging.getLogger("lorastar.plugin")
 
@@ -87,7 +87,7 @@ class LoraStarService:
         self._started = False
         self._closed = False  # after stop(): no lazy restart, requests get 503
         self._start_lock: asyncio.Lock | None = None
-        self._resolver_locks: dict[str, asyncio.Lock] = {}
+        self._adapter_locks: dict[str, asyncio.Lock] = {}  # adapter_lock(name)
         self.created = int(time.time())
         self.adapter_created: dict[str, int] = {}
         # config.thinking_budget_message's token ids, encoded at start (None: no message)
@@ -245,6 +245,11 @@ class LoraStarService:
         except APIError as exc:
             raise not_found(f"The adapter `{adapter_id}` does not exist.", "adapter_id") from exc
 
+    def adapter_lock(self, name: str) -> asyncio.Lock:
+        """The lock held across "is ``name`` loaded?" and its load, by the resolver and the admin
+        route alike: two loads of one new name never both go ahead."""
+        return self._adapter_locks.setdefault(name, asyncio.Lock())
+
     async def _resolve_from_root(self, name: str) -> bool:
         # Only a plain folder name directly under the root: no separators, no dot-names.
         if not name or name.startswith(".") or "/" in name or "\\" in name or "\x00" in name:
@@ -257,8 +262,7 @@ class LoraStarService:
                 return False
         except (OSError, RuntimeError):  # name too long for the filesystem, symlink loop
             return False
-        lock = self._resolver_locks.setdefault(name, asyncio.Lock())
-        async with lock:  # concurrent first requests load once
+        async with self.adapter_lock(name):  # concurrent first requests load once
             if name in self.adapter_names():
                 return True
             try:
@@ -281,10 +285,11 @@ class LoraStarService:
         engine = self.engine
         label = adapter or self.served_model_name
         self.metrics.request_started(label)
+        kind = getattr(params, "output_kind", None)
+        # DELTA outputs hold only new tokens, except beam search's: its hypotheses come whole.
+        delta = kind == RequestOutputKind.DELTA and not getattr(params, "use_beam_search", False)
         t0 = time.monotonic()
-        last_t: float | None = None
-        prev_tokens = 0  # generated so far (all choices)
-        delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA  # outputs hold new tokens
+        timer = RequestTimer(self.metrics, t0, delta=delta, final_only=kind == RequestOutputKind.FINAL_ONLY)
         finished = False
         try:
             async with aclosing(
@@ -292,17 +297,7 @@ class LoraStarService:
             ) as gen:
                 async for out in gen:
                     now = time.monotonic()
-                    got = sum(len(o.token_ids) for o in out.outputs)
-                    ntok = prev_tokens + got if delta else got
-                    new = ntok - prev_tokens
-                    if new > 0:
-                        if last_t is None:
-                            self.metrics.first_token(now - t0)
-                            if new > 1:
-                                self.metrics.inter_token(0.0, new - 1)
-                        else:
-                            self.metrics.inter_token(now - last_t, new)
-                        last_t, prev_tokens = now, ntok
+                    ntok = timer.observe(out, now)
                     if out.finished:
                         finished = True
                         self.metrics.request_finished(

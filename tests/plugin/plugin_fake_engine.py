@@ -184,7 +184,9 @@ class FakeAsyncLLM:
         src = "".join(chr(i) for i in reversed(ids)) or "x"
         if adapter:
             src = src.upper()
-        metrics = RequestMetrics(arrival_time=time.time())
+        # The engine's timestamps, on its clock (time.monotonic), as the real one reports them
+        metrics = RequestMetrics(arrival_time=time.monotonic())
+        metrics.first_scheduled_time = metrics.arrival_time
         outs = [
             CompletionOutput(index=i, text="", token_ids=[], logprobs=[] if sp.logprobs is not None else None)
             for i in range(sp.n)
@@ -225,6 +227,9 @@ class FakeAsyncLLM:
                     elif step + 1 == sp.max_tokens:
                         o.finish_reason = "length"
                 self.total_gen += sp.n
+                metrics.last_token_time = time.monotonic()
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = metrics.last_token_time
                 done = all(o.finish_reason for o in outs)
                 if sp.output_kind == RequestOutputKind.FINAL_ONLY and not done:
                     continue
