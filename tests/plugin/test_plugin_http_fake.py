@@ -5,6 +5,9 @@ The engine-backed checks (real outputs, blocks freed, load test) are in the othe
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -415,6 +418,46 @@ def test_admin_auth_and_path_confinement(
     assert_error(
         http.post("/v1/unload_lora_adapter", json={"lora_name": "a2"}, headers=auth), 404, "lora_name"
     )
+
+
+def test_concurrent_loads_of_one_new_name_load_it_once(
+    fake: tuple[ServerThread, FakeAsyncLLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv, engine = fake
+    real_load = engine.load_adapter
+    paths: list[str] = []
+    second: list[asyncio.Event] = []
+
+    async def slow_load(name: str, path: str) -> None:
+        # The first load waits (up to 1 s) for a second to start: without a lock held across the
+        # route's "already loaded?" check and the load, both would load and both answer 200.
+        paths.append(path)
+        if len(paths) == 1:
+            second.append(asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(second[0].wait(), 1.0)
+        else:
+            second[0].set()
+        await real_load(name, path)
+
+    monkeypatch.setattr(engine, "load_adapter", slow_load)
+
+    def load(path: str) -> httpx.Response:
+        body = {"lora_name": "race", "lora_path": path}
+        auth = {"Authorization": "Bearer tok"}
+        return httpx.post(srv.url + "/v1/load_lora_adapter", json=body, headers=auth, timeout=30)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(load, "a1")
+            assert wait_until(lambda: bool(paths))  # the first is inside its load
+            late = pool.submit(load, "a2").result()
+            assert first.result().status_code == 200, first.result().text
+        error = assert_error(late, 400, "lora_name")
+        assert "has already been loaded" in error["message"]
+        assert len(paths) == 1 and engine.adapters["race"].path.endswith("a1")
+    finally:
+        engine.adapters.pop("race", None)
 
 
 def test_api_keys_guard_inference_routes_only() -> None:

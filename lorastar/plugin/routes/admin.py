@@ -77,16 +77,20 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
                 f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name"
             )
         resolved = confine(service.adapter_root, path)
-        if name in service.adapter_names() and not data.load_inplace:
-            raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        # load_inplace: the engine re-registers the name atomically (in-flight requests keep the old
-        # weights; a failed load leaves the old adapter in place).
-        try:
-            await engine.load_adapter(name, str(resolved))
-        except AdapterError as exc:
-            reason = service.scrub_paths(str(exc))
-            raise APIError(f"Failed to load the lora adapter '{name}': {reason}", param="lora_path") from exc
-        service.adapter_created[name] = int(time.time())
+        # Held across the check and the load: a second load of a new name waits, then finds it loaded.
+        async with service.adapter_lock(name):
+            if name in service.adapter_names() and not data.load_inplace:
+                raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            # load_inplace: the engine re-registers the name atomically (in-flight requests keep the
+            # old weights; a failed load leaves the old adapter in place).
+            try:
+                await engine.load_adapter(name, str(resolved))
+            except AdapterError as exc:
+                reason = service.scrub_paths(str(exc))
+                raise APIError(
+                    f"Failed to load the lora adapter '{name}': {reason}", param="lora_path"
+                ) from exc
+            service.adapter_created[name] = int(time.time())
         return _text(f"Success: LoRA adapter '{name}' added successfully.")
 
     @post(
