@@ -308,6 +308,27 @@ def test_previous_response_id_carries_the_conversation(servers: dict) -> None:
         client.responses.retrieve(not_stored.id)
 
 
+def test_a_call_cut_by_max_output_tokens_carries_over_as_text(servers: dict) -> None:
+    client, fake = servers["tools"]
+    cut = '{"city": "Par'  # a forced call's arguments, cut mid-object: no JSON
+    kw: dict[str, Any] = dict(
+        model="fake-model", input=say(cut), tools=TOOLS, max_output_tokens=len(cut),
+        tool_choice={"type": "function", "name": "get_weather"},
+    )  # fmt: skip
+    for first in (client.responses.create(**kw), streamed(client, **kw)[0]):
+        assert first.status == "incomplete"
+        assert items_of(first) == [("function_call", "get_weather", cut, "incomplete")]
+        # its output continues the conversation (it was a 400 blaming input[1], never sent)
+        output = {"type": "function_call_output", "call_id": first.output[0].call_id, "output": "42"}
+        client.responses.create(
+            model="fake-model", input=[output], previous_response_id=first.id, max_output_tokens=2
+        )
+        messages, _ = fake.rendered[-1]
+        assert messages[-2]["role"] == "assistant" and messages[-2]["content"] == cut
+        assert not messages[-2].get("tool_calls")
+        assert messages[-1]["role"] == "tool" and messages[-1]["content"] == "42"
+
+
 def test_without_a_store_previous_response_id_is_a_404_that_says_why(servers: dict) -> None:
     client, _ = servers["plain"]
     r = client.responses.create(model="fake-model", input="x", max_output_tokens=1)
@@ -350,6 +371,7 @@ def test_without_a_store_previous_response_id_is_a_404_that_says_why(servers: di
             "tool_choice",
             "not in tools",
         ),
+        ({"tools": [], "tool_choice": "required"}, "tools", "tools must not be empty"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 pairs"),
         ({"top_logprobs": 21}, "top_logprobs", ""),
         ({"model": "nope"}, "model", "does not exist"),

@@ -319,6 +319,14 @@ def test_tool_call_history_reaches_the_template_with_parsed_arguments(servers: d
             "invalid JSON schema",
         ),
         ("on", {"tools": None, "tool_choice": "auto"}, "tool_choice", "`tools` must be set"),
+        # no tool can satisfy a forced call: 400, not an answer decoded under an empty schema
+        ("on", {"tools": [], "tool_choice": "required"}, "tools", "tools must not be empty"),
+        (
+            "plain",
+            {"tools": [], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            "tools",
+            "tools must not be empty",
+        ),
         ("on", {"tools": [{"type": "function"}]}, "tools", "tools[0]"),
         ("on", {"tools": [{"type": "retrieval", "function": {"name": "x"}}]}, "tools", "tools[0]"),
     ],

@@ -158,6 +158,8 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
         return ToolChoice(parser=config.tool_call_parser)
     functions = [t["function"] for t in tools]
     if choice == "required":
+        if not functions:  # no call can satisfy an empty schema: the answer would run to the limit
+            raise APIError("tools must not be empty when tool_choice requires a tool call.", param="tools")
         return ToolChoice(parser=REQUIRED, schema=required_tools_schema(functions))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not (
@@ -168,6 +170,8 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
             "{'type': 'function', 'function': {'name': ...}}.",
             param="tool_choice",
         )
+    if not functions:
+        raise APIError(f"tools must not be empty when tool_choice names a tool ({name!r}).", param="tools")
     fn = next((f for f in functions if f["name"] == name), None)
     if fn is None:
         raise APIError(f"tool_choice names {name!r}, which is not in tools.", param="tool_choice")

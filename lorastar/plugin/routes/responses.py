@@ -16,6 +16,7 @@ Served: text input and output, function tools with every ``tool_choice``, ``text
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -375,6 +376,13 @@ def output_items(
     return items
 
 
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def _status(out: CompletionOutput) -> Literal["completed", "incomplete"]:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
@@ -564,14 +572,20 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
     def answer_turn(
         reasoning: str | None, content: str | None, calls: list[ParsedToolCall]
     ) -> ChatMessageParam:
-        """The answer as the assistant turn a later request's conversation holds."""
-        tool_calls = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls
-        ]
+        """The answer as the assistant turn a later request's conversation holds. A call whose
+        arguments are no JSON object (cut by max_output_tokens) stays text, its arguments as
+        written (as /v1/messages keeps it): the chat template takes arguments parsed, so as a call it
+        would make every continuation a 400 about input the client never sent."""
+        tool_calls, texts = [], [content] if content else []
+        for c in calls:
+            if _json_object(c.arguments):
+                fn = {"name": c.name, "arguments": c.arguments}
+                tool_calls.append({"id": c.id, "type": "function", "function": fn})
+            else:
+                texts.append(c.arguments)
         return ChatMessageParam(
             role="assistant",
-            content=content,
+            content="\n".join(t for t in texts if t) or content,
             tool_calls=tool_calls or None,
             reasoning_content=reasoning or None,
         )
