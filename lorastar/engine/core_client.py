@@ -13,7 +13,16 @@ Two ways to get a core:
 - shared (``address="tcp://host:port"`` or ``"ipc:///path"``): a core started by ``lorastar engine``
   that several app workers connect to (one copy of the model for all of them). The core must run on
   the same host (clients bind their output socket on 127.0.0.1 or a local ipc path). A core silent
-  for ``STALE_S`` counts as restarting (503) until it speaks again.
+  for ``STALE_S`` counts as restarting (503) until it speaks again; silent for ``dead_timeout``
+  (``DEAD_S``) it is taken for dead, as vLLM's ``EngineDeadError``: open requests and adapter calls
+  fail with ``RequestFailedError`` (as when a spawned core exits). The client keeps saying ``Hello``,
+  so a core that comes back serves new requests (and is told to abort the ones failed here).
+
+Sends never block (they run on the event loop): the input socket queues without bound, as vLLM's
+do (``SNDHWM`` 0; zmq's default of 1000 made a burst of requests during one long step block the
+loop, or with a dead core freeze it), and a fresh socket replaces it once a core is taken for dead
+(what it queued is dropped). Should a send still find no room, the message is dropped, or its
+caller fails (503) for a request or an adapter call.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import pickle
@@ -63,11 +73,20 @@ from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.streams import Stream, deliver, stream_outputs
-from lorastar.errors import EngineDeadError, EngineUnavailableError, RequestFailedError
+from lorastar.errors import (
+    EngineDeadError,
+    EngineUnavailableError,
+    InvalidParamError,
+    RequestFailedError,
+)
 
 logger = logging.getLogger("lorastar")
 
 STALE_S = 5.0  # a shared core silent this long counts as restarting
+# ... and this long as dead: its open requests and calls fail. Well past STALE_S: a busy core sends
+# State at least every STATE_EVERY_S (0.1 s), an idle one every HEARTBEAT_S (1 s); only a core that
+# is gone, stopped or rebuilding its engine (a model load) is silent for long.
+DEAD_S = 30.0
 RESPAWN_BACKOFF = (0.5, 30.0)
 
 
@@ -80,10 +99,12 @@ class AsyncCoreClient(PromptInputs):
         *,
         address: str | None = None,
         start_timeout: float = 900.0,
+        dead_timeout: float = DEAD_S,
         **kwargs: Any,
     ) -> None:
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         self.start_timeout = start_timeout
+        self.dead_timeout = dead_timeout  # a shared core silent this long is taken for dead
         self._owns_core = address is None
         self._tmp = tempfile.mkdtemp(prefix="lorastar-core-")
         self._input_address = address or f"ipc://{self._tmp}/input"
@@ -96,10 +117,8 @@ class AsyncCoreClient(PromptInputs):
         else:
             port = self._out.bind_to_random_port("tcp://127.0.0.1")
             self._output_address = f"tcp://127.0.0.1:{port}"
-        self._in = self._ctx.socket(zmq.PUSH)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.connect(self._input_address)
-        self._send_lock = threading.Lock()
+        self._in = self._new_input()
+        self._send_lock = threading.Lock()  # guards self._in (zmq sockets are not thread-safe)
         self._enc = encoder()
         self._dec = output_decoder()
         self._streams: dict[str, Stream] = {}
@@ -117,6 +136,9 @@ class AsyncCoreClient(PromptInputs):
         self._core_id = ""
         self._state: State | None = None
         self._last_heard = time.monotonic()
+        # Requests aborted or failed here while a shared core was silent: aborted in it once it speaks.
+        self._orphans: set[str] = set()
+        self._orphans_lock = threading.Lock()
         try:
             if self._owns_core:
                 self._spawn()
@@ -172,6 +194,8 @@ class AsyncCoreClient(PromptInputs):
     def _on_ready(self, ready: Ready) -> None:
         if self._core_id and ready.core_id != self._core_id:
             self._fail_all(RequestFailedError("The engine core restarted; retry the request."))
+        elif self._core_id and not ready.known_client:  # it dropped us and aborted our requests
+            self._fail_all(RequestFailedError("The engine core dropped this client; retry the request."))
         self._core_id = ready.core_id
         self._state = ready.state
         self._last_heard = time.monotonic()
@@ -187,6 +211,7 @@ class AsyncCoreClient(PromptInputs):
         delay = RESPAWN_BACKOFF[0]
         while not self._closing:
             try:
+                self._reconnect_input()  # the Hello must not queue behind what the dead core left
                 self._spawn()
                 self._hello_and_wait()
                 break
@@ -228,9 +253,15 @@ class AsyncCoreClient(PromptInputs):
                         self._receive_all()
                         return
                     self._core_died(code)
-                elif not self._owns_core and now - self._last_heard > STALE_S and now - last_hello > 1.0:
-                    last_hello = now  # a shared core that restarts forgets us: say hello again
-                    self._send(Hello(self._client_id, self._output_address))
+                elif not self._owns_core:
+                    silent = now - self._last_heard
+                    if silent > self.dead_timeout:
+                        self._fail_silent(silent)
+                    if silent > self._stale_after and now - last_hello > 1.0:
+                        last_hello = now  # a shared core that restarts forgets us: say hello again
+                        if silent > self.dead_timeout:  # one Hello queued at a time, nothing else
+                            self._reconnect_input()
+                        self._send(Hello(self._client_id, self._output_address))
             except zmq.ContextTerminated:
                 return
             except Exception:  # a bug here must not silently stop every stream
@@ -246,6 +277,10 @@ class AsyncCoreClient(PromptInputs):
 
     def _handle(self, msg: CoreOutput) -> None:
         self._last_heard = time.monotonic()
+        if self._orphans:  # it speaks again: abort there what ended here while it was silent
+            with self._orphans_lock:
+                rids, self._orphans = list(self._orphans), set()
+            self._send(Abort(rids))
         if isinstance(msg, Outputs):
             if msg.state is not None and msg.state.core_id == self._core_id:
                 self._state = msg.state
@@ -288,11 +323,27 @@ class AsyncCoreClient(PromptInputs):
         """End every open stream by raising ``exc`` in it (the core aborts them); how many there were."""
         with self._streams_lock:
             rids = list(self._streams)
-        if rids and not self._closing:
-            self._send(Abort(rids))
+        if rids:
+            self._abort(rids)
         for rid in rids:
             self._fail(rid, exc)
         return len(rids)
+
+    def _fail_silent(self, silent: float) -> None:
+        """A shared core silent past ``dead_timeout``: fail what is open (called again while it
+        stays silent, for what opened since), to be aborted there if it comes back."""
+        with self._streams_lock:
+            rids = list(self._streams)
+        if not rids and not self._calls:
+            return
+        with self._orphans_lock:
+            self._orphans.update(rids)
+        self._fail_all(
+            RequestFailedError(
+                f"The engine core at {self._input_address} has not answered for {silent:.0f} s; "
+                "retry the request."
+            )
+        )
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._streams_lock:
@@ -305,17 +356,75 @@ class AsyncCoreClient(PromptInputs):
                 fut.set_exception(exc)
 
     # ---- sending -------------------------------------------------------------------------------
-    def _send(self, msg: Any) -> None:
-        data = self._enc.encode(msg)
+    def _new_input(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # no bound: a send never waits for the core
+        sock.connect(self._input_address)
+        return sock
+
+    def _reconnect_input(self) -> None:
+        """A fresh input socket: what the old one queued for a core that is not reading is dropped."""
         with self._send_lock:
-            self._in.send(data, copy=False)
+            if self._closing:
+                return
+            self._in.close(linger=0)
+            self._in = self._new_input()
+
+    def _send(self, msg: Any) -> bool:
+        return self._send_data(self._enc.encode(msg))
+
+    def _send_data(self, data: bytes) -> bool:
+        """Send without blocking (callers run on the event loop); False where the core's input pipe
+        is full (the core is gone or stuck) and the message was dropped."""
+        with self._send_lock:
+            try:
+                self._in.send(data, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                logger.debug("lorastar: engine core not reading its input; message dropped")
+                return False
+        return True
+
+    def _not_reading(self) -> EngineUnavailableError:
+        return EngineUnavailableError(
+            "The engine core is not reading its input; retry shortly.", self.retry_after
+        )
 
     def _start_call(self, method: str, args: list[str]) -> concurrent.futures.Future[Any]:
         call_id = next(self._call_ids)
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._calls[call_id] = fut
-        self._send(Call(self._client_id, call_id, method, args))
+        if not self._send(Call(self._client_id, call_id, method, args)):
+            self._calls.pop(call_id, None)
+            if not fut.done():
+                fut.set_exception(self._not_reading())
         return fut
+
+    def _silent_for(self) -> float:
+        """How long a shared core has said nothing (0 for a spawned one: its exit is watched)."""
+        return 0.0 if self._owns_core else time.monotonic() - self._last_heard
+
+    @property
+    def _stale_after(self) -> float:
+        return min(STALE_S, self.dead_timeout)
+
+    def _abort(self, rids: list[str]) -> None:
+        """Abort ``rids`` in the core. While it is silent they are also kept, to be sent again once
+        it speaks; past ``dead_timeout`` only kept (nothing is sent to a core taken for dead)."""
+        if self._closing:
+            return
+        silent = self._silent_for()
+        if silent > self._stale_after:
+            with self._orphans_lock:
+                self._orphans.update(rids)
+        if silent <= self.dead_timeout:
+            self._send(Abort(rids))
+
+    def _forget(self, rid: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(rid, None)
+        with self._outputs_lock:
+            self._processor.drop(rid)
 
     # ---- EngineClient ----------------------------------------------------------------------------
     @property
@@ -330,7 +439,7 @@ class AsyncCoreClient(PromptInputs):
     @property
     def restarting(self) -> bool:
         state = self._state
-        stale = not self._owns_core and time.monotonic() - self._last_heard > STALE_S
+        stale = self._silent_for() > self._stale_after
         return self._respawning or stale or (state is not None and state.restarting)
 
     @property
@@ -376,7 +485,7 @@ class AsyncCoreClient(PromptInputs):
             with self._streams_lock:
                 rids = list(self._streams)
             if rids:
-                self._send(Abort(rids))
+                self._abort(rids)
                 end = time.monotonic() + 2.0
                 while self._streams and time.monotonic() < end:
                     await asyncio.sleep(0.02)
@@ -415,22 +524,26 @@ class AsyncCoreClient(PromptInputs):
         else:
             text, ids = self.inputs.validate_prompt(prompt)
         rid = request_id or uuid.uuid4().hex
+        # Encoded before anything is registered: what msgspec cannot encode (a lone surrogate, an
+        # int past 64 bits) leaves nothing behind and is the caller's error (400).
+        data = self._encode_request(AddRequest(self._client_id, rid, ids, params, adapter))
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:
             if rid in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
             self._streams[rid] = (asyncio.get_running_loop(), q)
-        with self._outputs_lock:
-            self._processor.add_request(rid, text, ids, params, adapter)
-        self._send(AddRequest(self._client_id, rid, ids, params, adapter))
+        try:
+            with self._outputs_lock:
+                self._processor.add_request(rid, text, ids, params, adapter)
+            if not self._send_data(data):
+                raise self._not_reading()
+        except BaseException:
+            self._forget(rid)
+            raise
 
         def abandon() -> None:
-            with self._streams_lock:
-                self._streams.pop(rid, None)
-            with self._outputs_lock:
-                self._processor.drop(rid)
-            if not self._closing:
-                self._send(Abort([rid]))
+            self._forget(rid)
+            self._abort([rid])
 
         delta = params.output_kind == RequestOutputKind.DELTA
         async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
@@ -438,7 +551,28 @@ class AsyncCoreClient(PromptInputs):
                 yield out
 
     async def abort(self, request_id: str) -> None:
-        self._send(Abort([request_id]))
+        self._abort([request_id])
+
+    def _encode_request(self, msg: AddRequest) -> bytes:
+        try:
+            return self._enc.encode(msg)
+        except (msgspec.EncodeError, OverflowError, UnicodeEncodeError, TypeError) as exc:
+            field = self._unencodable_field(msg)
+            raise InvalidParamError(
+                field, f"{field or 'The request'} cannot be sent to the engine core: {exc}"
+            ) from exc
+
+    def _unencodable_field(self, msg: AddRequest) -> str | None:
+        """The field of ``msg`` that msgspec cannot encode (the first one), if one alone is."""
+        fields = [("request_id", msg.request_id), ("adapter", msg.adapter)]
+        if dataclasses.is_dataclass(msg.params):
+            fields += [(f.name, getattr(msg.params, f.name)) for f in dataclasses.fields(msg.params)]
+        for name, value in fields:
+            try:
+                self._enc.encode(value)
+            except Exception:  # noqa: BLE001 - any failure names the field
+                return name
+        return None
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
         self._check_available()

@@ -11,6 +11,12 @@ to the clients that own the requests (several frontends, e.g. app workers, may s
 Adapter loads read and validate their files on a worker thread (``LLMEngine.load_adapter`` takes the
 engine lock only to register); their replies are sent by this thread once done.
 
+Sends to a shared core's clients never block this thread: a client whose output pipe is full
+(``CLIENT_HWM`` messages it has not read: killed without a ``Goodbye``, or stuck) is dropped as if it
+had said ``Goodbye`` (its requests aborted, later ones refused); should it say ``Hello`` again, its
+``Ready`` tells it that its requests are gone (``Ready.known_client``). A spawned core waits for its
+one client, the parent (it exits with it).
+
 A step that raises is recovered from as in ``AsyncLLM`` (``rebuild_engine``): its started requests
 fail, the engine is rebuilt, queued requests move over. Clients see ``State.restarting`` meanwhile.
 """
@@ -52,7 +58,7 @@ from lorastar.engine.messages import (
     error_info,
     input_decoder,
 )
-from lorastar.engine.outputs import EngineCoreOutput
+from lorastar.engine.outputs import EngineCoreOutput, SampleDelta
 from lorastar.engine.summary import engine_summary
 from lorastar.engine.threads import submit_to_fresh_thread
 from lorastar.errors import EngineUnavailableError
@@ -63,6 +69,7 @@ IDLE_POLL_S = 0.05  # how long an idle core blocks on its input before checking 
 STATE_EVERY_S = 0.1  # State is sent at most this often while stepping (counters for /metrics)
 HEARTBEAT_S = 1.0  # and at least this often while idle (clients judge the core alive by it)
 RESTART_BACKOFF = (0.5, 30.0)
+CLIENT_HWM = 1000  # messages queued for a client that does not read before it counts as gone
 
 
 class EngineCoreProc:
@@ -77,6 +84,9 @@ class EngineCoreProc:
         self.enc = encoder()
         self.dec = input_decoder()
         self.clients: dict[str, zmq.Socket] = {}
+        self.gone: set[str] = set()  # clients whose output pipe filled up, to drop between steps
+        self.report_to = report_to
+        self.parent: str | None = None  # a spawned core's client (its output address is report_to)
         self.owner: dict[str, str] = {}  # request id -> client id
         self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
         # Requests whose JSON schema / regex / grammar compiles: xgrammar releases the GIL, and a
@@ -110,21 +120,53 @@ class EngineCoreProc:
     def _connect(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, CLIENT_HWM)
         sock.connect(address)
         return sock
 
     def _send(self, client_id: str, msg: Any) -> None:
+        if client_id in self.clients:
+            self._push(client_id, self.enc.encode(msg))
+
+    def _push(self, client_id: str, data: Any) -> None:
+        """Send without blocking: this thread serves every client, and a blocking send to one that
+        is gone (its pipe full) would stop the core for all of them. Such a client gets nothing
+        more; the loop drops it between steps (``_drop_gone``: this may run inside a step)."""
         sock = self.clients.get(client_id)
-        if sock is not None:
-            sock.send(self.enc.encode(msg), copy=False)
+        if sock is None:
+            return
+        if client_id == self.parent:  # the only client; its outputs are never dropped
+            sock.send(data, copy=False)
+            return
+        try:
+            sock.send(data, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.warning("lorastar: engine core dropped client %s (not reading its outputs)", client_id)
+            del self.clients[client_id]
+            sock.close(linger=0)
+            self.gone.add(client_id)
+
+    def _drop_gone(self) -> None:
+        while self.gone:
+            self._drop_client(self.gone.pop())
+
+    def _drop_client(self, client_id: str, linger: int | None = 0) -> None:
+        """Forget a client (its ``Goodbye``, or it stopped reading): abort its requests."""
+        self.gone.discard(client_id)
+        for rid in [r for r, c in self.owner.items() if c == client_id]:
+            self.engine.abort_core_request(rid)
+            del self.owner[rid]
+        self._drop_compiling(lambda m: m.client_id != client_id)
+        if (sock := self.clients.pop(client_id, None)) is not None:
+            sock.close(linger=linger)
 
     def _broadcast_state(self) -> None:
         self._state_sent = time.monotonic()
         if not self.clients:
             return
         data = self.enc.encode(self.state())
-        for sock in self.clients.values():
-            sock.send(data, copy=False)
+        for client_id in list(self.clients):  # _push may drop one
+            self._push(client_id, data)
 
     def state(self) -> State:
         eng = self.engine
@@ -137,12 +179,12 @@ class EngineCoreProc:
             self.num_restarts,
         )
 
-    def ready(self) -> Ready:
+    def ready(self, known_client: bool = False) -> Ready:
         eng = self.engine
         return Ready(
             self.core_id, eng.model_name, str(eng.model_dir), str(eng.tokenizer_dir), self.config.chat_template,
             eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng),
-            self.state(), self.config.max_waiting,
+            self.state(), self.config.max_waiting, known_client,
         )  # fmt: skip
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -152,7 +194,12 @@ class EngineCoreProc:
         elif isinstance(msg, Abort):
             if self.compiling:
                 gone = set(msg.request_ids)
-                self._drop_compiling(lambda m: m.request_id not in gone)
+                for m in self._drop_compiling(lambda m: m.request_id not in gone):
+                    # ended as an aborted running request is (_core_output): n samples, "abort"
+                    lps: list[Any] | None = [] if m.params.logprobs is not None else None
+                    samples = [SampleDelta(k, [], lps, None, "abort") for k in range(m.params.n)]
+                    out = EngineCoreOutput(m.request_id, samples, True)
+                    self._send(m.client_id, Outputs([out], state=self.state()))
             for rid in msg.request_ids:
                 out = self.engine.abort_core_request(rid)
                 if out is not None:
@@ -166,23 +213,23 @@ class EngineCoreProc:
         elif isinstance(msg, Call):
             self._call(msg)
         elif isinstance(msg, Hello):
+            self._drop_gone()  # a dropped client that comes back starts afresh
             old = self.clients.pop(msg.client_id, None)
             if old is not None:
                 old.close(linger=0)
             self.clients[msg.client_id] = self._connect(msg.output_address)
-            self._send(msg.client_id, self.ready())
+            if self.report_to is not None and msg.output_address == self.report_to:
+                self.parent = msg.client_id
+            self._send(msg.client_id, self.ready(known_client=old is not None))
         elif isinstance(msg, Goodbye):
             if msg.shutdown:  # the owner: in-flight requests drain, then the rest are aborted
                 self.drain_deadline = time.monotonic() + msg.drain_timeout
                 return
-            for rid in [r for r, c in self.owner.items() if c == msg.client_id]:
-                self.engine.abort_core_request(rid)
-                del self.owner[rid]
-            self._drop_compiling(lambda m: m.client_id != msg.client_id)
-            if (sock := self.clients.pop(msg.client_id, None)) is not None:
-                sock.close()
+            self._drop_client(msg.client_id, linger=None)  # None: the socket's LINGER
 
     def _add(self, msg: AddRequest, grammar: Any = None) -> None:
+        if msg.client_id not in self.clients:  # dropped (or no Hello): its Hello again tells it
+            return
         if grammar is None and msg.params.grammar_spec is not None and self.drain_deadline is None:
             self.compiling.append((msg, self.grammar_pool.submit(self.engine.compile_grammar, msg.params)))
             return
@@ -213,9 +260,11 @@ class EngineCoreProc:
                 self._add(msg, fut.result())
         self.compiling = pending
 
-    def _drop_compiling(self, keep: Callable[[AddRequest], bool]) -> None:
-        """Forget the compiling requests ``keep`` refuses (aborted; their client left)."""
+    def _drop_compiling(self, keep: Callable[[AddRequest], bool]) -> list[AddRequest]:
+        """Forget the compiling requests ``keep`` refuses (aborted; their client left); them."""
+        dropped = [m for m, _ in self.compiling if not keep(m)]
         self.compiling = [(m, f) for m, f in self.compiling if keep(m)]
+        return dropped
 
     def _call(self, msg: Call) -> None:
         if msg.method == "load_adapter" and len(msg.args) == 2:
@@ -286,6 +335,7 @@ class EngineCoreProc:
                 busy = self.engine.has_unfinished()
                 waiting = self.jobs or self.compiling
                 self._drain_inputs(0 if busy else (10 if waiting else int(IDLE_POLL_S * 1000)))
+                self._drop_gone()
                 self._finish_jobs()
                 self._finish_compiles()
                 if self.drain_deadline is not None and (

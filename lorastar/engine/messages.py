@@ -109,6 +109,9 @@ class Ready(msgspec.Struct, tag=True):
     summary: list[str]  # the start-up summary lines (engine/summary.py), computed in the core
     state: State
     max_waiting: int | None = None  # the core's bound on queued requests (EngineConfig.max_waiting)
+    # The core had this client when its Hello came (a Hello again while it was silent). False for
+    # one it had dropped (not reading its outputs): that client's open requests are gone.
+    known_client: bool = False
 
 
 class Outputs(msgspec.Struct, tag=True):
