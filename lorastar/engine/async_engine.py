@@ -33,6 +33,7 @@ from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.streams import Stream, deliver, stream_outputs
+from lorastar.engine.summary import engine_info
 from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
 from lorastar.errors import (
     EngineDeadError,
@@ -336,6 +337,11 @@ class AsyncLLM(PromptInputs):
         return self.engine.list_adapters()
 
     # ---- misc ------------------------------------------------------------------------------------
+    @property
+    def info(self) -> dict[str, Any]:
+        """dtype, device, max_model_len, block_size (``summary.engine_info``; the operator page)."""
+        return engine_info(self.engine)
+
     @property
     def inputs(self) -> InputProcessor:
         """The engine's prompt checks and tokenizer (``PromptInputs``' methods go through it)."""

@@ -59,7 +59,7 @@ from lorastar.engine.messages import (
     input_decoder,
 )
 from lorastar.engine.outputs import EngineCoreOutput, SampleDelta
-from lorastar.engine.summary import engine_summary
+from lorastar.engine.summary import engine_info, engine_summary
 from lorastar.engine.threads import submit_to_fresh_thread
 from lorastar.errors import EngineUnavailableError
 
@@ -184,7 +184,7 @@ class EngineCoreProc:
         return Ready(
             self.core_id, eng.model_name, str(eng.model_dir), str(eng.tokenizer_dir), self.config.chat_template,
             eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng),
-            self.state(), self.config.max_waiting, known_client,
+            self.state(), self.config.max_waiting, known_client, engine_info(eng),
         )  # fmt: skip
 
     # ---- inputs ---------------------------------------------------------------------------------
@@ -389,8 +389,14 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(config: EngineConfig, input_address: str, report_to: str | None = None) -> None:
-    """Entry point of a spawned core process (and of ``lorastar engine``).
+def run_engine_core(
+    config: EngineConfig,
+    input_address: str,
+    report_to: str | None = None,
+    on_ready: Callable[[EngineCoreProc], None] | None = None,
+) -> None:
+    """Entry point of a spawned core process (and of ``lorastar engine``, whose ``on_ready`` logs
+    that the model is in).
 
     A spawned core leaves SIGINT and SIGTERM to its parent: Ctrl-C in a terminal (or systemd's stop)
     signals the whole process group, and the parent's shutdown drains open requests through this
@@ -401,9 +407,13 @@ def run_engine_core(config: EngineConfig, input_address: str, report_to: str | N
         _exit_with_parent()
     try:
         core = EngineCoreProc(config, input_address, report_to=report_to)
+    except KeyboardInterrupt:  # Ctrl-C while the model loads (lorastar engine): no traceback
+        raise
     except BaseException:
         logger.exception("lorastar: the engine core failed to start")
         raise SystemExit(1) from None
+    if on_ready is not None:
+        on_ready(core)
     core.run()
 
 

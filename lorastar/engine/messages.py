@@ -112,6 +112,7 @@ class Ready(msgspec.Struct, tag=True):
     # The core had this client when its Hello came (a Hello again while it was silent). False for
     # one it had dropped (not reading its outputs): that client's open requests are gone.
     known_client: bool = False
+    info: dict[str, Any] = msgspec.field(default_factory=dict)  # summary.engine_info: dtype, device...
 
 
 class Outputs(msgspec.Struct, tag=True):

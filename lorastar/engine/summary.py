@@ -7,6 +7,17 @@ import os
 from typing import Any
 
 
+def engine_info(core: Any) -> dict[str, Any]:
+    """The facts the operator page's header shows, for an ``LLMEngine`` (a core process sends them
+    to its clients in ``Ready.info``)."""
+    return {
+        "dtype": str(core.dtype).removeprefix("torch."),
+        "device": str(core.device),
+        "max_model_len": core.max_model_len,
+        "block_size": core.kv_spec.block_size,
+    }
+
+
 def engine_summary(core: Any) -> list[str]:
     """The lines for an ``LLMEngine`` (the plugin logs them; a core process sends them to its clients)."""
     lines: list[str] = []

@@ -68,7 +68,8 @@ def test_page_in_headless_chromium_shows_live_numbers(real_server: Any) -> None:
         browser = p.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 900, "height": 640})
-            page.goto(real_server.url + "/lorastar/")
+            page.goto(real_server.url + "/lorastar")  # without the slash: the page adds it
+            page.wait_for_url("**/lorastar/", timeout=20000)
             page.wait_for_function("document.getElementById('model').textContent === 'tiny'", timeout=20000)
             _traffic(real_server)
             # a poll after the traffic: the alpha row counts its requests, the chart has points

@@ -31,19 +31,14 @@ def _counter_by_adapter(counter: Any) -> dict[str, float]:
 def stats_snapshot(service: LoraStarService) -> dict[str, Any]:
     """Everything the page shows, in one JSON object (engine counters + per-adapter traffic)."""
     engine = service.engine if service.started else None
-    core = getattr(engine, "engine", None)
     snap: dict[str, Any] = {
         "time": time.time(),
         "model": service.served_model_name,
         "healthy": service.healthy(),
     }
-    if core is not None:
-        snap.update(
-            dtype=str(core.dtype).removeprefix("torch."),
-            device=str(core.device),
-            max_model_len=core.max_model_len,
-            block_size=core.kv_spec.block_size,
-        )
+    # dtype, device, max_model_len, block_size (summary.engine_info): AsyncLLM computes them from its
+    # engine, a core process's client has them from the core (test fakes: none)
+    snap.update(getattr(engine, "info", None) or {})
     stats = service._stats()  # None until started (or while stopping)
     if stats is not None:
         snap.update(
