@@ -22,6 +22,11 @@ from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.reasoning import REASONING_PARSERS
 from lorastar.plugin.tool_parsers import TOOL_CALL_PARSERS
 
+# uvicorn's --log-level names (uvicorn.config.LOG_LEVELS; not imported here: the CLI starts lazily).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The embedded model's served name (lorastar.engine.engine.DEFAULT_MODEL_NAME, which imports torch).
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 class UsageProblem(click.ClickException):
     """A one-line ``Error: ...`` with exit code 2 (click's usage-error code) and no usage dump."""
@@ -67,12 +72,39 @@ def _check_model(model: str | None) -> str | None:
     return model if Path(model).expanduser().is_dir() else str(p)
 
 
-def _check_adapters(adapters: dict[str, str], root: str | None) -> dict[str, str]:
-    """Each adapter a PEFT folder (a Hugging Face id is fetched now); the local paths."""
+def _adapter_rank(name: str, config_file: Path) -> int | None:
+    """The largest rank of the adapter (``r``, default 8 as PEFT's, and ``rank_pattern``); ``None``
+    when the values are not integers (the loader names those)."""
+    try:
+        cfg = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageProblem(f"adapter {name!r}: cannot read {config_file}: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise UsageProblem(f"adapter {name!r}: {config_file} is not a JSON object")
+    pattern = cfg.get("rank_pattern") or {}
+    ranks = [cfg.get("r", 8), *(pattern.values() if isinstance(pattern, dict) else ())]
+    ints = [r for r in ranks if isinstance(r, int) and not isinstance(r, bool)]
+    return max(ints) if ints else None
+
+
+def _check_adapters(
+    adapters: dict[str, str],
+    root: str | None,
+    *,
+    max_lora_rank: int | None = None,
+    base_name: str | None = None,
+) -> dict[str, str]:
+    """Each adapter a PEFT folder (a Hugging Face id is fetched now), not named as the base model
+    (``base_name``) and of rank at most ``max_lora_rank`` (when given); the local paths."""
     from lorastar.hub import is_hub_id, resolve_folder
 
     out: dict[str, str] = {}
     for name, path in adapters.items():
+        if base_name is not None and name == base_name:
+            raise UsageProblem(
+                f"adapter {name!r} has the base model's served name; rename the adapter or "
+                "change --served-model-name"
+            )
         p = Path(path).expanduser()
         if (
             not p.is_absolute()
@@ -88,6 +120,12 @@ def _check_adapters(adapters: dict[str, str], root: str | None) -> dict[str, str
                 raise UsageProblem(f"adapter {name!r}: {exc}") from exc
         if not (p / "adapter_config.json").is_file():
             raise UsageProblem(f"adapter {name!r}: {path!r} is not a PEFT folder (no adapter_config.json)")
+        rank = _adapter_rank(name, p / "adapter_config.json")
+        if max_lora_rank is not None and rank is not None and rank > max_lora_rank:
+            raise UsageProblem(
+                f"adapter {name!r}: rank {rank} exceeds --max-lora-rank {max_lora_rank}; "
+                f"start with --max-lora-rank {rank} or more"
+            )
         out[name] = path if p == Path(path).expanduser() or not is_hub_id(path) else str(p)
     if root is not None and not Path(root).expanduser().is_dir():
         raise UsageProblem(f"--adapter-root {root!r} is not a folder")
@@ -318,10 +356,17 @@ main.add_command(make_lora_group())
     "--shutdown-drain-timeout",
     default=5.0,
     show_default=True,
-    type=float,
+    type=click.FloatRange(min=0),
     help="Seconds in-flight requests get on shutdown.",
 )
-@click.option("--log-level", "--uvicorn-log-level", "log_level", default="info", show_default=True)
+@click.option(
+    "--log-level",
+    "--uvicorn-log-level",
+    "log_level",
+    default="info",
+    show_default=True,
+    type=click.Choice(LOG_LEVELS, case_sensitive=False),
+)
 def serve(
     model: str | None,
     model_opt: str | None,
@@ -360,7 +405,17 @@ def serve(
         if name in all_adapters:
             raise UsageProblem(f"adapter {name!r} given twice")
         all_adapters[name] = path
-    all_adapters = _check_adapters(all_adapters, adapter_root)
+    # A shared core (--engine-address) has its own rank limit and model name: only a given
+    # --served-model-name is known here then.
+    base_name = served_model_name or (
+        None if engine_address is not None else Path(model).name if model else DEFAULT_MODEL_NAME
+    )
+    all_adapters = _check_adapters(
+        all_adapters,
+        adapter_root,
+        max_lora_rank=None if engine_address is not None else engine_kw["max_lora_rank"],
+        base_name=base_name,
+    )
     try:
         engine = engine_config(**engine_kw)
         config = LoraStarConfig(
@@ -391,7 +446,12 @@ def serve(
     url = f"http://{shown}:{sock.getsockname()[1]}{config.path}"
     app.plugins.get(LoraStarPlugin).public_url = url
     _log_to_stderr(log_level)
-    click.echo(f"lorastar: listening on {url}; loading the model", err=True)
+    doing = (
+        "loading the model"
+        if engine_address is None
+        else f"connecting to the engine core at {engine_address}"
+    )
+    click.echo(f"lorastar: listening on {url}; {doing}", err=True)
     run_server(app, sock, log_level)
 
 
@@ -416,25 +476,96 @@ def engine(
 
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
-    if not address.startswith(("tcp://", "ipc://")):
-        raise UsageProblem(f"--address must start with tcp:// or ipc://, got {address!r}")
-    host = address[len("tcp://") :].rpartition(":")[0].strip("[]") if address.startswith("tcp://") else ""
-    if address.startswith("tcp://") and host not in ("127.0.0.1", "localhost", "::1"):
-        raise UsageProblem(
-            f"--address {address!r}: the engine socket has no authentication (it loads adapters from any "
-            "path it is sent); bind it to 127.0.0.1 or an ipc:// path"
-        )
+    _check_engine_address(address)
     try:
         config = engine_config(model=_check_model(model or model_opt), max_waiting=max_waiting, **engine_kw)
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
+    _probe_bind(address)  # last: nothing else can fail before the core binds it again
     _log_to_stderr("info")
     click.echo(f"lorastar: engine core at {address}; loading the model", err=True)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        run_engine_core(config, address)
+        run_engine_core(config, address, on_ready=lambda core: _log_engine_ready(core, address))
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+_LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _check_engine_address(address: str) -> None:
+    """``tcp://LOCALHOST:PORT`` or ``ipc:///path`` in an existing folder; an ipc socket file that a
+    live process answers on is refused (zmq would take it over), a stale one removed."""
+    if address.startswith("tcp://"):
+        host, sep, port = address[len("tcp://") :].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageProblem(
+                f"--address {address!r}: give a port from 1 to 65535, e.g. tcp://127.0.0.1:5555"
+            )
+        if host.strip("[]") not in _LOCAL_HOSTS:
+            raise UsageProblem(
+                f"--address {address!r}: the engine socket has no authentication (it loads adapters from "
+                "any path it is sent); bind it to 127.0.0.1 or an ipc:// path"
+            )
+        return
+    if not address.startswith("ipc://"):
+        raise UsageProblem(f"--address must start with tcp:// or ipc://, got {address!r}")
+    path = Path(address[len("ipc://") :])
+    if not str(path) or not path.parent.is_dir():
+        raise UsageProblem(f"--address {address!r}: folder {str(path.parent)!r} does not exist")
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not path.is_socket():
+        raise UsageProblem(f"--address {address!r}: {str(path)!r} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            pass  # nobody listens: a stale file of a core that is gone
+        except OSError as exc:
+            raise UsageProblem(f"--address {address!r}: cannot check {str(path)!r}: {exc}") from exc
+        else:
+            raise UsageProblem(
+                f"--address {address!r}: something already listens there (another `lorastar engine`?); "
+                "stop it or pick another path"
+            )
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise UsageProblem(f"--address {address!r}: cannot remove the stale {str(path)!r}: {exc}") from exc
+
+
+def _probe_bind(address: str) -> None:
+    """Bind ``address`` once with zmq and let go: a taken port or an unusable path is a one-line error
+    before the model loads (the core binds it again as it starts)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        why = str(exc.strerror).split(" (addr=")[0]
+        raise UsageProblem(f"--address {address!r}: cannot bind: {why}") from exc
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _log_engine_ready(core: Any, address: str) -> None:
+    log = logging.getLogger("lorastar")
+    try:
+        from lorastar.engine.summary import engine_summary
+
+        for line in engine_summary(core.engine):
+            log.info(line)
+    except Exception:  # a summary must never stop the core from serving
+        log.warning("lorastar: could not summarize the engine", exc_info=True)
+    log.info("lorastar: engine core ready at %s", address)
 
 
 def _log_to_stderr(level: str) -> None:

@@ -71,8 +71,19 @@ class _Client:
                 )
         return self._base
 
+    def _missing(self, route: str) -> bool:
+        """Whether the server has no such route: a mounted POST route answers GET with 405, an
+        adapter that is not there is a 404 of the mounted route."""
+        return self._send("GET", self.base() + route, self.token).status_code == 404
+
     def request(self, method: str, route: str, *, admin: bool, json: Any = None) -> httpx.Response:
         resp = self._send(method, self.base() + route, self.token if admin else self.api_key, json)
+        if resp.status_code == 404 and admin and self._missing(route):
+            raise click.ClickException(
+                f"runtime adapter loading is off on the server at {self.url} (started with "
+                "--no-runtime-loading, or allow_runtime_adapter_loading=False in its app): its "
+                "adapters are the ones it started with (HTTP 404)"
+            )
         if resp.status_code >= 400:
             raise click.ClickException(f"{_error_message(resp)} (HTTP {resp.status_code})")
         return resp
