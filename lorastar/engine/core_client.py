@@ -12,7 +12,12 @@ Two ways to get a core:
   adapters it held are loaded again, and meanwhile new work gets ``EngineUnavailableError`` (503).
 - shared (``address="tcp://host:port"`` or ``"ipc:///path"``): a core started by ``lorastar engine``
   that several app workers connect to (one copy of the model for all of them). The core must run on
-  the same host (clients bind their output socket on 127.0.0.1 or a local ipc path). A core silent
+  the same host (clients bind their output socket on 127.0.0.1 or a local ipc path). Starting, the
+  client waits ``connect_timeout`` s for something to accept its connection (none: no core there),
+  then up to ``start_timeout`` s for the core's ``Ready`` (it answers once its model is loaded),
+  logging while it waits; ``cancel_startup()`` (for a signal handler) or ``shutdown`` ends the wait.
+  A core that answers with a new ``core_id`` was restarted: open requests fail, and the adapters this
+  client loaded are loaded again (``restarting`` meanwhile). A core silent
   for ``STALE_S`` counts as restarting (503) until it speaks again; silent for ``dead_timeout``
   (``DEAD_S``) it is taken for dead, as vLLM's ``EngineDeadError``: open requests and adapter calls
   fail with ``RequestFailedError`` (as when a spawned core exits). The client keeps saying ``Hello``,
@@ -47,6 +52,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from lorastar.adapters.info import AdapterInfo
 from lorastar.config import EngineConfig
@@ -88,6 +94,27 @@ STALE_S = 5.0  # a shared core silent this long counts as restarting
 # is gone, stopped or rebuilding its engine (a model load) is silent for long.
 DEAD_S = 30.0
 RESPAWN_BACKOFF = (0.5, 30.0)
+CONNECT_S = 60.0  # nothing at a shared core's address accepting a connection this long: no core there
+WAIT_LOG_S = 10.0  # a client waiting for its shared core says so this often
+
+# The stop events of constructors waiting for their core (cancel_startup sets them).
+_waiting: set[threading.Event] = set()
+_waiting_lock = threading.Lock()
+
+
+class StartupCancelled(RuntimeError):
+    """The wait for the engine core was ended by ``cancel_startup()`` or ``shutdown``."""
+
+
+def cancel_startup() -> int:
+    """End the wait of every ``AsyncCoreClient`` constructor waiting for its core (they raise
+    ``StartupCancelled`` within ~0.1 s): for a signal handler while an app's startup waits on a
+    thread, where the signal cannot reach it. Returns how many were waiting."""
+    with _waiting_lock:
+        events = list(_waiting)
+    for ev in events:
+        ev.set()
+    return len(events)
 
 
 class AsyncCoreClient(PromptInputs):
@@ -99,11 +126,13 @@ class AsyncCoreClient(PromptInputs):
         *,
         address: str | None = None,
         start_timeout: float = 900.0,
+        connect_timeout: float = CONNECT_S,
         dead_timeout: float = DEAD_S,
         **kwargs: Any,
     ) -> None:
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout  # for Ready (a core loads its model first)
+        self.connect_timeout = connect_timeout  # a shared core: for its address to accept a connection
         self.dead_timeout = dead_timeout  # a shared core silent this long is taken for dead
         self._owns_core = address is None
         self._tmp = tempfile.mkdtemp(prefix="lorastar-core-")
@@ -117,6 +146,9 @@ class AsyncCoreClient(PromptInputs):
         else:
             port = self._out.bind_to_random_port("tcp://127.0.0.1")
             self._output_address = f"tcp://127.0.0.1:{port}"
+        self._stop = threading.Event()  # ends a wait for the core (cancel_startup, shutdown)
+        # A shared core's address: its connections are watched while this waits for Ready.
+        self._monitor: zmq.Socket | None = None if self._owns_core else self._ctx.socket(zmq.PAIR)
         self._in = self._new_input()
         self._send_lock = threading.Lock()  # guards self._in (zmq sockets are not thread-safe)
         self._enc = encoder()
@@ -130,7 +162,9 @@ class AsyncCoreClient(PromptInputs):
         self._closing = False
         self._stopping_core = False  # shutdown() asked the spawned core to exit
         self._respawning = False
-        self._reloading = 0
+        self._reloading = 0  # adapters being loaded again into a new core (restarting meanwhile)
+        self._reload_lock = threading.Lock()
+        self._adapters: dict[str, str] = {}  # name -> path of those this client loaded
         self._retry_after = RESPAWN_BACKOFF[0]
         self._respawns = 0
         self._core_id = ""
@@ -139,22 +173,33 @@ class AsyncCoreClient(PromptInputs):
         # Requests aborted or failed here while a shared core was silent: aborted in it once it speaks.
         self._orphans: set[str] = set()
         self._orphans_lock = threading.Lock()
+        with _waiting_lock:
+            _waiting.add(self._stop)
         try:
             if self._owns_core:
                 self._spawn()
             # transformers' import (~1 s) while the core loads, not after its Ready
-            threading.Thread(target=_import_tokenizer_modules, name="lorastar-import", daemon=True).start()
+            importer = threading.Thread(target=_import_tokenizer_modules, name="lorastar-import", daemon=True)
+            importer.start()
             ready = self._hello_and_wait()
+            self._stop_monitor()
+            # Not beside that import: transformers' lazy module breaks under two first imports at once
+            # (a core already ready answers at once).
+            importer.join()
             # The core loads its own lazily (TokenizerLoader): a folder it cannot load fails here.
             self._tokenizer = load_tokenizer(Path(ready.tokenizer_dir), ready.chat_template)
         except BaseException:
             self._close_sockets()
             raise
+        finally:
+            with _waiting_lock:
+                _waiting.discard(self._stop)
         self.model_name = ready.model_name
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.max_waiting = ready.max_waiting
         self.summary = ready.summary
+        self.info = ready.info  # dtype, device, max_model_len, block_size (the operator page's header)
         # Text, stop strings and RequestOutputs from the core's deltas, in this process.
         self._processor = OutputProcessor(self._tokenizer)
         self.inputs = InputProcessor(
@@ -173,11 +218,20 @@ class AsyncCoreClient(PromptInputs):
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
     def _hello_and_wait(self) -> Ready:
-        """Announce this client and wait for the core's ``Ready`` (the core may still be loading)."""
+        """Announce this client and wait for the core's ``Ready`` (the core may still be loading).
+
+        Short polls, so ``self._stop`` (and on the main thread a signal) ends the wait at once. A
+        shared core (``self._monitor``): nothing accepting a connection for ``connect_timeout`` s
+        means no core at the address; one that accepts and has not answered is still loading."""
+        addr = self._input_address
         self._send(Hello(self._client_id, self._output_address))
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self._out.poll(200):
+        start = time.monotonic()
+        deadline = start + self.start_timeout
+        connect_by = start + self.connect_timeout
+        connected = ever_connected = False
+        next_log = start + WAIT_LOG_S
+        while not self._stop.is_set():
+            if self._out.poll(100):
                 msg = self._dec.decode(self._out.recv())
                 if isinstance(msg, StartupFailed):
                     raise to_error(msg.error)
@@ -187,18 +241,71 @@ class AsyncCoreClient(PromptInputs):
                 continue  # a late message of a core that died
             if self._proc is not None and (code := self._proc.poll()) is not None:
                 raise RuntimeError(f"the engine core process exited with code {code} while starting")
-        raise TimeoutError(
-            f"the engine core at {self._input_address} was not ready in {self.start_timeout:.0f} s"
-        )
+            now = time.monotonic()
+            if self._monitor is not None:
+                while self._monitor.poll(0):
+                    event = recv_monitor_message(self._monitor)["event"]
+                    if event == zmq.EVENT_CONNECTED:
+                        if ever_connected:  # a core that went away took our Hello with it
+                            self._send(Hello(self._client_id, self._output_address))
+                        connected = ever_connected = True
+                    elif event == zmq.EVENT_DISCONNECTED:
+                        connected = False
+                        connect_by = now + self.connect_timeout
+                if not connected and now >= connect_by:
+                    raise ConnectionError(
+                        f"no engine core at {addr}: nothing accepted a connection in "
+                        f"{self.connect_timeout:.0f} s (start one with `lorastar engine --address {addr}`)"
+                    )
+                if now >= next_log:
+                    next_log = now + WAIT_LOG_S
+                    logger.warning(
+                        "lorastar: waiting for the engine core at %s (%s, %.0f s)", addr,
+                        "connected; loading its model?" if connected else "not accepting connections",
+                        now - start,
+                    )  # fmt: skip
+            if now >= deadline:
+                raise TimeoutError(f"the engine core at {addr} was not ready in {self.start_timeout:.0f} s")
+        raise StartupCancelled(f"stopped while waiting for the engine core at {addr}")
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._in.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
 
     def _on_ready(self, ready: Ready) -> None:
-        if self._core_id and ready.core_id != self._core_id:
+        restarted = bool(self._core_id) and ready.core_id != self._core_id
+        if restarted:
             self._fail_all(RequestFailedError("The engine core restarted; retry the request."))
         elif self._core_id and not ready.known_client:  # it dropped us and aborted our requests
             self._fail_all(RequestFailedError("The engine core dropped this client; retry the request."))
         self._core_id = ready.core_id
+        if restarted and not self._owns_core:  # (a spawned one: _core_died loads them again)
+            adapters = list(self._adapters.items())
+            logger.warning(
+                "lorastar: engine core at %s restarted; reloading %d adapters", self._input_address, len(adapters)
+            )  # fmt: skip
+            self._reload_adapters(adapters)  # (restarting from before the state below says it is not)
         self._state = ready.state
         self._last_heard = time.monotonic()
+
+    def _reload_adapters(self, adapters: list[tuple[str, str]]) -> None:
+        """Load ``adapters`` into a new core; ``restarting`` (503) until each is answered."""
+        if not adapters:
+            return
+        with self._reload_lock:
+            self._reloading += len(adapters)
+
+        def reloaded(f: concurrent.futures.Future[Any]) -> None:
+            if f.exception() is not None:
+                logger.error("lorastar: adapter not re-registered after restart: %s", f.exception())
+            with self._reload_lock:
+                self._reloading -= 1
+
+        for name, path in adapters:
+            self._start_call("load_adapter", [name, path]).add_done_callback(reloaded)
 
     def _core_died(self, code: int) -> None:
         """The spawned core exited: fail what was open, start a new one, load its adapters again."""
@@ -209,36 +316,26 @@ class AsyncCoreClient(PromptInputs):
             RequestFailedError(f"The engine core process exited (code {code}); retry the request.")
         )
         delay = RESPAWN_BACKOFF[0]
-        while not self._closing:
+        while not self._closing and not self._stop.is_set():
             try:
                 self._reconnect_input()  # the Hello must not queue behind what the dead core left
                 self._spawn()
                 self._hello_and_wait()
                 break
             except Exception:
+                if self._stop.is_set():  # shutdown() ended the wait
+                    break
                 logger.exception("lorastar: engine core restart failed; retrying in %.1f s", delay)
                 if self._proc is not None and self._proc.poll() is None:
                     self._proc.kill()
                 self._retry_after = delay
-                time.sleep(delay)
+                self._stop.wait(delay)
                 delay = min(2 * delay, RESPAWN_BACKOFF[1])
-        if self._closing:
+        if self._closing or self._stop.is_set():
             return
         self._respawns += 1
-        pending = [self._start_call("load_adapter", [name, path]) for name, path in adapters]
-        self._reloading = len(pending)
-        if not pending:
-            self._respawning = False
-
-        def reloaded(f: concurrent.futures.Future[Any]) -> None:
-            if f.exception() is not None:
-                logger.error("lorastar: adapter not re-registered after restart: %s", f.exception())
-            self._reloading -= 1
-            if self._reloading == 0:
-                self._respawning = False
-
-        for fut in pending:
-            fut.add_done_callback(reloaded)
+        self._reload_adapters(adapters)  # restarting (503) until they are loaded
+        self._respawning = False
 
     # ---- the receiver thread -------------------------------------------------------------------
     def _receive_loop(self) -> None:
@@ -360,6 +457,10 @@ class AsyncCoreClient(PromptInputs):
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # no bound: a send never waits for the core
+        if self._monitor is not None:  # before connect: its first connection must not be missed
+            endpoint = f"inproc://lorastar-monitor-{uuid.uuid4().hex}"
+            sock.monitor(endpoint, zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._monitor.connect(endpoint)
         sock.connect(self._input_address)
         return sock
 
@@ -440,7 +541,8 @@ class AsyncCoreClient(PromptInputs):
     def restarting(self) -> bool:
         state = self._state
         stale = self._silent_for() > self._stale_after
-        return self._respawning or stale or (state is not None and state.restarting)
+        reloading = self._reloading > 0
+        return self._respawning or reloading or stale or (state is not None and state.restarting)
 
     @property
     def retry_after(self) -> float:
@@ -467,6 +569,7 @@ class AsyncCoreClient(PromptInputs):
         spawned core exits; a shared one only forgets this client)."""
         if self._closing:
             return
+        self._stop.set()  # (a spawned core's restart that waits for it)
         if self._owns_core:
             self._send(Goodbye(self._client_id, shutdown=True, drain_timeout=drain_timeout))
             proc = self._proc
@@ -497,6 +600,8 @@ class AsyncCoreClient(PromptInputs):
 
     def _close_sockets(self) -> None:
         self._closing = True
+        self._stop.set()
+        self._stop_monitor()
         self._out.close(linger=0)
         with self._send_lock:
             self._in.close(linger=100 if not self._owns_core else 0)
@@ -576,12 +681,16 @@ class AsyncCoreClient(PromptInputs):
 
     async def load_adapter(self, name: str, path: str) -> AdapterInfo:
         self._check_available()
-        info = await asyncio.wrap_future(self._start_call("load_adapter", [name, str(path)]))
-        return msgspec.convert(info, AdapterInfo)
+        info = msgspec.convert(
+            await asyncio.wrap_future(self._start_call("load_adapter", [name, str(path)])), AdapterInfo
+        )
+        self._adapters[name] = info.path or str(path)  # loaded again should a shared core restart
+        return info
 
     async def unload_adapter(self, name: str) -> None:
         self._check_available()
         await asyncio.wrap_future(self._start_call("unload_adapter", [name]))
+        self._adapters.pop(name, None)
 
     def list_adapters(self) -> list[AdapterInfo]:
         return list(self._state.adapters) if self._state is not None else []

@@ -162,7 +162,16 @@ def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
     """uvicorn on the already bound socket (tests replace this)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # An app starting up may wait for a shared engine core on a thread, which no signal
+            # reaches: end that wait too (else Ctrl-C waited for the connect timeout).
+            client = sys.modules.get("lorastar.engine.core_client")
+            if client is not None:
+                client.cancel_startup()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level=log_level))
     # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in
     # place (it restores them first) a Ctrl-C ends the process with exit code 0, no traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):

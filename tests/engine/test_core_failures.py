@@ -9,6 +9,11 @@ so that a test can stop it, replace it and look inside it; its clients talk to i
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -23,9 +28,10 @@ from lorastar.config import EngineConfig
 from lorastar.engine import core_client, core_proc
 from lorastar.engine.core_client import AsyncCoreClient
 from lorastar.engine.core_proc import EngineCoreProc
-from lorastar.engine.messages import AddRequest, Hello, Ready, encoder, output_decoder
+from lorastar.engine.messages import AddRequest, Hello, Ready, encoder, input_decoder, output_decoder
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.errors import EngineUnavailableError, InvalidParamError, RequestFailedError
+from tests.conftest import make_peft_adapter
 
 
 def _config(model: str, **kw: Any) -> EngineConfig:
@@ -265,3 +271,121 @@ async def test_sends_to_a_core_that_does_not_read_never_block_the_event_loop(
     finally:
         if sender is None or not sender.is_alive():  # (a blocked one holds the send lock)
             await c.shutdown(drain_timeout=0)
+
+
+_FRESH_CLIENT = """
+import asyncio, sys
+from lorastar.engine.core_client import AsyncCoreClient
+assert "transformers" not in sys.modules  # the bug needs transformers' first import
+c = AsyncCoreClient(address=sys.argv[1], start_timeout=60)
+print("started", c.model_name)
+asyncio.run(c.shutdown(drain_timeout=0))
+"""
+
+
+def test_a_client_of_a_core_already_ready_starts_in_a_fresh_interpreter(core: _Core, address: str) -> None:
+    """Against a ready core Ready comes at once, while the client's background import of
+    transformers still runs: load_tokenizer's own import must not race it (transformers' lazy
+    module failed with "cannot import name 'AutoTokenizer'"). A fresh interpreter each time:
+    the race needs transformers' first import."""
+    for _ in range(2):
+        r = subprocess.run(
+            [sys.executable, "-c", _FRESH_CLIENT, address], capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0 and "started" in r.stdout, r.stderr[-3000:]
+
+
+async def test_a_client_of_an_address_where_no_core_runs_fails_naming_it(address: str) -> None:
+    """Nothing accepting a connection for ``connect_timeout``: a one-line error naming the address
+    (it waited start_timeout, 900 s, silently)."""
+    t = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no engine core at {re.escape(address)}"):
+        await asyncio.to_thread(AsyncCoreClient, address=address, connect_timeout=1.0)
+    assert time.monotonic() - t < 10
+
+
+def test_a_core_that_accepts_but_has_not_answered_is_waited_for_and_logged(
+    address: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A core loading its model has bound its address (connections are accepted) but answers Hello
+    only once loaded: the client waits past ``connect_timeout``, up to ``start_timeout``, saying so."""
+    monkeypatch.setattr(core_client, "WAIT_LOG_S", 0.3)
+    ctx = zmq.Context()
+    loading = ctx.socket(zmq.PULL)
+    loading.bind(address)
+    try:
+        with (
+            caplog.at_level(logging.WARNING, "lorastar"),
+            pytest.raises(TimeoutError, match=re.escape(address)),
+        ):
+            AsyncCoreClient(address=address, connect_timeout=0.5, start_timeout=2.0)
+        assert f"waiting for the engine core at {address} (connected" in caplog.text
+        assert isinstance(input_decoder().decode(loading.recv(zmq.NOBLOCK)), Hello)
+    finally:
+        loading.close(linger=0)
+        ctx.term()
+
+
+def test_a_client_waiting_for_its_core_can_be_stopped(address: str) -> None:
+    """``cancel_startup()`` (a signal handler's, while an app's startup waits on a thread) ends the
+    wait within a poll; on the main thread a signal interrupts it."""
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            AsyncCoreClient(address=address)
+        except BaseException as exc:  # noqa: BLE001 - what the waiting thread raised
+            errors.append(exc)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    assert _wait(lambda: bool(core_client._waiting), 10)
+    time.sleep(0.3)
+    t = time.monotonic()
+    assert core_client.cancel_startup() >= 1
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - t < 1.0
+    assert isinstance(errors[0], core_client.StartupCancelled) and address in str(errors[0])
+    assert not core_client._waiting
+
+    timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    t = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        AsyncCoreClient(address=address)
+    assert time.monotonic() - t < 3.0
+    timer.join()
+
+
+async def test_a_restarted_shared_core_gets_the_adapters_this_client_loaded(
+    model: str, core: _Core, address: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shared core replaced (a new core_id in its Ready) has none of the adapters: the client
+    loads again those it loaded (not those it unloaded), 503 meanwhile, then serves them."""
+    ad = make_peft_adapter(model, tmp_path / "ad", seed=1, r=8)
+    c = await _client(address)
+    c.dead_timeout = 2.0  # DEAD_S is 30: Hello again after 2 s of silence
+    try:
+        await c.load_adapter("ad", ad)
+        await c.load_adapter("gone", ad)
+        await c.unload_adapter("gone")
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        before = (await _collect(c, "hi", sp, adapter="ad"))[-1].outputs[0].token_ids
+        core.stop()
+        with caplog.at_level(logging.WARNING, "lorastar"):
+            again = await asyncio.to_thread(_Core, _config(model), address)
+            try:
+                ready = lambda: c._core_id == again.proc.core_id and not c.restarting  # noqa: E731
+                assert await asyncio.to_thread(_wait, ready, 30)
+                assert [a.name for a in again.proc.engine.list_adapters()] == ["ad"]
+                assert await asyncio.to_thread(
+                    _wait, lambda: [a.name for a in c.list_adapters()] == ["ad"], 10
+                )
+                after = (await _collect(c, "hi", sp, adapter="ad"))[-1].outputs[0].token_ids
+                assert after == before
+                assert f"engine core at {address} restarted; reloading 1 adapters" in caplog.text
+            finally:
+                await c.shutdown(drain_timeout=0)
+                again.stop()
+    finally:
+        await c.shutdown(drain_timeout=0)

@@ -63,6 +63,9 @@ def test_engine_runs_in_another_process(server: Any) -> None:
     assert lines[0] == "Serving model 'tiny'" and any(
         line.startswith("KV cache: 512 blocks") for line in lines
     )
+    stats = httpx.get(server.url + "/lorastar/stats").json()  # the operator page's header
+    assert stats["device"] == "cpu" and stats["dtype"] == "float32" and stats["block_size"] == 16
+    assert stats["max_model_len"] == engine.max_model_len
 
 
 @pytest.mark.parametrize("model", ["tiny", "alpha"])
