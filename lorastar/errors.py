@@ -50,3 +50,8 @@ class EngineUnavailableError(LoraStarError):
 class RequestFailedError(LoraStarError):
     """A step that included this request failed; the engine restarts without it (the request
     is not retried: it may be the cause). Streams get it as an in-band error."""
+
+
+class StartupCancelled(RuntimeError):
+    """The wait for an engine core was ended (``core_client.cancel_startup()``: a signal while an
+    app's startup waited for a shared core; or its client's ``shutdown``)."""

@@ -84,6 +84,7 @@ from lorastar.errors import (
     EngineUnavailableError,
     InvalidParamError,
     RequestFailedError,
+    StartupCancelled,
 )
 
 logger = logging.getLogger("lorastar")
@@ -100,10 +101,6 @@ WAIT_LOG_S = 10.0  # a client waiting for its shared core says so this often
 # The stop events of constructors waiting for their core (cancel_startup sets them).
 _waiting: set[threading.Event] = set()
 _waiting_lock = threading.Lock()
-
-
-class StartupCancelled(RuntimeError):
-    """The wait for the engine core was ended by ``cancel_startup()`` or ``shutdown``."""
 
 
 def cancel_startup() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from litestar.exceptions import (
 )
 from litestar.plugins import CLIPlugin, InitPlugin
 
-from lorastar.errors import LoraStarError
+from lorastar.errors import LoraStarError, StartupCancelled
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, handler_map, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.lora_cli import make_lora_group
@@ -27,6 +28,8 @@ from lorastar.plugin.routes.tokenize import build_tokenize_handlers
 from lorastar.plugin.service import LoraStarService
 from lorastar.plugin.shutdown import drain_on_signal
 from lorastar.plugin.startup_log import log_startup
+
+logger = logging.getLogger("lorastar.plugin")
 
 if TYPE_CHECKING:
     from click import Group
@@ -110,7 +113,15 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
 
     @asynccontextmanager
     async def _lifespan(self, _app: Litestar) -> AsyncIterator[None]:
-        await self.service.start()
+        try:
+            await self.service.start()
+        except StartupCancelled as exc:  # Ctrl-C while waiting for a shared core: stop quietly
+            logger.warning("lorastar: %s; not serving", exc)
+            try:
+                yield  # (the server is already stopping; a request would start the engine lazily)
+            finally:
+                await self.service.stop()
+            return
         log_startup(self.service.engine, self.service.served_model_name, self.public_url)
         try:
             with drain_on_signal(self.service, self.config.shutdown_drain_timeout):

@@ -110,3 +110,47 @@ def test_runtime_adapter_load_serves_and_shows_in_models_and_metrics(server: Any
     assert wait_until(lambda: engine.stats().num_running == 0 and engine.stats().num_used_blocks == 0)
     r = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "gamma"}, headers=admin)
     assert r.status_code == 200 and "gamma" not in [a.name for a in engine.list_adapters()]
+
+
+def test_startup_cancelled_while_waiting_for_a_shared_core_stops_quietly(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Ctrl-C while the app's startup waits for a shared core that is not there (``lorastar serve``'s
+    signal handler calls ``cancel_startup``): the startup ends at once with one log line, no
+    traceback, and the app shuts down normally."""
+    import logging
+    import threading
+    import time
+
+    from litestar.testing import TestClient
+
+    from lorastar.engine import core_client
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app
+
+    config = LoraStarConfig(engine=engine_config(tiny_model_dir), engine_address=f"ipc://{tmp_path}/none")
+    app = create_app(config)
+
+    def cancel() -> None:
+        deadline = time.monotonic() + 30
+        while core_client.cancel_startup() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    canceller = threading.Thread(target=cancel, daemon=True)
+    canceller.start()
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log, keep = logging.getLogger("lorastar.plugin"), Keep()
+    log.addHandler(keep)
+    t0 = time.monotonic()
+    try:
+        with TestClient(app):
+            assert not app.plugins.get(LoraStarPlugin).service.started
+    finally:
+        log.removeHandler(keep)
+    canceller.join(5)
+    assert time.monotonic() - t0 < 20  # not the 60 s connect timeout
+    assert any("stopped while waiting for the engine core" in r.getMessage() for r in records)
