@@ -348,13 +348,19 @@ def test_a_client_waiting_for_its_core_can_be_stopped(address: str) -> None:
     assert isinstance(errors[0], core_client.StartupCancelled) and address in str(errors[0])
     assert not core_client._waiting
 
+    # Python's own SIGINT handler: a process started in the background by a non-interactive shell
+    # (CI) inherits SIGINT ignored, and then Python installs none.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     t = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        AsyncCoreClient(address=address)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            AsyncCoreClient(address=address, connect_timeout=20)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t < 3.0
-    timer.join()
 
 
 async def test_a_restarted_shared_core_gets_the_adapters_this_client_loaded(
