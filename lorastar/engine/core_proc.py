@@ -39,7 +39,7 @@ import zmq
 
 from lorastar.config import EngineConfig
 from lorastar.engine.async_engine import rebuild_engine
-from lorastar.engine.engine import LLMEngine
+from lorastar.engine.engine import LLMEngine, aborted_samples
 from lorastar.engine.messages import (
     Abort,
     AddRequest,
@@ -58,7 +58,7 @@ from lorastar.engine.messages import (
     error_info,
     input_decoder,
 )
-from lorastar.engine.outputs import EngineCoreOutput, SampleDelta
+from lorastar.engine.outputs import EngineCoreOutput
 from lorastar.engine.summary import engine_info, engine_summary
 from lorastar.engine.threads import submit_to_fresh_thread
 from lorastar.errors import EngineUnavailableError
@@ -196,9 +196,7 @@ class EngineCoreProc:
                 gone = set(msg.request_ids)
                 for m in self._drop_compiling(lambda m: m.request_id not in gone):
                     # ended as an aborted running request is (_core_output): n samples, "abort"
-                    lps: list[Any] | None = [] if m.params.logprobs is not None else None
-                    samples = [SampleDelta(k, [], lps, None, "abort") for k in range(m.params.n)]
-                    out = EngineCoreOutput(m.request_id, samples, True)
+                    out = EngineCoreOutput(m.request_id, aborted_samples(m.params), True)
                     self._send(m.client_id, Outputs([out], state=self.state()))
             for rid in msg.request_ids:
                 out = self.engine.abort_core_request(rid)

@@ -1060,9 +1060,7 @@ class LLMEngine(PromptInputs):
                                            seq.cumulative_logprob if want_lp else None,
                                            seq.finish_reason, seq.stop_reason))  # fmt: skip
         if finished and len(samples) < params.n:  # aborted before its samples forked: n of them
-            have = {d.index for d in samples}
-            lps = [] if want_lp and beam is None else None
-            samples += [SampleDelta(k, [], lps, None, "abort") for k in range(params.n) if k not in have]
+            samples += aborted_samples(params, {d.index for d in samples})
         req.num_outputs += 1
         # Positional: one of these per touched request a step, and keywords cost more.
         return EngineCoreOutput(
@@ -1192,6 +1190,15 @@ class LLMEngine(PromptInputs):
             self.registry.check_invariants()
             if "runner" in self.__dict__:
                 self.runner.batch.check(self.scheduler.all_sequences())
+
+
+def aborted_samples(
+    params: SamplingParams, have: set[int] | frozenset[int] = frozenset()
+) -> list[SampleDelta]:
+    """The ``n`` samples (less those in ``have``) of a request aborted before they forked or ran:
+    no tokens, finish_reason "abort" (empty logprobs where asked for; beam search has none)."""
+    lps: list[Any] | None = [] if params.logprobs is not None and not params.use_beam_search else None
+    return [SampleDelta(k, [], lps, None, "abort") for k in range(params.n) if k not in have]
 
 
 def _metrics(req: Request) -> RequestMetrics:

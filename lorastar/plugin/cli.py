@@ -566,15 +566,10 @@ def _probe_bind(address: str) -> None:
 
 
 def _log_engine_ready(core: Any, address: str) -> None:
-    log = logging.getLogger("lorastar")
-    try:
-        from lorastar.engine.summary import engine_summary
+    from lorastar.plugin.startup_log import log_startup
 
-        for line in engine_summary(core.engine):
-            log.info(line)
-    except Exception:  # a summary must never stop the core from serving
-        log.warning("lorastar: could not summarize the engine", exc_info=True)
-    log.info("lorastar: engine core ready at %s", address)
+    log_startup(core, getattr(core.engine, "model_name", "?"))  # the engine's lines, as serve's
+    logging.getLogger("lorastar").info("lorastar: engine core ready at %s", address)
 
 
 def _log_to_stderr(level: str) -> None:

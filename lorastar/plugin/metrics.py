@@ -350,10 +350,10 @@ class PluginMetrics:
 
     def inter_token(self, gap: float, count: int = 1) -> None:
         """``count`` tokens, each ``gap`` seconds after its choice's previous token: ``count``
-        observations of ``gap`` (one bucket and the sum updated once, not ``count`` times)."""
-        if count <= 0:
-            return
-        _observe_many(self.itl.labels(self._model_name()), max(gap, 0.0), count)
+        observations of ``gap`` (1.4 us each: an 8k-token answer's take 11 ms, once)."""
+        h = self.itl.labels(self._model_name())
+        for _ in range(count):
+            h.observe(max(gap, 0.0))
 
     def request_finished(
         self,
@@ -381,22 +381,6 @@ class PluginMetrics:
                             ("decode", first, last), ("inference", scheduled, last)):  # fmt: skip
             if a is not None and b is not None:
                 self.phase[phase].labels(name).observe(max(b - a, 0.0))
-
-
-def _observe_many(h: Any, value: float, count: int) -> None:
-    """``count`` observations of ``value`` in histogram child ``h``: exact counts and sum at O(1)
-    (prometheus_client has no weighted observe; its internals are used where they are there)."""
-    try:
-        bounds, buckets, total = h._upper_bounds, h._buckets, h._sum
-    except AttributeError:  # another prometheus_client layout: one observe per token
-        for _ in range(count):
-            h.observe(value)
-        return
-    total.inc(value * count)
-    for bound, bucket in zip(bounds, buckets):
-        if value <= bound:
-            bucket.inc(count)
-            break
 
 
 class RequestTimer:
