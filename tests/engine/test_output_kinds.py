@@ -4,13 +4,14 @@ one complete output, and AsyncLLM coalesces piled-up deltas without losing any."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
 
 from lorastar import AsyncLLM, RequestOutput, RequestOutputKind, SamplingParams
 from lorastar.engine.engine import LLMEngine
-from lorastar.engine.outputs import CompletionOutput
+from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics
 from lorastar.engine.streams import merge_deltas
 from lorastar.errors import InvalidParamError
 
@@ -165,6 +166,26 @@ def test_merge_deltas_joins_choices_in_order() -> None:
         3,
     )
     assert (m.outputs[1].text, m.outputs[1].token_ids, m.outputs[1].finish_reason) == ("xy", [5, 6], "length")
+
+
+def test_merge_deltas_keeps_every_field() -> None:
+    """Every field of both shapes is set to a value of its own: the merge keeps the newer output's
+    (the joined fields aside), so a field added to either shape and not carried over fails here."""
+    metrics = RequestMetrics(1.0, 2.0, 3.0, 4.0, 5.0)
+    lp_a, lp_b = [{7: Logprob(-0.5, 1, "a")}], [{8: Logprob(-0.25, 2, "b")}]
+    a = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, "x", [7], -0.5, lp_a)], False, "ad", 3,
+                      [None, {2: Logprob(-1.0)}], RequestMetrics(0.5))  # fmt: skip
+    new = CompletionOutput(0, "y", [8], -0.75, lp_b, "stop", "</s>")
+    b = RequestOutput("r", "p", [1, 2], [new], True, "ad", 4, None, metrics)
+    m = merge_deltas(a, b)
+    joined = {"text": "xy", "token_ids": [7, 8], "logprobs": lp_a + lp_b}
+    for f in dataclasses.fields(CompletionOutput):
+        assert getattr(m.outputs[0], f.name) == joined.get(f.name, getattr(new, f.name)), f.name
+    for f in dataclasses.fields(RequestOutput):
+        want = {"outputs": m.outputs, "prompt_logprobs": a.prompt_logprobs}.get(f.name, getattr(b, f.name))
+        assert getattr(m, f.name) == want, f.name
+    # a new field: give it a value above and carry it in merge_deltas, then count it here
+    assert len(dataclasses.fields(CompletionOutput)) == 7 and len(dataclasses.fields(RequestOutput)) == 9
 
 
 async def test_async_delta_stream_with_a_slow_reader_loses_nothing(tiny_model_dir: Any) -> None:
