@@ -54,6 +54,9 @@ _KEY_RE = re.compile(
 )
 # Module paths of a multimodal model (transformers' LLaVA-style layout): an adapter trained on one.
 _MULTIMODAL_PATH = re.compile(r"(?:^|\.)(?:language_model|vision_tower|multi_modal_projector)\.")
+# VeLoRA's projection buffer (``velora_config``): only its training backward reads it; PEFT's eval
+# forward is plain LoRA, so the adapter is served without it.
+_TRAINING_ONLY_RE = re.compile(r"\.lora_velora_embed(?:\.[\w-]+)?$")
 _LORA_MODULE_RE = re.compile(r"(?:^|\.)(?P<module>[^.]+)\.lora_(?:A|B|embedding_A|embedding_B)(?:\.|$)")
 
 # LoraConfig fields whose truthy value changes the forward pass in a way plain LoRA serving
@@ -192,12 +195,57 @@ def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     return default
 
 
-def _matches_targets(targets: Any, key: str) -> bool:
-    # Same rule as peft's check_target_module_exists: a string is a full-match regex, a list
-    # matches the exact key or a dotted suffix.
+def _unselected(cfg: dict[str, Any], key: str) -> str | None:
+    """Why PEFT would not put a LoRA layer on module ``key``, or None when it would.
+
+    Same rule as peft's ``check_target_module_exists``: ``exclude_modules`` first, then a string
+    ``target_modules`` is a full-match regex ("all-linear" in any case: every linear), a list matches
+    the exact key or a dotted suffix, and ``layers_to_transform`` (``layers_pattern``) narrows a
+    suffix match to those layer indices. PEFT ignores the tensors of a module it did not wrap."""
+    targets, exclude = cfg["target_modules"], cfg.get("exclude_modules")
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, key):
+                return f"exclude_modules={exclude!r} excludes"
+        elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
+            return f"exclude_modules={exclude!r} excludes"
     if isinstance(targets, str):
-        return targets == "all-linear" or re.fullmatch(targets, key) is not None
-    return key in targets or any(key.endswith(f".{t}") for t in targets)
+        if targets.lower() == "all-linear" or re.fullmatch(targets, key):
+            return None
+        return f"target_modules={targets!r} does not select"
+    if key in targets:
+        return None
+    if not any(key.endswith(f".{t}") for t in targets):
+        return f"target_modules={targets!r} does not select"
+    layers = cfg.get("layers_to_transform")
+    if layers is None or layers == []:
+        return None
+    pattern = cfg.get("layers_pattern")
+    if not pattern:  # the first numbered segment
+        m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        for pat in [pattern] if isinstance(pattern, str) else pattern:
+            if (m := re.match(rf"(?:^|.*?\.){pat}\.(?P<idx>\d+)\.", key)) is not None:
+                break
+    wanted = [layers] if isinstance(layers, int) else layers
+    if m is None or int(m["idx"]) not in wanted:
+        return f"layers_to_transform={layers!r} (layers_pattern={pattern!r}) does not select"
+    return None
+
+
+def _check_regex(cfg_path: Path, name: str, pattern: str, template: str = "{}") -> None:
+    try:
+        re.compile(template.format(pattern))
+    except re.error as e:
+        raise _fail(cfg_path, f"{name} regex {pattern!r} is invalid: {e}") from e
+
+
+def _is_str_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def _validate_config(
@@ -232,7 +280,7 @@ def _validate_config(
         raise _fail(cfg_path, f"refused: bias={bias!r} (only bias='none' is supported)")
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
-        if targets != "all-linear":
+        if targets.lower() != "all-linear":
             try:
                 re.compile(targets)
             except re.error as e:
@@ -248,6 +296,19 @@ def _validate_config(
         raise _fail(
             cfg_path, f"target_modules must be a non-empty list of names or a regex string, got {targets!r}"
         )
+    exclude = cfg.get("exclude_modules")
+    if isinstance(exclude, str):
+        _check_regex(cfg_path, "exclude_modules", exclude)
+    elif exclude is not None and not _is_str_list(exclude):
+        raise _fail(cfg_path, f"exclude_modules must be a list of names or a regex string, got {exclude!r}")
+    layers = cfg.get("layers_to_transform")
+    if layers is not None and not (_is_int_list([layers]) or _is_int_list(layers)):
+        raise _fail(cfg_path, f"layers_to_transform must be an integer or a list of them, got {layers!r}")
+    pattern = cfg.get("layers_pattern")
+    if pattern is not None and not (isinstance(pattern, str) or _is_str_list(pattern)):
+        raise _fail(cfg_path, f"layers_pattern must be a string or a list of them, got {pattern!r}")
+    for pat in [pattern] if isinstance(pattern, str) else pattern or ():
+        _check_regex(cfg_path, "layers_pattern", pat, r"(?:^|.*?\.){}\.(?P<idx>\d+)\.")
     _as_rank(cfg_path, "r", cfg.get("r", 8), max_rank)
     _as_number(cfg_path, "lora_alpha", cfg.get("lora_alpha", 8))
     for pname, conv in (("rank_pattern", _as_rank), ("alpha_pattern", None)):
@@ -255,6 +316,7 @@ def _validate_config(
         if not isinstance(pat, dict):
             raise _fail(cfg_path, f"{pname} must be a mapping, got {pat!r}")
         for k, v in pat.items():
+            _check_regex(cfg_path, f"{pname} key", k, r"(.*\.)?({})$")  # as PEFT matches it
             if conv is not None:
                 conv(cfg_path, f"{pname}[{k!r}]", v, max_rank)
             else:
@@ -318,7 +380,6 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
     use_rslora = bool(cfg.get("use_rslora", False))
     rank_pattern: dict[str, int] = cfg.get("rank_pattern") or {}
     alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
-    targets = cfg["target_modules"]
 
     raw = _read_tensors(w_path)
     if not raw:
@@ -331,6 +392,8 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
     stored_paths: dict[tuple[int, str], str] = {}
     unserved = 0
     for key, t in raw.items():
+        if _TRAINING_ONLY_RE.search(key):
+            continue
         path = key.removeprefix("base_model.model.")
         served = spec.key_map(path)
         if served is None:  # LoRA on a part not served (a vision tower): no effect on text
@@ -393,6 +456,8 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
         log.info(
             "adapter %s: skipped %d tensors of parts not served (vision tower, projector)", folder, unserved
         )
+    if not pairs:
+        raise _fail(w_path, "no LoRA A/B weights in the adapter weights file")
 
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     max_r = 0
@@ -406,10 +471,10 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
         (ka, a), (_, b) = ab["A"], ab["B"]
         in_f, out_f = spec.module_shapes[module]
         peft_key = stored_paths.get((layer, module), f"model.layers.{layer}.{MODULE_GROUP[module]}.{module}")
-        if not _matches_targets(targets, peft_key):
+        if (why := _unselected(cfg, peft_key)) is not None:
             raise _fail(
                 cfg_path,
-                f"tensor {ka!r} targets {peft_key!r}, which target_modules={targets!r} does not select",
+                f"tensor {ka!r} targets {peft_key!r}, which {why} (PEFT ignores its tensors)",
             )
         r = _pattern_value(rank_pattern, peft_key, r_cfg)
         alpha = float(_pattern_value(alpha_pattern, peft_key, alpha_cfg))
