@@ -34,10 +34,13 @@ from lorastar.models.llama import (
     LlamaForCausalLM,
     layer_type_rope_config,
     multimodal_text_config,
+    transformers_defaults,
 )
 from lorastar.quant.base import QuantConfig
 
 GEMMA_ARCHITECTURES = {"Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+# config.json's model_type -> the transformers config class whose defaults complete it
+_CONFIG_CLASSES = {"gemma2": "Gemma2Config", "gemma3_text": "Gemma3TextConfig", "gemma3": "Gemma3TextConfig"}
 
 
 def _rope_config(cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
@@ -119,6 +122,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
             raise ValueError("use_bidirectional_attention (embedding models) is not supported")
         super().__init__(cfg, dtype, quant, max_positions, embedding_method)
         self.final_softcap = float(cfg.get("final_logit_softcapping") or 0.0)
+
+    @classmethod
+    def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """``config.json`` completed with transformers' ``Gemma2Config`` / ``Gemma3TextConfig``
+        defaults. transformers 4.x wrote no field equal to its base class's default, so Google's Gemma 2
+        and Gemma 3 (1B, 270M) configs omit ``tie_word_embeddings`` (tied, and no ``lm_head`` stored),
+        which the Llama default (untied) would read as a missing ``lm_head``."""
+        name = _CONFIG_CLASSES.get(cfg.get("model_type", ""))
+        return cfg if name is None else {**transformers_defaults(cfg, name), **cfg}
 
     def rope_config(self, cfg: dict[str, Any], layer_type: str) -> dict[str, Any]:
         return _rope_config(cfg, layer_type)
