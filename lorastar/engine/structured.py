@@ -165,14 +165,36 @@ class GrammarCompiler:
     def compile(self, params: SamplingParams) -> Any:
         """``params``' constraint as an xgrammar ``CompiledGrammar``, or None where it has none.
         Raises ``InvalidParamError`` naming the field for a schema, expression or grammar that
-        xgrammar cannot compile (nothing is queued then)."""
+        xgrammar cannot compile, or that allows no first token (nothing is queued then)."""
         grammar = parse_grammar(params)
         if grammar is None:
             return None
+        field = params.grammar_spec[0]
         try:
-            return self.compiler().compile_grammar(grammar)
+            compiled = self.compiler().compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as exc:
-            raise _refusal(params.grammar_spec[0], exc) from None
+            raise _refusal(field, exc) from None
+        if not _can_start(compiled):
+            raise InvalidParamError(
+                field,
+                f"{field}: the {_WHAT.get(field, 'grammar')} accepts no output (it can never complete).",
+            )
+        return compiled
+
+
+def _can_start(compiled: Any) -> bool:
+    """Whether ``compiled`` allows a first token or an empty output. A grammar whose language is
+    empty (``{"$ref": "#"}``, ``root ::= root``, a regex this vocabulary cannot spell) masks every
+    token: the sampler then took token 0 and the request ended "stop" with text the constraint
+    refuses. One mask, at compile time (tens of microseconds)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(compiled)
+    if matcher.is_terminated():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 # What ``GrammarRow.fill`` left for the next token.
@@ -228,6 +250,11 @@ class GrammarRow:
         if self.off or m.is_terminated():
             return ENDED
         m.fill_next_token_bitmask(bitmask, index)
+        if (n or self.think_start is None) and not bitmask[index].any():
+            # a dead end (x ::= x): no token continues. EOS only, as after a refused token (left
+            # to the sampler, every logit -inf took token 0 into the text: "!" in Llama 3's vocabulary)
+            self.off = True
+            return ENDED
         if n == 0 and self.think_start is not None:  # the first token may open the block instead
             word, bit = divmod(self.think_start, 32)
             value = int(bitmask[index, word]) | (1 << bit)

@@ -63,14 +63,31 @@ class ParsedToolCall:
     id: str
 
 
+# A model may write JSON or Python escapes of lone UTF-16 surrogates ("\\ud800"): parsed, they are
+# characters no UTF-8 response can carry (a 500 when it is encoded).
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+# What parsing a model's text may raise besides ValueError: JSON nested deeper than Python's
+# recursion limit (a degenerate answer, "[[[[..."), which must stay content, not fail the request.
+_DEPTH = (RecursionError, MemoryError)
+
+
+def _arguments(value: Any) -> str:
+    """Arguments as OpenAI's JSON text (non-ASCII kept as written; a lone surrogate as its JSON
+    escape, which keeps the meaning inside a JSON string, the only place one can be)."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
 def _call(obj: Any, make_id: Any = None) -> ParsedToolCall | None:
-    """``{"name", "arguments" | "parameters"}`` as a call, or None when it is no such object."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    """``{"name", "arguments" | "parameters"}`` as a call, or None when it is no such object (or
+    its name is no text a response can carry)."""
+    if not isinstance(obj, dict) or not isinstance(name := obj.get("name"), str) or _SURROGATE.search(name):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
-    return ParsedToolCall(obj["name"], args, (make_id or _openai_id)())
+    try:
+        args = _arguments(obj.get("arguments", obj.get("parameters", {})))
+    except _DEPTH:
+        return None
+    return ParsedToolCall(name, args, (make_id or _openai_id)())
 
 
 def _openai_id() -> str:
@@ -107,7 +124,7 @@ class HermesParser:
         for block in _BLOCK.findall(text, start):
             try:
                 call = _call(json.loads(block))
-            except ValueError:
+            except (ValueError, *_DEPTH):
                 return text, []
             if call is None:
                 return text, []
@@ -146,7 +163,7 @@ class Llama3JsonParser:
                 return None, calls
             try:
                 obj, i = decoder.raw_decode(s, i)
-            except ValueError:
+            except (ValueError, *_DEPTH):
                 return text, []
             call = _call(obj)
             if call is None or ("arguments" in obj and "parameters" in obj):
@@ -180,7 +197,7 @@ class MistralParser:
         if s.startswith("["):  # before v11: a JSON array of {"name", "arguments"}
             try:
                 arr, end = decoder.raw_decode(s)
-            except ValueError:
+            except (ValueError, *_DEPTH):
                 return None
             calls = [_call(o, _mistral_id) for o in arr] if isinstance(arr, list) else [None]
             return None if s[end:].strip() or any(c is None for c in calls) else calls  # type: ignore[return-value]
@@ -190,7 +207,7 @@ class MistralParser:
             return None
         try:
             args, end = decoder.raw_decode(s, brace)
-        except ValueError:
+        except (ValueError, *_DEPTH):
             return None
         if s[end:].strip() or not isinstance(args, dict):
             return None
@@ -242,7 +259,7 @@ class Qwen3CoderParser:
                     value = value[1:] if value.startswith("\n") else value
                     value = value[:-1] if value.endswith("\n") else value
                     args[key.strip()] = _typed(value, props.get(key.strip()))
-                calls.append(ParsedToolCall(name, json.dumps(args, ensure_ascii=False), _openai_id()))
+                calls.append(ParsedToolCall(name, _arguments(args), _openai_id()))
         return (text[:start] or None, calls) if calls else (text, [])
 
     def calls_start(self, buf: str, final: bool, at_start: bool) -> tuple[int | None, int]:
@@ -312,8 +329,8 @@ class PythonicParser:
                 args = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg is not None}
                 if len(args) != len(call.keywords):
                     return text, []  # **kwargs
-                arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)  # no Infinity: not JSON
-                calls.append(ParsedToolCall(call.func.id, arguments, _openai_id()))
+                json.dumps(args, allow_nan=False)  # no Infinity: not JSON (ValueError)
+                calls.append(ParsedToolCall(call.func.id, _arguments(args), _openai_id()))
         except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
             return text, []
         return None, calls
@@ -329,7 +346,7 @@ class RequiredParser:
     def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         try:
             objs = json.loads(text)
-        except ValueError:
+        except (ValueError, *_DEPTH):
             return text, []  # cut short (max_tokens): the text stays content
         calls = [_call(o) for o in objs] if isinstance(objs, list) and objs else [None]
         if any(c is None for c in calls):
