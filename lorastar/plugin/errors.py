@@ -195,8 +195,9 @@ def to_api_error(
             )
             return APIError(message, status, param=field)
         return APIError(str(exc.detail), status, headers=dict(exc.headers or {}))
-    if isinstance(exc, ValueError):
+    if isinstance(exc, ValueError) and not isinstance(exc, UnicodeEncodeError):
         return APIError(str(exc), HTTP_400_BAD_REQUEST)
+    # (UnicodeEncodeError: a response that could not be encoded, the server's fault, not the client's)
     logger.exception("lorastar: unexpected error", exc_info=exc)
     return APIError("Internal server error.", HTTP_500_INTERNAL_SERVER_ERROR)
 

@@ -330,6 +330,18 @@ def test_error_after_stream_start_goes_in_band(
     assert set(last) == {"error"} and last["error"]["code"] == 500 and "secret" not in r.text
 
 
+def test_an_unencodable_response_is_the_servers_error_not_the_clients() -> None:
+    """A UnicodeEncodeError is a ValueError, which the routes answer as 400; encoding a response
+    failing is the server's fault: 500, the detail withheld (in a stream's in-band frame too)."""
+    from lorastar.plugin.errors import to_api_error
+
+    enc = UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+    assert to_api_error(enc).status_code == 500 and "surrogate" not in to_api_error(enc).message
+    assert to_api_error(ValueError("n must be >= 1")).status_code == 400
+    dec = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")  # from client bytes: 400
+    assert to_api_error(dec).status_code == 400
+
+
 def test_client_disconnect_mid_stream_aborts(fake: tuple[ServerThread, FakeAsyncLLM]) -> None:
     engine = fake[1]
     before = len(engine.aborted)
