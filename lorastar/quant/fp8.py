@@ -279,6 +279,8 @@ class CompressedTensorsFp8Config(QuantConfig):
         if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         schemes = {self._scheme_for(p) for p in unfused_prefixes(prefix, self.packed_modules_mapping)}
+        if schemes == {None}:  # targets may name the fused module itself (Phi-3's qkv_proj)
+            schemes = {self._scheme_for(prefix)}
         if len(schemes) != 1:
             raise ValueError(
                 f"{prefix}: its parts use different compressed-tensors schemes; cannot fuse them"

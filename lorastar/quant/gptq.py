@@ -7,10 +7,14 @@ Checkpoint tensors per linear (``p = 32 / bits`` values per int32 word, ``G`` gr
   ``g_idx``   ``[in]`` int32          group of each input row (a permutation's groups with desc_act)
 ``W[k, n] = (q[k, n] - (z[g_idx[k], n] + off)) * s[g_idx[k], n]``, ``off = 1`` for the original
 format (``checkpoint_format: gptq``, zeros stored minus one) and 0 for ``gptq_v2``.
+Linears left unquantized (``modules_in_block_to_quantize``, ``modules_to_not_convert``, gptqmodel's
+``dynamic`` ``-:`` patterns) load as plain weights; ``dynamic`` settings override bits / group / sym /
+act-order per module.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -18,9 +22,14 @@ from torch import nn
 
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, mark_loaded, set_param_meta
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked
+from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked, unfused_prefixes
 
 _ZERO_OFFSET = {"gptq": 1, "gptq_v1": 1, "gptq_v2": 0}
+# Settings a ``dynamic`` entry may override per module (gptqmodel also writes tuning-only keys).
+_DYNAMIC_KEYS = {
+    "bits", "group_size", "desc_act", "sym",
+    "damp_percent", "damp_auto_increment", "mse", "static_groups", "true_sequential", "act_group_aware",
+}  # fmt: skip
 
 
 def unpack_gptq_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -41,7 +50,14 @@ class GPTQConfig(QuantConfig):
     name = "gptq"
 
     def __init__(
-        self, bits: int, group_size: int, desc_act: bool, sym: bool, zero_offset: int, skip: list[str]
+        self,
+        bits: int,
+        group_size: int,
+        desc_act: bool,
+        sym: bool,
+        zero_offset: int,
+        skip: list[str],
+        in_block: list[str] | None = None,
     ) -> None:
         self.bits = bits
         self.group_size = group_size  # -1: one group over the whole input
@@ -49,6 +65,12 @@ class GPTQConfig(QuantConfig):
         self.sym = sym
         self.zero_offset = zero_offset
         self.skip = skip
+        # modules_in_block_to_quantize, flattened (None: every linear of a block is quantized).
+        self.in_block = in_block
+        # gptqmodel's per-module ``dynamic`` overrides (pattern -> settings) and the settings they
+        # override (the checkpoint's own quantization_config without them).
+        self.dynamic: dict[str, dict[str, Any]] = {}
+        self.base_config: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
@@ -63,30 +85,99 @@ class GPTQConfig(QuantConfig):
                 f"GPTQ: group_size must be -1 or a positive multiple of {32 // bits}, got {group_size}"
             )
         fmt = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
+        if config.get("is_marlin_format"):  # auto-gptq <= 0.7's flag for its Marlin repacking
+            fmt = "marlin"
         if fmt not in _ZERO_OFFSET:
             raise ValueError(
                 f"GPTQ: checkpoint_format {fmt!r} is not supported (expected 'gptq' or 'gptq_v2')"
             )
         if config.get("lm_head"):
             raise ValueError("GPTQ: quantized lm_head (lm_head=true) is not supported")
-        if config.get("dynamic"):
-            raise ValueError("GPTQ: per-module 'dynamic' overrides are not supported")
+        dynamic = config.get("dynamic") or {}
+        if not isinstance(dynamic, dict) or not all(isinstance(v, dict) for v in dynamic.values()):
+            raise ValueError(f"GPTQ: dynamic must map module patterns to settings, got {dynamic!r}")
+        for pattern, overrides in dynamic.items():
+            unknown = set(overrides) - _DYNAMIC_KEYS
+            if unknown and not pattern.startswith("-:"):
+                raise ValueError(
+                    f"GPTQ: dynamic[{pattern!r}] overrides {sorted(unknown)}; only {sorted(_DYNAMIC_KEYS)} "
+                    "are supported per module"
+                )
         pack_dtype = str(config.get("pack_dtype", "int32"))
         if pack_dtype not in ("int32", "torch.int32"):
             raise ValueError(f"GPTQ: pack_dtype {pack_dtype!r} is not supported (expected int32)")
         skip = list(config.get("modules_to_not_convert") or [])
-        return cls(
+        out = cls(
             bits,
             group_size,
             bool(config.get("desc_act", False)),
             bool(config.get("sym", True)),
             _ZERO_OFFSET[fmt],
             skip,
+            _flatten_in_block(config.get("modules_in_block_to_quantize")),
         )
+        out.base_config = {k: v for k, v in config.items() if k != "dynamic"}
+        out.dynamic = dict(dynamic)
+        for pattern, overrides in dynamic.items():  # each override must itself be a supported scheme
+            if not pattern.startswith("-:") and overrides:
+                out._with(overrides)
+        return out
+
+    def _with(self, overrides: dict[str, Any]) -> GPTQConfig:
+        try:
+            return GPTQConfig.from_config({**self.base_config, **overrides})
+        except ValueError as e:
+            raise ValueError(f"GPTQ: dynamic override {overrides}: {e}") from None
+
+    def _dynamic_for(self, name: str) -> dict[str, Any] | bool | None:
+        """gptqmodel's ``dynamic_get``: the first pattern that ``re.match``-es the module name; a
+        ``-:`` pattern leaves it unquantized (False), others give its settings (None: no match)."""
+        for pattern, overrides in self.dynamic.items():
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], name):
+                    return False
+            elif re.match(pattern.removeprefix("+:"), name):
+                return overrides
+        return None
+
+    def _dynamic_method(self, prefix: str) -> QuantMethod | None:
+        """The layer's method under ``dynamic`` (None: the checkpoint's default settings)."""
+        parts = unfused_prefixes(prefix, self.packed_modules_mapping)
+        found = [self._dynamic_for(p) for p in parts]
+        if all(f is None for f in found) and parts != [prefix]:
+            found = [self._dynamic_for(prefix)]  # the fused module itself (Phi-3's qkv_proj)
+        if any(f != found[0] for f in found):
+            raise ValueError(f"{prefix}: GPTQ dynamic gives {parts} different settings; cannot fuse them")
+        if found[0] is False:
+            return UnquantizedLinearMethod()
+        if found[0]:
+            return GPTQLinearMethod(self._with(found[0]))
+        return None
+
+    def _outside_in_block(self, prefix: str) -> bool:
+        """Whether ``modules_in_block_to_quantize`` leaves the layer unquantized. optimum (which
+        transformers loads GPTQ with) keeps a block's linear when its name ends with a listed one."""
+        if self.in_block is None:
+            return False
+
+        def listed(name: str) -> bool:
+            return any(name.endswith(m) for m in self.in_block)
+
+        parts = unfused_prefixes(prefix, self.packed_modules_mapping)
+        flags = [listed(p) for p in parts]
+        if not any(flags) and listed(prefix):  # the fused module itself (Phi-3's qkv_proj)
+            return False
+        if any(flags) and not all(flags):
+            raise ValueError(
+                f"{prefix}: modules_in_block_to_quantize quantizes only some of {parts}; cannot fuse them"
+            )
+        return not any(flags)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip, self.packed_modules_mapping):
+        if is_skipped(prefix, self.skip, self.packed_modules_mapping) or self._outside_in_block(prefix):
             return UnquantizedLinearMethod()
+        if self.dynamic and (method := self._dynamic_method(prefix)) is not None:
+            return method
         return GPTQLinearMethod(self)
 
     def __repr__(self) -> str:
@@ -94,6 +185,21 @@ class GPTQConfig(QuantConfig):
             f"GPTQConfig(bits={self.bits}, group_size={self.group_size}, desc_act={self.desc_act}, "
             f"sym={self.sym}, zero_offset={self.zero_offset})"
         )
+
+
+def _flatten_in_block(value: Any) -> list[str] | None:
+    """``modules_in_block_to_quantize``: a list of lists of names (one per sequential step, as
+    optimum writes it) or a flat list."""
+    if not value:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"GPTQ: modules_in_block_to_quantize must be a list, got {value!r}")
+    out: list[str] = []
+    for item in value:
+        out.extend(item if isinstance(item, list) else [item])
+    if not all(isinstance(m, str) and m for m in out):
+        raise ValueError(f"GPTQ: modules_in_block_to_quantize must list module names, got {value!r}")
+    return out
 
 
 class GPTQLinearMethod(QuantMethod):
@@ -128,9 +234,12 @@ class GPTQLinearMethod(QuantMethod):
         scales = nn.Parameter(torch.zeros(groups, out, dtype=torch.float16), requires_grad=False)
         set_param_meta(scales, output_dim=1)
         # One g_idx for the fused layer: q/k/v (gate/up) see the same input, so act-order gives them
-        # the same permutation; load_weight checks that.
-        g_idx = nn.Parameter(torch.zeros(input_size, dtype=torch.int32), requires_grad=False)
-        set_param_meta(g_idx, output_dim=None)
+        # the same permutation; load_weight checks that. Without act-order it defaults to the
+        # identity grouping (some writers omit it; gptqmodel and vLLM start from the same default)
+        # and only act-order checkpoints must store it (the loader checks tensors with output_dim).
+        g_idx = nn.Parameter(torch.arange(input_size, dtype=torch.int32) // g, requires_grad=False)
+        if self.config.desc_act:
+            set_param_meta(g_idx, output_dim=None)
         for name, p in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
             layer.register_parameter(name, p)
 

@@ -32,11 +32,14 @@ def _matches(name: str, pattern: str) -> bool:
 def is_skipped(prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]]) -> bool:
     """Whether the layer at ``prefix`` is left unquantized by the checkpoint's ignore list.
 
-    A fused layer must have all of its parts skipped or none (a mix cannot be served fused)."""
+    A fused layer must have all of its parts skipped or none (a mix cannot be served fused); a list
+    that names the fused module itself (checkpoints that store it fused: Phi-3's ``qkv_proj``) skips it."""
     if not skip:
         return False
     parts = unfused_prefixes(prefix, packed)
     flags = [any(_matches(p, s) for s in skip) for p in parts]
+    if not any(flags) and parts != [prefix]:
+        return any(_matches(prefix, s) for s in skip)
     if any(flags) and not all(flags):
         raise ValueError(f"{prefix}: the checkpoint quantizes only some of {parts}; cannot fuse them")
     return all(flags)
