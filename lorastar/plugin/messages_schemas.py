@@ -27,9 +27,10 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     tools: list[dict[str, Any]] | None = None  # {"name", "description", "input_schema"}
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "tool" | "none", "name"}
-    # {"type": "enabled" | "disabled", "budget_tokens"}: the template's enable_thinking (Qwen3,
-    # SmolLM3 and other hybrid templates); budget_tokens caps the thinking where the server's reasoning
-    # parser has one-token tags (the chat route's thinking_token_budget), and is dropped otherwise
+    # {"type": "enabled" | "adaptive" | "between_tools" | "disabled", "budget_tokens"}: the template's
+    # enable_thinking (Qwen3, SmolLM3 and other hybrid templates); an enabled budget_tokens caps the
+    # thinking where the server's reasoning parser has one-token tags (the chat route's
+    # thinking_token_budget), and is dropped otherwise
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": {...}}}
     metadata: dict[str, Any] | None = None

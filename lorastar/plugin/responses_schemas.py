@@ -97,6 +97,7 @@ ResponseOutputItem = ResponseOutputMessage | ResponseReasoningItem | ResponseFun
 
 class ResponseInputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # required by OpenAI's schema; the prefix cache has no paid writes
 
 
 class ResponseOutputTokensDetails(msgspec.Struct):

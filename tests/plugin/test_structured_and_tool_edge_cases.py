@@ -106,6 +106,24 @@ def test_surrogate_arguments_over_http_are_calls_not_500s(
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_surrogate_arguments_in_anthropic_messages_are_no_500(servers: dict, stream: bool) -> None:
+    """/v1/messages decodes a call's arguments into ``tool_use.input``: a lone surrogate escape
+    decoded is text no UTF-8 response carries, so the call stays text (as written, escape and all)."""
+    http, _ = servers["hermes"]
+    answer = SURROGATE_ANSWERS["hermes"]
+    body = {"model": "fake-model", "max_tokens": len(answer), "stream": stream,
+            "messages": [{"role": "user", "content": say(answer)}],
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}]}  # fmt: skip
+    r = http.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    if not stream:
+        blocks = r.json()["content"]
+        assert [b["type"] for b in blocks] == ["text"] and "\\ud800" in blocks[0]["text"]
+    else:
+        assert "event: error" not in r.text and "event: message_stop" in r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_deeply_nested_answer_over_http_is_content(servers: dict, stream: bool) -> None:
     http, _ = servers["hermes"]
     answer = DEEP_ANSWERS["hermes"]

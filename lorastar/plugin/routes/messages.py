@@ -243,16 +243,24 @@ def chat_response_format(config: dict[str, Any] | None) -> dict[str, Any] | None
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
+# Anthropic's thinking types that let the model think: ``enabled`` (with a budget), ``adaptive``
+# (the model decides how much) and ``between_tools`` (interleaved with tool calls).
+_THINKING_ON = ("enabled", "adaptive", "between_tools")
+
+
 def template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
-    """The template's variables: ``thinking`` enabled or disabled becomes ``enable_thinking`` (the
-    switch of Qwen3's, SmolLM3's and other hybrid templates; others ignore it) unless the request
-    sets that variable itself."""
+    """The template's variables: ``thinking`` on (enabled, adaptive, between_tools) or disabled
+    becomes ``enable_thinking`` (the switch of Qwen3's, SmolLM3's and other hybrid templates; others
+    ignore it) unless the request sets that variable itself."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.thinking is not None:
         kind = req.thinking.get("type")
-        if kind not in ("enabled", "disabled"):
-            raise APIError(f"thinking.type must be 'enabled' or 'disabled', got {kind!r}.", param="thinking")
-        kwargs.setdefault("enable_thinking", kind == "enabled")
+        if kind not in (*_THINKING_ON, "disabled"):
+            raise APIError(
+                f"thinking.type must be 'enabled', 'adaptive', 'between_tools' or 'disabled', got {kind!r}.",
+                param="thinking",
+            )
+        kwargs.setdefault("enable_thinking", kind != "disabled")
     return kwargs or None
 
 
@@ -298,10 +306,12 @@ def _renamed(exc: APIError) -> APIError:
 
 def tool_input(arguments: str) -> dict[str, Any] | None:
     """A call's arguments as ``tool_use.input`` (a JSON object), or None where they are not one
-    (an answer cut at max_tokens mid-call)."""
+    (an answer cut at max_tokens mid-call), or hold what no response can carry: a lone surrogate
+    (the arguments keep it as a JSON escape; decoded, it cannot be encoded as UTF-8: a 500)."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+        json.dumps(value, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return None
     return value if isinstance(value, dict) else None
 

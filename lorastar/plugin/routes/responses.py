@@ -174,14 +174,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessageParam]:
                 out.append(ChatMessageParam(role=role, content=text))
                 merge = False
         elif kind == "function_call":
-            call = {
-                "id": _field(item, "call_id", where),
-                "type": "function",
-                "function": {
-                    "name": _field(item, "name", where),
-                    "arguments": _field(item, "arguments", where),
-                },
-            }
+            call_id, name = _field(item, "call_id", where), _field(item, "name", where)
+            arguments = _field(item, "arguments", where)
+            try:  # checked here: the template's own check would name the chat message's index
+                json.loads(arguments or "{}")
+            except ValueError as exc:
+                raise APIError(f"{where}.arguments is not JSON: {exc}", param="input") from exc
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if merge:
                 last = out[-1]
                 last.tool_calls = [*(last.tool_calls or []), call]
@@ -235,9 +234,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
-    if choice is None or isinstance(choice, str):
+    if choice is None or choice in ("none", "auto", "required"):
         return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise APIError(
         "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}.",
