@@ -86,11 +86,17 @@ class OutputProcessor:
         return name
 
     def _named(self, raw: RawLogprobs) -> dict[int, Logprob]:
-        """``{token_id: Logprob}`` from raw entries; the first entry of a token wins."""
+        """``{token_id: Logprob}`` from raw entries (the chosen token first, then the top k). A token
+        listed twice keeps its first place and the lower rank: tied at the top, the chosen token's
+        own rank counts every tied logprob (2 for a two-way tie), its top-k entry says 1, which is
+        what vLLM reports (its dict keeps the later entry)."""
         out: dict[int, Logprob] = {}
         for t, v, rank in raw:
-            if t not in out:
+            have = out.get(t)
+            if have is None:
                 out[t] = Logprob(v, rank, self._name(t))
+            elif rank is not None and (have.rank is None or rank < have.rank):
+                have.rank = rank
         return out
 
     def add_request(

@@ -627,13 +627,19 @@ def _logprob_dicts(
     top_i_l: list[list[int]],
     top_v_l: list[list[float]],
 ) -> list[RowLogprobs | None]:
-    """Row ``idx[j]``'s ``{token: (logprob, rank)}``: its sampled token and its top ``k_l[j]``."""
+    """Row ``idx[j]``'s ``{token: (logprob, rank)}``: its sampled token and its top ``k_l[j]``. The
+    sampled token among the top k keeps the lower rank: tied at the top, its own rank counts every
+    tied logprob, its top-k place says 1 (vLLM's dict keeps that later entry)."""
     out: list[RowLogprobs | None] = [None] * num_rows
     for j, i in enumerate(idx):
         k = k_l[j]
-        d: RowLogprobs = {tok_l[j]: (tok_lp_l[j], ranks_l[j])}
+        tok = tok_l[j]
+        d: RowLogprobs = {tok: (tok_lp_l[j], ranks_l[j])}
         for rank, (t, v) in enumerate(zip(top_i_l[j][:k], top_v_l[j][:k]), start=1):
-            d.setdefault(t, (v, rank))
+            if t not in d:
+                d[t] = (v, rank)
+            elif t == tok and rank < d[t][1]:
+                d[t] = (d[t][0], rank)
         out[i] = d
     return out
 
