@@ -146,7 +146,8 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
             raise APIError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}.", param="tools")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise APIError(f"tools[{i}].function needs a name.", param="tools")
-    choice = "auto" if tool_choice is None else tool_choice
+    # vLLM's default: "auto" with tools, "none" with an empty list (clients send ``tools: []``)
+    choice = ("auto" if tools else "none") if tool_choice is None else tool_choice
     if choice == "none":
         return ToolChoice()
     if choice == "auto":
@@ -462,13 +463,17 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             primed = await prime_or_404(merge_streams([stream]), data.model)
 
             async def events() -> AsyncIterator[Any]:
+                generated: dict[int, int] = {}  # tokens so far, per choice
+
                 def chunk(
                     choice: ChatStreamChoice, d: ChoiceDelta | None = None
                 ) -> ChatCompletionStreamResponse:
-                    # continuous_usage_stats (vLLM): every chunk carries the usage so far.
+                    # continuous_usage_stats (vLLM): every chunk carries the usage so far, of its
+                    # own choice (vLLM's previous_num_tokens[i]); the last chunk sums the choices.
                     usage: Any = UNSET
                     if continuous:
-                        usage = stream_usage([d]) if d is not None else make_usage(len(prompt_ids), 0, 0)
+                        cached = int(d.out.num_cached_tokens or 0) if d is not None else 0
+                        usage = make_usage(len(prompt_ids), generated.get(choice.index, 0), cached)
                     return ChatCompletionStreamResponse(
                         id=request_id, created=created, model=model_name, choices=[choice], usage=usage
                     )
@@ -485,6 +490,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
+                    generated[o.index] = generated.get(o.index, 0) + len(o.token_ids)
                     lp = chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
                     finish = o.finish_reason
