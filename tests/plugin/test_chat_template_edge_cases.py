@@ -64,3 +64,19 @@ def test_continuous_usage_counts_each_choices_own_tokens(http: httpx.Client) -> 
         assert f["usage"]["total_tokens"] == f["usage"]["prompt_tokens"] + seen[ch["index"]]
     assert seen == {0: 3, 1: 3}
     assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_completions_continuous_usage_counts_each_choices_own_tokens(http: httpx.Client) -> None:
+    """The same rule on ``/v1/completions``, with two prompts and n = 2 (four choices): each chunk
+    counts its own choice's tokens and its own prompt; the final usage chunk sums them all."""
+    body = {"model": "fake-model", "prompt": ["abc", "defgh"], "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    frames = [json.loads(f[6:]) for f in http.post("/v1/completions", json=body).text.split("\n\n")[:-2]]
+    seen: dict[int, int] = {}
+    for f in frames[:-1]:
+        (ch,) = f["choices"]
+        seen[ch["index"]] = seen.get(ch["index"], 0) + len(ch["text"])  # the fake engine: a token a char
+        assert f["usage"]["completion_tokens"] == seen[ch["index"]], f
+        assert f["usage"]["prompt_tokens"] == (3 if ch["index"] < 2 else 5), f
+    assert seen == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert frames[-1]["choices"] == [] and frames[-1]["usage"]["completion_tokens"] == 12

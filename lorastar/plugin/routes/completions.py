@@ -25,6 +25,7 @@ from lorastar.plugin.routes.common import (
     decoded,
     generation_route,
     in_thread,
+    make_usage,
     prime_or_404,
     prompt_logprobs_of,
     random_id,
@@ -242,8 +243,11 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
 
             async def events() -> AsyncIterator[Any]:
                 finals: dict[int, ChoiceDelta] = {}  # each request's last frame
+                generated: dict[tuple[int, int], int] = {}  # tokens so far, per (prompt, choice)
                 async for d in choice_deltas(merged, emit_first=echo):
                     o, out = d.choice, d.out
+                    key = (d.stream, o.index)
+                    generated[key] = generated.get(key, 0) + len(o.token_ids)
                     text = prompt_text(out, d.stream) + d.text if (echo and d.first) else d.text
                     lp = None
                     if data.logprobs is not None:
@@ -262,7 +266,13 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         created=created,
                         model=model_name,
                         choices=[choice],
-                        usage=stream_usage([d]) if continuous else UNSET,
+                        # continuous_usage_stats: the usage so far of this chunk's own choice and
+                        # prompt (vLLM's previous_num_tokens[i]); the last chunk sums them all
+                        usage=make_usage(
+                            len(out.prompt_token_ids), generated[key], int(out.num_cached_tokens or 0)
+                        )
+                        if continuous
+                        else UNSET,
                     )
                     if out.finished:
                         finals[d.stream] = d
