@@ -171,7 +171,8 @@ def test_logprobs_are_named_and_summed(tok) -> None:  # noqa: ANN001
 
 def test_prompt_logprobs_arrive_raw_and_are_named_here(tok) -> None:  # noqa: ANN001
     """The core sends prompt logprobs as (token, logprob, rank) with the prompt token first; the
-    frontend names them, the prompt token's entry winning over its own top-k entry, and a DELTA
+    frontend names them, the prompt token's entry keeping its place and logprob and taking its
+    top-k entry's lower rank (vLLM's: under a tie at the top the token is rank 1), and a DELTA
     stream carries them on its first output only."""
     prompt = _ids(tok, "Say:")
     proc = _proc(tok, SamplingParams(max_tokens=50, prompt_logprobs=1, output_kind=RequestOutputKind.DELTA))
@@ -182,7 +183,7 @@ def test_prompt_logprobs_arrive_raw_and_are_named_here(tok) -> None:  # noqa: AN
     for i, (t, entry) in enumerate(zip(prompt[1:], pl[1:])):
         assert entry is not None and list(entry) == [t]
         assert (
-            entry[t].logprob == -1.0 - i and entry[t].rank == 2 and entry[t].decoded_token == tok.decode([t])
+            entry[t].logprob == -1.0 - i and entry[t].rank == 1 and entry[t].decoded_token == tok.decode([t])
         )
     outs, _ = proc.process([EngineCoreOutput("r", [SampleDelta(0, [6])])])
     assert outs[0].prompt_logprobs is None
