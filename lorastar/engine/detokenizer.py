@@ -23,6 +23,7 @@ from tokenizers.decoders import DecodeStream
 # How many prompt tokens give the first output token its left context (vLLM's value).
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5
 _REPLACEMENT_CHAR = "\ufffd"
+_INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error on a decode that rewrote its prefix
 
 
 class _Decodes(Protocol):
@@ -40,7 +41,16 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # transformers tokenizers would otherwise apply their clean-up rules per window.
+        self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
+        if _accepts_cleanup_kwarg(tokenizer):
+            self._decode_kwargs["clean_up_tokenization_spaces"] = False
         tail = list(prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
+        # A prompt given as ids may end inside a character: its bytes are no context (the output's
+        # would complete it, so the text would not be decode(output ids)), and DecodeStream, whose
+        # seeded prefix is then "", would emit the prompt tail's text as output.
+        while tail and self._decode(tail).endswith(_REPLACEMENT_CHAR):
+            tail.pop()
         # _ids = prompt tail + output ids; the windows below index into it.
         self._ids: list[int] = tail
         self._num_prompt = len(tail)
@@ -48,10 +58,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(tail)  # everything before this has been emitted
         self._text_parts: list[str] = []
         self._text_cache: str | None = ""
-        # transformers tokenizers would otherwise apply their clean-up rules per window.
-        self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
-        if _accepts_cleanup_kwarg(tokenizer):
-            self._decode_kwargs["clean_up_tokenization_spaces"] = False
         # Fast path: the Rust tokenizer's DecodeStream (the same prefix/read-offset technique, no
         # Python decode per token), seeded with the prompt tail as context. _streamed: ids[:_streamed]
         # have been emitted by it; flush() decodes any rest (an incomplete character) the slow way.
@@ -80,7 +86,17 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         if self._stream is None:
             return self._step(final=False)
-        delta = self._stream.step(self._raw, token_id)
+        try:
+            delta = self._stream.step(self._raw, token_id)
+        except Exception as e:
+            # Byte-fallback decoders are not monotonic on invalid UTF-8 (a byte token's text turns
+            # into U+FFFD once a later byte joins its run): DecodeStream then raises. Go on the slow way.
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            self._stream = None
+            self._read_offset = self._streamed
+            self._prefix_offset = max(0, self._streamed - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+            return self._step(final=False)
         if not delta:  # None: an incomplete character, held back
             return ""
         self._streamed = len(self._ids)
