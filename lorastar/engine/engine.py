@@ -905,21 +905,11 @@ class LLMEngine(PromptInputs):
             seqs = req.sequences
             if req.beam is None and len(seqs) == 1 and req.num_outputs and seqs[0].status is running:
                 # The common step (one sample, running, past its first output): _core_output's
-                # result without its branches, _sample_delta and _metrics inlined; per request and
-                # step, so it counts at 256 of them (0.36 ms a step there).
-                seq = seqs[0]
-                end = len(seq.token_ids) - seq.num_placeholders
-                sent, seq.sent_tokens = seq.sent_tokens, end - seq.num_prompt_tokens
-                delta = SampleDelta(
-                    seq.index, seq.token_ids[seq.num_prompt_tokens + sent : end],
-                    seq.logprobs[sent:] if req.params.logprobs is not None else None,
-                    None, seq.finish_reason, seq.stop_reason,
-                )  # fmt: skip
+                # result without its branches; per request and step, so it counts at 256 of them.
                 req.num_outputs += 1
                 outputs.append(EngineCoreOutput(
-                    req.request_id, [delta], False, False, req.num_cached_tokens, None,
-                    RequestMetrics(req.arrival_time, req.first_scheduled_time, req.first_token_time,
-                                   req.last_token_time, req.finished_time),
+                    req.request_id, [self._sample_delta(seqs[0], req.params.logprobs is not None)],
+                    False, False, req.num_cached_tokens, None, _metrics(req),
                 ))  # fmt: skip
             elif req.is_finished:
                 outputs.append(self._finish_request(req))

@@ -35,7 +35,7 @@ from lorastar.layers.linear import (
     set_param_meta,
 )
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.utils import is_skipped, unfused_prefixes
+from lorastar.quant.utils import fused_lookup, is_skipped
 
 
 class Fp8LinearMethod(QuantMethod):
@@ -278,14 +278,8 @@ class CompressedTensorsFp8Config(QuantConfig):
     def get_linear_method(self, prefix: str) -> QuantMethod:
         if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
             return UnquantizedLinearMethod()
-        schemes = {self._scheme_for(p) for p in unfused_prefixes(prefix, self.packed_modules_mapping)}
-        if schemes == {None}:  # targets may name the fused module itself (Phi-3's qkv_proj)
-            schemes = {self._scheme_for(prefix)}
-        if len(schemes) != 1:
-            raise ValueError(
-                f"{prefix}: its parts use different compressed-tensors schemes; cannot fuse them"
-            )
-        scheme = schemes.pop()
+        mixed = "its parts {parts} use different compressed-tensors schemes"
+        scheme = fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
         if scheme is None:
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(scheme[0], scheme[1], serialized=True)

@@ -22,7 +22,7 @@ from torch import nn
 
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, mark_loaded, set_param_meta
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked, unfused_prefixes
+from lorastar.quant.utils import adopt_scales_dtype, fused_lookup, is_skipped, matmul_dequant_chunked
 
 _ZERO_OFFSET = {"gptq": 1, "gptq_v1": 1, "gptq_v2": 0}
 # Settings a ``dynamic`` entry may override per module (gptqmodel also writes tuning-only keys).
@@ -142,36 +142,30 @@ class GPTQConfig(QuantConfig):
 
     def _dynamic_method(self, prefix: str) -> QuantMethod | None:
         """The layer's method under ``dynamic`` (None: the checkpoint's default settings)."""
-        parts = unfused_prefixes(prefix, self.packed_modules_mapping)
-        found = [self._dynamic_for(p) for p in parts]
-        if all(f is None for f in found) and parts != [prefix]:
-            found = [self._dynamic_for(prefix)]  # the fused module itself (Phi-3's qkv_proj)
-        if any(f != found[0] for f in found):
-            raise ValueError(f"{prefix}: GPTQ dynamic gives {parts} different settings; cannot fuse them")
-        if found[0] is False:
+        found = fused_lookup(
+            prefix,
+            self.packed_modules_mapping,
+            self._dynamic_for,
+            "GPTQ dynamic gives {parts} different settings",
+        )
+        if found is False:
             return UnquantizedLinearMethod()
-        if found[0]:
-            return GPTQLinearMethod(self._with(found[0]))
+        if found:
+            return GPTQLinearMethod(self._with(found))
         return None
 
     def _outside_in_block(self, prefix: str) -> bool:
         """Whether ``modules_in_block_to_quantize`` leaves the layer unquantized. optimum (which
         transformers loads GPTQ with) keeps a block's linear when its name ends with a listed one."""
-        if self.in_block is None:
+        in_block = self.in_block
+        if in_block is None:
             return False
 
-        def listed(name: str) -> bool:
-            return any(name.endswith(m) for m in self.in_block)
+        def listed(name: str) -> bool | None:
+            return True if any(name.endswith(m) for m in in_block) else None
 
-        parts = unfused_prefixes(prefix, self.packed_modules_mapping)
-        flags = [listed(p) for p in parts]
-        if not any(flags) and listed(prefix):  # the fused module itself (Phi-3's qkv_proj)
-            return False
-        if any(flags) and not all(flags):
-            raise ValueError(
-                f"{prefix}: modules_in_block_to_quantize quantizes only some of {parts}; cannot fuse them"
-            )
-        return not any(flags)
+        mixed = "modules_in_block_to_quantize quantizes only some of {parts}"
+        return fused_lookup(prefix, self.packed_modules_mapping, listed, mixed) is None
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
         if is_skipped(prefix, self.skip, self.packed_modules_mapping) or self._outside_in_block(prefix):

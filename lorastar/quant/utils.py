@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 # Bound on the temporary dequantized tile on the CPU path (elements): no full-precision copy of a
 # layer is ever kept, and even the per-call temporary stays small for big layers.
@@ -29,20 +32,32 @@ def _matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern) or ("." + pattern + ".") in ("." + name + ".")
 
 
-def is_skipped(prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]]) -> bool:
-    """Whether the layer at ``prefix`` is left unquantized by the checkpoint's ignore list.
+def fused_lookup(
+    prefix: str, packed: Mapping[str, Sequence[str]], lookup: Callable[[str], T | None], mixed: str
+) -> T | None:
+    """``lookup`` of the layer at ``prefix``: the value its parts share (a fused layer's q/k/v), or,
+    when none of them has one (None), the fused module's own (checkpoints that store it fused and
+    configs that name it: Phi-3's ``qkv_proj``). Parts that disagree cannot be served fused: a
+    ValueError saying ``mixed`` (formatted with ``parts``)."""
+    parts = unfused_prefixes(prefix, packed)
+    found = [lookup(p) for p in parts]
+    if parts != [prefix] and all(f is None for f in found):
+        return lookup(prefix)
+    if any(f != found[0] for f in found):
+        raise ValueError(f"{prefix}: {mixed.format(parts=parts)}; cannot fuse them")
+    return found[0]
 
-    A fused layer must have all of its parts skipped or none (a mix cannot be served fused); a list
-    that names the fused module itself (checkpoints that store it fused: Phi-3's ``qkv_proj``) skips it."""
+
+def is_skipped(prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]]) -> bool:
+    """Whether the layer at ``prefix`` is left unquantized by the checkpoint's ignore list: all of a
+    fused layer's parts or none (``fused_lookup``)."""
     if not skip:
         return False
-    parts = unfused_prefixes(prefix, packed)
-    flags = [any(_matches(p, s) for s in skip) for p in parts]
-    if not any(flags) and parts != [prefix]:
-        return any(_matches(prefix, s) for s in skip)
-    if any(flags) and not all(flags):
-        raise ValueError(f"{prefix}: the checkpoint quantizes only some of {parts}; cannot fuse them")
-    return all(flags)
+
+    def listed(name: str) -> bool | None:
+        return True if any(_matches(name, s) for s in skip) else None
+
+    return fused_lookup(prefix, packed, listed, "the checkpoint quantizes only some of {parts}") is True
 
 
 def adopt_scales_dtype(param: torch.Tensor, loaded: torch.Tensor) -> None:

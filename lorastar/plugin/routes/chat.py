@@ -25,6 +25,7 @@ from lorastar.plugin.routes.common import (
     ChoiceDelta,
     check_length,
     choice_deltas,
+    choice_usage,
     clamp_logprob,
     collect,
     decoded,
@@ -463,17 +464,13 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             primed = await prime_or_404(merge_streams([stream]), data.model)
 
             async def events() -> AsyncIterator[Any]:
-                generated: dict[int, int] = {}  # tokens so far, per choice
-
                 def chunk(
                     choice: ChatStreamChoice, d: ChoiceDelta | None = None
                 ) -> ChatCompletionStreamResponse:
-                    # continuous_usage_stats (vLLM): every chunk carries the usage so far, of its
-                    # own choice (vLLM's previous_num_tokens[i]); the last chunk sums the choices.
+                    # continuous_usage_stats (vLLM): every chunk carries its choice's usage so far
                     usage: Any = UNSET
                     if continuous:
-                        cached = int(d.out.num_cached_tokens or 0) if d is not None else 0
-                        usage = make_usage(len(prompt_ids), generated.get(choice.index, 0), cached)
+                        usage = choice_usage(d) if d is not None else make_usage(len(prompt_ids), 0, 0)
                     return ChatCompletionStreamResponse(
                         id=request_id, created=created, model=model_name, choices=[choice], usage=usage
                     )
@@ -490,7 +487,6 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
-                    generated[o.index] = generated.get(o.index, 0) + len(o.token_ids)
                     lp = chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
                     finish = o.finish_reason

@@ -355,6 +355,7 @@ class ChoiceDelta:
     text_start: int  # length of the text already sent
     first: bool  # the first frame of this choice
     completion_tokens: int  # tokens generated so far by the stream's request (all its choices)
+    choice_tokens: int  # tokens generated so far by this choice
 
 
 async def choice_deltas(
@@ -364,6 +365,7 @@ async def choice_deltas(
     finish reason (``emit_first``: also a choice's first output, e.g. to echo the prompt)."""
     sent: dict[tuple[int, int], int] = {}  # (stream, choice) -> characters sent
     tokens: dict[int, int] = {}  # stream -> completion tokens so far (all its choices)
+    counts: dict[tuple[int, int], int] = {}  # (stream, choice) -> its tokens so far
     async with aclosing(merged) as m:  # type: ignore[type-var]
         async for i, out in m:
             tokens[i] = tokens.get(i, 0) + sum(len(o.token_ids) for o in out.outputs)
@@ -371,10 +373,17 @@ async def choice_deltas(
                 key = (i, o.index)
                 first = key not in sent
                 t0 = sent.get(key, 0)
+                counts[key] = counts.get(key, 0) + len(o.token_ids)
                 if not o.text and not o.token_ids and o.finish_reason is None and not (first and emit_first):
                     continue
                 sent[key] = t0 + len(o.text)
-                yield ChoiceDelta(i, out, o, o.text, t0, first, tokens[i])
+                yield ChoiceDelta(i, out, o, o.text, t0, first, tokens[i], counts[key])
+
+
+def choice_usage(d: ChoiceDelta) -> UsageInfo:
+    """``continuous_usage_stats``' usage of one chunk, as vLLM counts it (``previous_num_tokens[i]``):
+    its own prompt and its own choice's tokens so far (the last, usage-only chunk sums them all)."""
+    return make_usage(len(d.out.prompt_token_ids), d.choice_tokens, int(d.out.num_cached_tokens or 0))
 
 
 def stream_usage(last: Iterable[ChoiceDelta]) -> UsageInfo:

@@ -20,12 +20,12 @@ from lorastar.plugin.routes.common import (
     ChoiceDelta,
     check_length,
     choice_deltas,
+    choice_usage,
     clamp_logprob,
     collect,
     decoded,
     generation_route,
     in_thread,
-    make_usage,
     prime_or_404,
     prompt_logprobs_of,
     random_id,
@@ -243,11 +243,8 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
 
             async def events() -> AsyncIterator[Any]:
                 finals: dict[int, ChoiceDelta] = {}  # each request's last frame
-                generated: dict[tuple[int, int], int] = {}  # tokens so far, per (prompt, choice)
                 async for d in choice_deltas(merged, emit_first=echo):
                     o, out = d.choice, d.out
-                    key = (d.stream, o.index)
-                    generated[key] = generated.get(key, 0) + len(o.token_ids)
                     text = prompt_text(out, d.stream) + d.text if (echo and d.first) else d.text
                     lp = None
                     if data.logprobs is not None:
@@ -266,13 +263,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         created=created,
                         model=model_name,
                         choices=[choice],
-                        # continuous_usage_stats: the usage so far of this chunk's own choice and
-                        # prompt (vLLM's previous_num_tokens[i]); the last chunk sums them all
-                        usage=make_usage(
-                            len(out.prompt_token_ids), generated[key], int(out.num_cached_tokens or 0)
-                        )
-                        if continuous
-                        else UNSET,
+                        usage=choice_usage(d) if continuous else UNSET,
                     )
                     if out.finished:
                         finals[d.stream] = d
