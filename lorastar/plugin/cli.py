@@ -38,7 +38,7 @@ def parse_lora_modules(values: tuple[str, ...], option: str = "--lora-modules") 
     """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ..., "base_model_name"?: ...}``."""
     adapters: dict[str, str] = {}
     for raw in values:
-        for v in raw.split() if not raw.lstrip().startswith("{") else [raw]:
+        for v in raw.split() if not raw.lstrip().startswith("{") else [raw.strip()]:
             if v.startswith("{"):
                 try:
                     obj = json.loads(v)
@@ -151,8 +151,15 @@ def _chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     p = Path(value).expanduser()
-    if p.is_file():
-        return p.read_text()
+    try:
+        is_file = p.is_file()
+    except (OSError, ValueError):  # e.g. a long inline template: "File name too long"
+        is_file = False
+    if is_file:
+        try:
+            return p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageProblem(f"--chat-template: cannot read {value!r}: {exc}") from exc
     if "{" not in value:
         raise UsageProblem(f"--chat-template: {value!r} is neither a file nor a template")
     return value
@@ -290,7 +297,48 @@ def main() -> None:
 main.add_command(make_lora_group())
 
 
-@main.command("serve", help="Serve MODEL (an HF folder; default: the embedded SmolLM2) with the OpenAI API.")
+_ADAPTER_FLAGS = ("--lora-modules", "--adapter")
+
+
+def _spread_adapter_values(args: list[str]) -> list[str]:
+    """vLLM's ``--lora-modules a=X b=Y`` (argparse ``nargs='+'``) as ``--lora-modules a=X
+    --lora-modules b=Y``: each ``NAME=PATH`` or JSON word right after the flag's value is one more
+    value (a model folder or Hub id has neither, so MODEL after them is still MODEL)."""
+    out: list[str] = []
+    flag: str | None = None  # the adapter flag whose values are being read
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return out + args[i:]
+        if a in _ADAPTER_FLAGS and i + 1 < len(args):
+            out += [a, args[i + 1]]
+            flag, i = a, i + 2
+            continue
+        name = a.partition("=")[0]
+        if name in _ADAPTER_FLAGS:  # --lora-modules=a=X
+            out.append(a)
+            flag, i = name, i + 1
+            continue
+        if flag is not None and not a.startswith("-") and ("=" in a or a.lstrip().startswith("{")):
+            out += [flag, a]
+        else:
+            out.append(a)
+            flag = None
+        i += 1
+    return out
+
+
+class _ServeCommand(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _spread_adapter_values(args))
+
+
+@main.command(
+    "serve",
+    cls=_ServeCommand,
+    help="Serve MODEL (an HF folder; default: the embedded SmolLM2) with the OpenAI API.",
+)
 @click.argument("model", required=False)
 @click.option("--model", "model_opt", default=None, help="Same as the MODEL argument (vLLM's flag).")
 @click.option(

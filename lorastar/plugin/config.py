@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +159,21 @@ class LoraStarConfig:
             raise ValueError(f"max_waiting must be a positive integer or None, got {self.max_waiting!r}")
         if isinstance(self.api_keys, str):  # a lone string would be iterated per character
             self.api_keys = [self.api_keys]
+        # A None or non-string key (an unset environment variable) failed every request with a 500.
+        if self.api_keys is not None:
+            if isinstance(self.api_keys, bytes) or not isinstance(self.api_keys, Collection):
+                raise ValueError(
+                    f"api_keys must be a list of strings or None, got {type(self.api_keys).__name__}"
+                )
+            for key in self.api_keys:
+                if not isinstance(key, str) or not key:  # the key itself is never echoed
+                    got = "an empty string" if key == "" else type(key).__name__
+                    raise ValueError(f"api_keys must hold non-empty strings, got {got}")
+        if self.admin_token is not None and not isinstance(self.admin_token, str):
+            raise ValueError(f"admin_token must be a string or None, got {type(self.admin_token).__name__}")
+        # vLLM's list of names is not supported: a list became the models' id (never matched).
+        if self.served_model_name is not None and not isinstance(self.served_model_name, str):
+            raise ValueError(f"served_model_name must be a string or None, got {self.served_model_name!r}")
         if self.engine_address is not None and not str(self.engine_address).startswith(("tcp://", "ipc://")):
             raise ValueError(f"engine_address must start with tcp:// or ipc://, got {self.engine_address!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
@@ -187,8 +202,10 @@ class LoraStarConfig:
             raise ValueError(
                 f"thinking_budget_message must be a non-empty string or None, got {self.thinking_budget_message!r}"
             )
-        if self.retry_after_seconds < 0:
-            raise ValueError(f"retry_after_seconds must be >= 0, got {self.retry_after_seconds!r}")
+        for name in ("retry_after_seconds", "shutdown_drain_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
     def engine_config(self) -> EngineConfig:
         """The engine settings with this config's overrides (``model``, ``max_waiting``) applied."""

@@ -1,0 +1,162 @@
+"""``lorastar serve``'s vLLM-shared options and ``LoraStarConfig``'s validation, against vLLM's
+``vllm serve`` (cli_args.py, chat_utils.py): CliRunner with ``run_server`` replaced, no model loaded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from plugin_fake_engine import FakeAsyncLLM
+
+from lorastar.plugin import LoraStarConfig, cli, create_app
+from lorastar.plugin.cli import main
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> dict[str, Path]:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = {"model": model}
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text("{}")
+        out[name] = tmp_path / name
+    return out
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What ``lorastar serve`` would have run (the config), without running it."""
+    seen: dict[str, Any] = {}
+
+    def fake_run(app: Any, sock: socket.socket, log_level: str) -> None:
+        seen["config"] = app.plugins.get("LoraStarPlugin").config
+        sock.close()
+
+    monkeypatch.setattr(cli, "run_server", fake_run)
+    return seen
+
+
+def _serve(*args: str) -> Any:
+    return CliRunner().invoke(main, ["serve", "--port", "0", *args])
+
+
+def _one_line_error(r: Any, text: str) -> None:
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    assert r.output.startswith("Error: ") and r.output.count("\n") == 1 and text in r.output, r.output
+
+
+# ---- --chat-template ------------------------------------------------------------------------------
+
+
+def test_long_inline_chat_template_is_the_template(served: dict[str, Any]) -> None:
+    # vLLM: a value that cannot be opened as a file and has Jinja characters is the template. A
+    # real template is longer than a file name may be: that was an OSError traceback, exit 1.
+    tpl = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}" * 6
+    assert len(tpl) > 255 and "/" not in tpl
+    r = _serve("--chat-template", tpl)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert served["config"].engine.chat_template == tpl
+
+
+def test_unreadable_chat_template_file_is_one_line(served: dict[str, Any], tmp_path: Path) -> None:
+    bad = tmp_path / "t.jinja"
+    bad.write_bytes(b"\xff\xfe{{ x }}")  # not UTF-8: was a UnicodeDecodeError traceback
+    _one_line_error(_serve("--chat-template", str(bad)), "--chat-template: cannot read")
+    assert "config" not in served
+
+
+# ---- --lora-modules -------------------------------------------------------------------------------
+
+
+def test_lora_modules_takes_several_values_after_one_flag(
+    served: dict[str, Any], folders: dict[str, Path]
+) -> None:
+    # vLLM's --lora-modules is nargs='+': `--lora-modules a=X b=Y` (was: "model folder 'b=Y' does
+    # not exist"); MODEL after them, as a folder, is still the model.
+    b_json = json.dumps({"name": "b", "path": str(folders["b"]), "base_model_name": "m"})
+    r = _serve("--lora-modules", f"a={folders['a']}", b_json, f"c={folders['c']}", str(folders["model"]))
+    assert r.exit_code == 0, (r.output, r.exception)
+    cfg = served["config"]
+    assert cfg.model == str(folders["model"])
+    assert cfg.adapters == {"a": str(folders["a"]), "b": str(folders["b"]), "c": str(folders["c"])}
+
+
+def test_lora_modules_equals_form_and_adapter_flag_spread_too(
+    served: dict[str, Any], folders: dict[str, Path]
+) -> None:
+    r = _serve(
+        str(folders["model"]), f"--lora-modules=a={folders['a']}", f"b={folders['b']}",
+        "--max-loras", "2", "--adapter", f"c={folders['c']}",
+    )  # fmt: skip
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert list(served["config"].adapters) == ["a", "b", "c"]
+    assert served["config"].engine.max_loras == 2
+
+
+def test_lora_modules_spread_stops_at_other_options(served: dict[str, Any], folders: dict[str, Path]) -> None:
+    # A value with '=' after another option belongs to that option.
+    r = _serve("--lora-modules", f"a={folders['a']}", "--served-model-name", "x=y")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert served["config"].adapters == {"a": str(folders["a"])}
+    assert served["config"].served_model_name == "x=y"
+
+
+def test_lora_modules_json_with_surrounding_spaces(served: dict[str, Any], folders: dict[str, Path]) -> None:
+    # Was "expected NAME=PATH" for a JSON value with a leading space (a shell continuation line).
+    r = _serve("--lora-modules", f' {{"name": "a", "path": "{folders["a"]}"}} ')
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert served["config"].adapters == {"a": str(folders["a"])}
+
+
+# ---- --api-key and LoraStarConfig's validation ----------------------------------------------------
+
+
+def test_empty_api_key_is_a_usage_error(served: dict[str, Any]) -> None:
+    # An empty key (`--api-key "$UNSET"`) can never be sent: it locked every route for good.
+    _one_line_error(_serve("--api-key", ""), "api_keys must hold non-empty strings")
+    assert "config" not in served
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"api_keys": [None]}, "api_keys must hold non-empty strings, got NoneType"),
+        ({"api_keys": ["good", 5]}, "api_keys must hold non-empty strings, got int"),
+        ({"api_keys": 7}, "api_keys must be a list of strings or None, got int"),
+        ({"admin_token": 123}, "admin_token must be a string or None, got int"),
+        ({"retry_after_seconds": "1"}, "retry_after_seconds must be a number >= 0"),
+        ({"shutdown_drain_timeout": -1}, "shutdown_drain_timeout must be a number >= 0"),
+        ({"shutdown_drain_timeout": "5"}, "shutdown_drain_timeout must be a number >= 0"),
+        ({"served_model_name": ["a", "b"]}, "served_model_name must be a string or None"),
+    ],
+)
+def test_bad_config_values_name_the_field(kwargs: dict[str, Any], text: str) -> None:
+    with pytest.raises(ValueError, match="^" + text):
+        LoraStarConfig(async_engine=FakeAsyncLLM(), **kwargs)
+
+
+def test_api_key_never_echoed_in_the_error() -> None:
+    with pytest.raises(ValueError) as info:
+        LoraStarConfig(api_keys=["s3cret-key", ""])
+    assert "s3cret" not in str(info.value)
+
+
+def test_good_api_key_collections_still_guard(caplog: pytest.LogCaptureFixture) -> None:
+    from litestar.testing import TestClient
+
+    caplog.set_level(logging.WARNING)
+    for keys in ("k1", ("k1", "k2"), {"k1"}, []):
+        cfg = LoraStarConfig(async_engine=FakeAsyncLLM(), api_keys=keys)
+        with TestClient(create_app(cfg)) as c:
+            assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+            want = 200 if keys == [] else 401
+            r = c.get("/v1/models", headers={"Authorization": "Bearer nope"})
+            assert r.status_code == want, (keys, r.text)
+            assert c.get("/health").status_code == 200  # open, as vLLM's
