@@ -260,8 +260,9 @@ class FakeAsyncLLM:
                     metrics=metrics,
                 )
                 if done:
+                    self.running.pop(rid, None)  # finished: not an abort
                     return
-        finally:
+        finally:  # closed before it finished (the caller went away): the engine aborts it
             if self.running.pop(rid, "gone") != "gone":
                 self.aborted.append(rid)
 

@@ -461,7 +461,10 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             continuous = include_usage and bool(
                 data.stream_options and data.stream_options.continuous_usage_stats
             )
-            primed = await prime_or_404(merge_streams([stream]), data.model)
+            # a client gone before the first output (queued, prefilling) aborts the request
+            primed = await run_until_disconnect(
+                prime_or_404(merge_streams([stream]), data.model), request.receive
+            )
 
             async def events() -> AsyncIterator[Any]:
                 def chunk(

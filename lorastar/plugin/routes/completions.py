@@ -237,7 +237,10 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             continuous = include_usage and bool(
                 data.stream_options and data.stream_options.continuous_usage_stats
             )
-            merged = await prime_or_404(merge_streams(streams), data.model)
+            # a client gone before the first output (queued, prefilling) aborts the requests
+            merged = await run_until_disconnect(
+                prime_or_404(merge_streams(streams), data.model), request.receive
+            )
             if prompt_only:
                 merged = _prompts_only(merged)
 

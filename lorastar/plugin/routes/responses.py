@@ -614,7 +614,10 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
         stream = service.generate(plan.prompt_ids, plan.params, plan.adapter, response_id)
 
         if data.stream:
-            primed = await prime_or_404(merge_streams([stream]), data.model)
+            # a client gone before the first output (queued, prefilling) aborts the request
+            primed = await run_until_disconnect(
+                prime_or_404(merge_streams([stream]), data.model), request.receive
+            )
 
             async def events() -> AsyncIterator[Any]:
                 ev = _Events(want_lp)
