@@ -2,7 +2,8 @@
 
 Each step every live beam proposes its top ``2 * width`` continuations (log-prob of the token
 plus the beam's running sum). Over all proposals, best first: an EOS continuation among the top
-``width`` ranks becomes a finished hypothesis (score = sum / generated_len ** length_penalty);
+``width`` ranks becomes a finished hypothesis (score = sum / generated_len ** length_penalty;
+a stop token id ends one as EOS does, HF's ``eos_token_id`` list);
 other continuations fill the ``width`` new beams. The request is done when ``width`` hypotheses
 are finished and no running beam can beat the worst of them, or at ``max_tokens``.
 """
@@ -25,10 +26,16 @@ class BeamState:
     length_penalty: float
     eos_token_ids: tuple[int, ...]
     ignore_eos: bool
+    stop_token_ids: tuple[int, ...] = ()  # end a hypothesis as EOS does (ignore_eos or not)
     # seq_id -> that beam's proposals this step: [(sum_logprob, token)], best first
     pending: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
     done: bool = False
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """The tokens that end a hypothesis (``min_tokens`` masks them until then)."""
+        return (() if self.ignore_eos else self.eos_token_ids) + self.stop_token_ids
 
     def normalized(self, sum_logprob: float, gen_len: int) -> float:
         return sum_logprob / (max(gen_len, 1) ** self.length_penalty)
@@ -49,9 +56,10 @@ class BeamState:
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         cands = cands[: 2 * self.width]
         chosen: list[tuple[int, int, float]] = []
+        ends = self.end_ids
         for rank, (s, order, _, tok) in enumerate(cands):
             sid, gen, _ = beams[order]
-            if tok in self.eos_token_ids and not self.ignore_eos:
+            if tok in ends:
                 if rank < self.width:
                     toks = [*gen, tok]
                     self.add_finished(Hypothesis(toks, s, self.normalized(s, len(toks))))

@@ -546,7 +546,8 @@ class LLMEngine(PromptInputs):
                 self._num_prompt_logprobs += 1
             self._num_adapter_requests += entry is not None
             if params.use_beam_search:
-                req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos)
+                req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos,
+                                     tuple(params.stop_token_ids or ()))  # fmt: skip
             seq = req.sequences[0]
             self._init_seq(seq)
             if _frontend:
@@ -960,6 +961,11 @@ class LLMEngine(PromptInputs):
     ) -> None:
         idx = torch.tensor([r for _, r in rows], device=logits.device)
         lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)  # [R, vocab]
+        for i, (seq, _) in enumerate(rows):  # min_tokens: no hypothesis ends before (HF's min_new_tokens)
+            if seq.num_output_tokens < seq.request.params.min_tokens:
+                ends = [t for t in seq.request.beam.end_ids if t < lp.shape[-1]]
+                if ends:
+                    lp[i, ends] = float("-inf")
         k = min(2 * max(seq.request.beam.width for seq, _ in rows), lp.shape[-1])
         vals, toks = lp.topk(k, dim=-1)
         vals, toks = vals.tolist(), toks.tolist()
@@ -1004,6 +1010,9 @@ class LLMEngine(PromptInputs):
             seq.token_ids.append(tok)
             seq.cumulative_logprob = score
             self.generation_tokens_total += 1
+        if req.adapter_name and targets:  # as _append counts a sampled token
+            name = req.adapter_name
+            self.adapter_tokens[name] = self.adapter_tokens.get(name, 0) + len(targets)
         for i, (seq, _, _) in enumerate(targets):
             seq.index = i
         if targets and not st.done:
@@ -1055,9 +1064,15 @@ class LLMEngine(PromptInputs):
             samples = [self._sample_delta(seq, want_lp) for seq in req.sequences]
         elif beam.done:
             for i, h in enumerate(beam.finished):
-                ended_on_eos = bool(h.token_ids) and h.token_ids[-1] in self.eos_token_ids
-                samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob,
-                                           "stop" if ended_on_eos else "length"))  # fmt: skip
+                # Ended on EOS (stop_reason None) or a stop token id (that id), as a sample does;
+                # with ignore_eos an EOS is a token like any other.
+                last = h.token_ids[-1] if h.token_ids else None
+                if last is not None and last in beam.end_ids:
+                    eos = not params.ignore_eos and last in self.eos_token_ids
+                    samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob, "stop",
+                                               None if eos else last))  # fmt: skip
+                else:
+                    samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob, "length"))
         else:
             for seq in req.sequences:
                 samples.append(SampleDelta(seq.index, seq.output_token_ids, None,

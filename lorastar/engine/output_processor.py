@@ -199,8 +199,12 @@ class OutputProcessor:
     def _whole(self, st: _RequestState, samples: list[SampleDelta]) -> None:
         """Beam search: the hypotheses replace what was there (they change wholesale)."""
         st.samples = {}
+        keep_stop = st.params.include_stop_str_in_output
         for d in samples:
-            text = self.tokenizer.decode(d.token_ids, skip_special_tokens=st.params.skip_special_tokens)
+            # The EOS / stop token that ended a hypothesis: in its ids, in its text only when asked
+            # (as a sample's, _append).
+            ids = d.token_ids[:-1] if d.finish_reason == "stop" and not keep_stop else d.token_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=st.params.skip_special_tokens)
             st.samples[d.index] = _Sample(
                 d.index, None, list(d.token_ids), text, [], d.cumulative_logprob,
                 d.finish_reason, d.stop_reason,

@@ -214,7 +214,11 @@ def test_beam_hypotheses_are_decoded_whole(tok) -> None:  # noqa: ANN001
     proc = _proc(tok, SamplingParams(n=2, use_beam_search=True, max_tokens=8))
     co = EngineCoreOutput(
         "r",
-        [SampleDelta(0, h0, None, -1.0, "length"), SampleDelta(1, h1, None, -2.0, "stop")],
+        # a "stop" hypothesis ends on its EOS (the engine's), whose text is left out
+        [
+            SampleDelta(0, h0, None, -1.0, "length"),
+            SampleDelta(1, [*h1, tok.eos_token_id], None, -2.0, "stop"),
+        ],
         finished=True,
         whole=True,
     )
