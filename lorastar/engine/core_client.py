@@ -16,10 +16,10 @@ Two ways to get a core:
   client waits ``connect_timeout`` s for something to accept its connection (none: no core there),
   then up to ``start_timeout`` s for the core's ``Ready`` (it answers once its model is loaded),
   logging while it waits; ``cancel_startup()`` (for a signal handler) or ``shutdown`` ends the wait.
-  A core that answers with a new ``core_id`` was restarted: open requests fail, and the adapters this
-  client loaded are loaded again (``restarting`` meanwhile). A core silent
-  for ``STALE_S`` counts as restarting (503) until it speaks again; silent for ``dead_timeout``
-  (``DEAD_S``) it is taken for dead, as vLLM's ``EngineDeadError``: open requests and adapter calls
+  A core that answers with a new ``core_id`` was restarted: open requests fail, and the adapters it
+  held are loaded again (``restarting`` meanwhile), also those loaded through a client since gone.
+  A core silent for ``STALE_S`` counts as restarting (503) until it speaks again; silent for
+  ``dead_timeout`` (``DEAD_S``) it is taken for dead, as vLLM's ``EngineDeadError``: open requests and adapter calls
   fail with ``RequestFailedError`` (as when a spawned core exits). The client keeps saying ``Hello``,
   so a core that comes back serves new requests (and is told to abort the ones failed here).
 
@@ -161,7 +161,9 @@ class AsyncCoreClient(PromptInputs):
         self._respawning = False
         self._reloading = 0  # adapters being loaded again into a new core (restarting meanwhile)
         self._reload_lock = threading.Lock()
-        self._adapters: dict[str, str] = {}  # name -> path of those this client loaded
+        # name -> path of the adapters the core held, as last heard (loaded through any client: a
+        # shared core that restarts gets them again from the workers that remain)
+        self._adapters: dict[str, str] = {}
         self._retry_after = RESPAWN_BACKOFF[0]
         self._respawns = 0
         self._core_id = ""
@@ -285,7 +287,7 @@ class AsyncCoreClient(PromptInputs):
                 "lorastar: engine core at %s restarted; reloading %d adapters", self._input_address, len(adapters)
             )  # fmt: skip
             self._reload_adapters(adapters)  # (restarting from before the state below says it is not)
-        self._state = ready.state
+        self._set_state(ready.state)
         self._last_heard = time.monotonic()
 
     def _reload_adapters(self, adapters: list[tuple[str, str]]) -> None:
@@ -374,14 +376,14 @@ class AsyncCoreClient(PromptInputs):
         if self._orphans:  # it speaks again: abort there what ended here while it was silent
             with self._orphans_lock:
                 rids, self._orphans = list(self._orphans), set()
-            self._send(Abort(rids))
+            self._send(Abort(rids, self._client_id))
         if isinstance(msg, Outputs):
             if msg.state is not None and msg.state.core_id == self._core_id:
-                self._state = msg.state
+                self._set_state(msg.state)
             with self._outputs_lock:
                 outs, stops = self._processor.process(msg.outputs)
             if stops:  # ended here on a stop string: the core stops computing them
-                self._send(FinishSamples(stops))
+                self._send(FinishSamples(stops, self._client_id))
             if outs:
                 deliver(self._streams, self._streams_lock, outs)
             for rid, info in msg.failures:
@@ -389,7 +391,7 @@ class AsyncCoreClient(PromptInputs):
         elif isinstance(msg, State):
             if msg.core_id != self._core_id:
                 return  # a late message of a core that died
-            self._state = msg
+            self._set_state(msg)
         elif isinstance(msg, Reply):
             fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
@@ -399,6 +401,11 @@ class AsyncCoreClient(PromptInputs):
                     fut.set_result(msg.result)
         elif isinstance(msg, Ready):
             self._on_ready(msg)
+
+    def _set_state(self, state: State) -> None:
+        self._state = state
+        if not state.restarting and not self._reloading:  # (a core rebuilding or reloading lists fewer)
+            self._adapters = {a.name: a.path for a in state.adapters}
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._outputs_lock:
@@ -516,7 +523,7 @@ class AsyncCoreClient(PromptInputs):
             with self._orphans_lock:
                 self._orphans.update(rids)
         if silent <= self.dead_timeout:
-            self._send(Abort(rids))
+            self._send(Abort(rids, self._client_id))
 
     def _forget(self, rid: str) -> None:
         with self._streams_lock:

@@ -87,7 +87,11 @@ class EngineCoreProc:
         self.gone: set[str] = set()  # clients whose output pipe filled up, to drop between steps
         self.report_to = report_to
         self.parent: str | None = None  # a spawned core's client (its output address is report_to)
-        self.owner: dict[str, str] = {}  # request id -> client id
+        self.owner: dict[str, str] = {}  # engine request id -> client id
+        # Clients choose their request ids: one that another client's request holds runs under an
+        # engine id of its own (as vLLM's internal request ids), mapped back in what it is sent.
+        self.alias: dict[tuple[str, str], str] = {}  # (client id, its request id) -> engine id
+        self.client_rid: dict[str, tuple[str, str]] = {}  # engine id -> its key in alias
         self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
         # Requests whose JSON schema / regex / grammar compiles: xgrammar releases the GIL, and a
         # long maxLength alone took 1.4 s on this VM, so it compiles off the step loop (as vLLM
@@ -157,6 +161,8 @@ class EngineCoreProc:
             self.engine.abort_core_request(rid)
             del self.owner[rid]
         self._drop_compiling(lambda m: m.client_id != client_id)
+        for key in [k for k in self.alias if k[0] == client_id]:
+            self.client_rid.pop(self.alias.pop(key), None)
         if (sock := self.clients.pop(client_id, None)) is not None:
             sock.close(linger=linger)
 
@@ -187,25 +193,66 @@ class EngineCoreProc:
             self.state(), self.config.max_waiting, known_client, engine_info(eng),
         )  # fmt: skip
 
+    # ---- request ids ----------------------------------------------------------------------------
+    def _own_id(self, msg: AddRequest) -> AddRequest:
+        """``msg`` under an engine id of its own where another client's request holds its id."""
+        rid = msg.request_id
+        holder = self.owner.get(rid)
+        if holder is None:
+            holder = next((m.client_id for m, _ in self.compiling if m.request_id == rid), None)
+        if holder is None or holder == msg.client_id or msg.client_id not in self.clients:
+            return msg  # (a client reusing its own open id is refused, as by AsyncLLM)
+        engine_id = f"{rid}-{uuid.uuid4().hex[:8]}"
+        self.alias[(msg.client_id, rid)] = engine_id
+        self.client_rid[engine_id] = (msg.client_id, rid)
+        msg.request_id = engine_id
+        return msg
+
+    def _engine_ids(self, client_id: str, rids: Sequence[str]) -> list[str]:
+        """The engine ids of ``client_id``'s ``rids`` that it owns (all for a legacy ``""``)."""
+        if not client_id:
+            return list(rids)
+        ids = [self.alias.get((client_id, rid), rid) for rid in rids]
+        return [r for r in ids if self.owner.get(r, client_id) == client_id]
+
+    def _their_id(self, engine_id: str, *, done: bool = False) -> str:
+        """The client's own id of ``engine_id``; ``done``: the request is over (its alias goes)."""
+        key = self.client_rid.pop(engine_id, None) if done else self.client_rid.get(engine_id)
+        if key is None:
+            return engine_id
+        if done:
+            self.alias.pop(key, None)
+        return key[1]
+
     # ---- inputs ---------------------------------------------------------------------------------
     def _handle(self, msg: CoreInput) -> None:
         if isinstance(msg, AddRequest):
-            self._add(msg)
+            self._add(self._own_id(msg))
         elif isinstance(msg, Abort):
+            rids = self._engine_ids(msg.client_id, msg.request_ids)
             if self.compiling:
-                gone = set(msg.request_ids)
-                for m in self._drop_compiling(lambda m: m.request_id not in gone):
+                gone, sender = set(rids), msg.client_id
+
+                def keep(m: AddRequest) -> bool:
+                    return m.request_id not in gone or bool(sender) and m.client_id != sender
+
+                for m in self._drop_compiling(keep):
                     # ended as an aborted running request is (_core_output): n samples, "abort"
-                    out = EngineCoreOutput(m.request_id, aborted_samples(m.params), True)
+                    out = EngineCoreOutput(
+                        self._their_id(m.request_id, done=True), aborted_samples(m.params), True
+                    )
                     self._send(m.client_id, Outputs([out], state=self.state()))
-            for rid in msg.request_ids:
+            for rid in rids:
                 out = self.engine.abort_core_request(rid)
                 if out is not None:
                     self._deliver([out])
-                self.owner.pop(rid, None)
+                if self.owner.pop(rid, None) is not None:
+                    self._their_id(rid, done=True)
         elif isinstance(msg, FinishSamples):
             for rid, index, stop in msg.samples:
-                out = self.engine.finish_sample(rid, index, stop)
+                if not (own := self._engine_ids(msg.client_id, [rid])):
+                    continue
+                out = self.engine.finish_sample(own[0], index, stop)
                 if out is not None:  # the frontend ended it already; this updates the counters
                     self._deliver([out])
         elif isinstance(msg, Call):
@@ -239,7 +286,8 @@ class EngineCoreProc:
                 grammar=grammar,
             )  # fmt: skip
         except Exception as exc:  # validation, overload, unknown adapter: the client raises it
-            self._send(msg.client_id, Outputs([], [(msg.request_id, error_info(exc))]))
+            rid = self._their_id(msg.request_id, done=True)
+            self._send(msg.client_id, Outputs([], [(rid, error_info(exc))]))
             return
         self.owner[msg.request_id] = msg.client_id
 
@@ -253,7 +301,8 @@ class EngineCoreProc:
             if not fut.done():
                 pending.append((msg, fut))
             elif (exc := fut.exception()) is not None:
-                self._send(msg.client_id, Outputs([], [(msg.request_id, error_info(exc))]))
+                rid = self._their_id(msg.request_id, done=True)
+                self._send(msg.client_id, Outputs([], [(rid, error_info(exc))]))
             else:
                 self._add(msg, fut.result())
         self.compiling = pending
@@ -313,11 +362,15 @@ class EngineCoreProc:
             client = self.owner.pop(out.request_id, None) if out.finished else self.owner.get(out.request_id)
             if client is None:
                 continue
+            if self.client_rid:
+                out.request_id = self._their_id(out.request_id, done=out.finished)
             by_client.setdefault(client, Outputs([])).outputs.append(out)
         for rid, info in failures:
             client = self.owner.pop(rid, None)
             if client is not None:
-                by_client.setdefault(client, Outputs([])).failures.append((rid, info))
+                by_client.setdefault(client, Outputs([])).failures.append(
+                    (self._their_id(rid, done=True), info)
+                )
         if any(o.finished for o in outs) or failures:
             state = self.state()
             for msg in by_client.values():

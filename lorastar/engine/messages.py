@@ -63,12 +63,14 @@ class AddRequest(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+    client_id: str = ""  # whose ids (clients of a shared core may use the same ids); "": any client's
 
 
 class FinishSamples(msgspec.Struct, tag=True):
     """``(request_id, index, stop string)`` per sample that a stop string ended in the frontend."""
 
     samples: list[tuple[str, int, str]]
+    client_id: str = ""  # as Abort's
 
 
 class Call(msgspec.Struct, tag=True):
