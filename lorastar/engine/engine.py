@@ -1005,6 +1005,7 @@ class LLMEngine(PromptInputs):
         req.forked = True
         if req.first_token_time is None:
             req.first_token_time = now
+            self.prompt_tokens_total += req.num_prompt_tokens  # its prefill is done (vLLM's count)
         req.last_token_time = now
         for seq, tok, score in targets:
             seq.token_ids.append(tok)
@@ -1032,6 +1033,9 @@ class LLMEngine(PromptInputs):
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = now
+            # Prompt tokens count once the prefill is done (vLLM's count): a request aborted
+            # before it ran adds none, a long one's prompt shows before it ends.
+            self.prompt_tokens_total += req.num_prompt_tokens
         req.last_token_time = now
         if pos < 0:
             seq.token_ids.append(tok)
@@ -1135,7 +1139,6 @@ class LLMEngine(PromptInputs):
             self.registry.release(req.adapter_entry)
             req.adapter_entry = None
             self._num_adapter_requests -= 1
-        self.prompt_tokens_total += req.num_prompt_tokens
         return self._core_output(req, finished=True)
 
     def close(self) -> None:

@@ -104,17 +104,24 @@ class _EngineCollector:
     """Reads the engine's live numbers at scrape time."""
 
     def __init__(
-        self, stats: Callable[[], Any], model_name: Callable[[], str], max_loras: Callable[[], int]
+        self,
+        stats: Callable[[], Any],
+        model_name: Callable[[], str],
+        max_loras: Callable[[], int],
+        on_collect: Callable[[str], None] | None = None,
     ) -> None:
         self._stats = stats
         self._model_name = model_name
         self._max_loras = max_loras
+        self._on_collect = on_collect  # called with the served name while the engine runs
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         if stats is None:
             return
         name = self._model_name()
+        if self._on_collect is not None:
+            self._on_collect(name)
         labels = ["model_name"]
 
         def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -258,7 +265,11 @@ class PluginMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self._model_name = model_name
         self._itl_child: tuple[str, Any] | None = None  # (served name, its ITL histogram)
-        self.registry.register(_EngineCollector(stats, model_name, max_loras))  # type: ignore[arg-type]
+        self._success_named: str | None = None  # the served name whose success series exist
+        # Registered first: it creates the success series before the same scrape reads them.
+        self.registry.register(
+            _EngineCollector(stats, model_name, max_loras, self._create_success_series)  # type: ignore[arg-type]
+        )
         r = self.registry
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -340,6 +351,14 @@ class PluginMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def _create_success_series(self, name: str) -> None:
+        """vLLM's ``request_success_total`` has a series per finished_reason from the start, at 0:
+        one that appeared at 1 would hide its first request from ``rate()`` and ``increase()``."""
+        if name != self._success_named:
+            for reason in ("stop", "length", "abort"):
+                self.success.labels(name, reason)
+            self._success_named = name
 
     # --- observations (called by the routes) ---
 
