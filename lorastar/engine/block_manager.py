@@ -9,7 +9,8 @@ hash (LRU: reused from the front) until their space is needed.
 Sliding windows: when every layer attends through the same window ``W`` (Mistral), a block whose
 last position is before the next query's window (``(i + 1) * BS <= computed - W + 1``) is never read
 again; ``release_outside_window`` gives it back and leaves ``NULL_BLOCK`` in its table entry, so a
-sequence holds at most ``ceil((W + chunk) / BS) + 1`` blocks however long it grows. Models that mix
+sequence holds at most ``ceil((W + chunk) / BS) + 1`` blocks however long it grows (prefix-cache hits
+before the first query's window are not taken either: ``NULL_BLOCK`` too). Models that mix
 windowed and full layers (Gemma 2/3) keep every block: one block table serves all layers, and the
 full layers read them all (``benchmarks/kv_memory.py`` measures the memory the local layers waste).
 """
@@ -161,10 +162,18 @@ class BlockManager:
         if cached:
             # Admission with prefix hits: the new tokens start after the cached blocks.
             total = -(-(len(cached) * self.block_size + num_new_tokens) // self.block_size)
-            need = total - len(cached) + sum(1 for b in cached if self.ref_counts[b] == 0)
+            live = cached[self._dead_hits(len(cached)) :]
+            need = total - len(cached) + sum(1 for b in live if self.ref_counts[b] == 0)
         else:
             need = self.blocks_needed(seq, num_new_tokens) + self._cow_needed(seq)
         return need <= len(self._free)
+
+    def _dead_hits(self, num_cached: int) -> int:
+        """How many of ``num_cached`` leading hits lie before the sliding window of the first query
+        (at position ``num_cached * block_size``): never read, so not taken (``release_outside_window``'s
+        rule). Taking them could need more blocks than the cache has: the request never ran."""
+        w = self.sliding_window
+        return max(0, num_cached * self.block_size - w + 1) // self.block_size if w > 0 else 0
 
     def _cow_needed(self, seq: Sequence) -> int:
         i = seq.num_computed_tokens // self.block_size
@@ -187,7 +196,9 @@ class BlockManager:
             return []  # most decode steps: the tokens fit the blocks held, none of them shared
         if not self.can_allocate(seq, num_new_tokens, cached):
             return None
-        for b in cached:
+        dead = self._dead_hits(len(cached)) if cached else 0
+        seq.block_table.extend([NULL_BLOCK] * dead)
+        for b in cached[dead:]:
             if self.ref_counts[b] == 0:
                 del self._free[b]
             self.ref_counts[b] += 1

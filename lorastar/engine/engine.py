@@ -865,7 +865,9 @@ class LLMEngine(PromptInputs):
         touched: dict[str, Request] = {}
         if rows:
             sample_logits = logits  # beam rows below index the step's logits, not these
-            if len(rows) != logits.shape[0]:  # fan-out rows repeat a logits row; beam rows are not here
+            # Fan-out rows repeat a logits row; beam rows are not here (their count can equal the
+            # fan-out's extra rows: the sizes then agree, the rows do not).
+            if beam_rows or len(rows) != logits.shape[0]:
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
             new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
