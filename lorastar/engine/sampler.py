@@ -2,7 +2,7 @@
 
 One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
 allowed_token_ids, guided_choice and bad_words masks -> min_tokens mask -> logit_bias ->
-penalties -> greedy rows: argmax; other rows: temperature, top-k, top-p, min-p, then an
+penalties -> greedy rows: argmax; other rows: temperature, min-p, top-k, top-p, then an
 inverse-CDF draw. A seeded row draws exactly one uniform from its own generator per step, and
 every op is row-wise, so its token does not depend on what else is in the batch.
 
@@ -501,15 +501,23 @@ class Sampler:
 
     @staticmethod
     def _probs(x: Tensor, meta: SamplingMetadata) -> Tensor:
-        """Temperature, top-k, top-p, min-p; returns unnormalized probs [R, V] (masked = 0)."""
+        """Temperature, min-p, top-k, top-p; returns unnormalized probs [R, V] (masked = 0)."""
         dev = x.device
         temp = to_device(meta.temperature.astype(np.float32), dev)  # [R]
         x = x / temp.unsqueeze(1)  # [R, V], our own tensor from here on
+        if (meta.min_p > 0.0).any():
+            # vLLM's order: min-p before top-k / top-p, so top-p's nucleus is one of the min-p
+            # survivors' renormalized mass. p < min_p * p_max as logits: x < x_max + log(min_p)
+            # (-inf for rows without min-p: nothing masked, their values untouched).
+            with np.errstate(divide="ignore"):
+                log_min_p = np.log(meta.min_p).astype(np.float32)  # [R]; log(0) = -inf
+            thresh = x.amax(dim=-1, keepdim=True) + to_device(log_min_p, dev).unsqueeze(1)  # [R, 1]
+            x = x.masked_fill_(x < thresh, float("-inf"))
         # CUDA sorts a top-p-only row whole: the window search reads back which rows need more,
         # which would wait for the step in flight under async scheduling.
         x = _top_k_top_p(x, meta.top_k, meta.top_p, search_window=dev.type != "cuda")
-        # exp(x - max) in place: the draw scales by the row total and min-p compares with the
-        # row's maximum, so the softmax's normalizing pass (and its output tensor) is not needed.
+        # exp(x - max) in place: the draw scales by the row total, so the softmax's normalizing
+        # pass (and its output tensor) is not needed.
         x = x.sub_(x.amax(dim=-1, keepdim=True))  # [R, V], max 0 per row
         if dev.type == "cpu" and (masked := _mostly_masked(meta)).any():
             # torch's vectorized CPU exp takes a slow path for -inf (and underflowing) inputs: on this
@@ -523,12 +531,6 @@ class Sampler:
             probs = x.clamp_(min=floor).exp_().sub_(below).clamp_(min=0.0)  # [R, V], max 1 per row
         else:
             probs = x.exp_()  # [R, V], max 1 per row
-        if (meta.min_p > 0.0).any():
-            m_t = to_device(meta.min_p.astype(np.float32), dev).unsqueeze(1)  # [R, 1]
-            thresh = probs.amax(dim=-1, keepdim=True) * m_t  # [R, 1]
-            # No renormalization: the draw below scales by the row total, and skipping it keeps
-            # a row's values bitwise identical whether or not other rows use min-p.
-            probs = probs.masked_fill(probs < thresh, 0.0)
         return probs
 
     def _sample(
@@ -940,9 +942,9 @@ _EXP_FLOOR = -87.0  # exp(-87) ~ 1.6e-38: float32's smallest normal numbers
 
 
 def _mostly_masked(meta: SamplingMetadata) -> np.ndarray:
-    """[R] bool: rows whose logits are -inf for most tokens by now (top-k, top-p, allowed ids, a
-    choice or grammar)."""
-    return (meta.top_k > 0) | (meta.top_p < 1.0) | meta.allowed | meta.guided
+    """[R] bool: rows whose logits are -inf for most tokens by now (top-k, top-p, min-p, allowed
+    ids, a choice or grammar)."""
+    return (meta.top_k > 0) | (meta.top_p < 1.0) | (meta.min_p > 0.0) | meta.allowed | meta.guided
 
 
 def _top_k_top_p(
