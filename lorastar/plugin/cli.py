@@ -126,7 +126,8 @@ def _check_adapters(
                 f"adapter {name!r}: rank {rank} exceeds --max-lora-rank {max_lora_rank}; "
                 f"start with --max-lora-rank {rank} or more"
             )
-        out[name] = path if p == Path(path).expanduser() or not is_hub_id(path) else str(p)
+        # As written when found there; else the folder found (under --adapter-root, or a hub id's).
+        out[name] = path if p == Path(path).expanduser() else str(p)
     if root is not None and not Path(root).expanduser().is_dir():
         raise UsageProblem(f"--adapter-root {root!r} is not a folder")
     return out

@@ -54,11 +54,14 @@ def confine(root: Path | None, path: str, *, param: str = "lora_path") -> Path:
 
 
 def relative_to_root(root: Path | None, path: str | Path) -> str:
-    """``path`` as API users may see it: relative to ``root`` when under it, else its folder name
-    (absolute server paths are never shown)."""
+    """``path`` as API users may see it: relative to ``root`` when under it, the hub id of a
+    Hugging Face cache snapshot, else its folder name (absolute server paths are never shown)."""
     p = Path(path)
     if root is not None and p.is_absolute() and p.is_relative_to(root):
         return p.relative_to(root).as_posix()
+    repo = p.parent.parent.name  # HF cache: models--{org}--{name}/snapshots/{commit} (org optional)
+    if p.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
     return p.name
 
 

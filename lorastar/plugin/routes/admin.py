@@ -76,6 +76,10 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
             raise APIError(
                 f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name"
             )
+        if any(c.isspace() for c in name) or "/" in name:  # the registry's rule, before any file is read
+            raise APIError(
+                f"The lora adapter name '{name}' must not contain whitespace or '/'.", param="lora_name"
+            )
         resolved = confine(service.adapter_root, path)
         # Held across the check and the load: a second load of a new name waits, then finds it loaded.
         async with service.adapter_lock(name):
