@@ -299,6 +299,7 @@ main.add_command(make_lora_group())
 
 
 _ADAPTER_FLAGS = ("--lora-modules", "--adapter")
+API_KEY_ENVS = ("LORASTAR_API_KEY", "VLLM_API_KEY")
 
 
 def _spread_adapter_values(args: list[str]) -> list[str]:
@@ -358,7 +359,13 @@ class _ServeCommand(click.Command):
 @click.option(
     "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
 )
-@click.option("--api-key", "api_keys", multiple=True, help="Accepted API key (repeatable).")
+@click.option(
+    "--api-key",
+    "api_keys",
+    multiple=True,
+    envvar=API_KEY_ENVS,  # vLLM's serve reads VLLM_API_KEY: a migrated deployment stays guarded
+    help=f"Accepted API key (repeatable; env {' or '.join(API_KEY_ENVS)}, keys separated by spaces).",
+)
 @click.option("--no-runtime-loading", is_flag=True, help="Do not mount the adapter admin routes.")
 @click.option(
     "--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root."

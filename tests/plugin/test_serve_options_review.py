@@ -142,6 +142,18 @@ def test_bad_config_values_name_the_field(kwargs: dict[str, Any], text: str) -> 
         LoraStarConfig(async_engine=FakeAsyncLLM(), **kwargs)
 
 
+@pytest.mark.parametrize("env", ["VLLM_API_KEY", "LORASTAR_API_KEY"])
+def test_api_key_from_the_environment_as_vllm_serve(
+    served: dict[str, Any], monkeypatch: pytest.MonkeyPatch, env: str
+) -> None:
+    # vllm serve guards its routes with VLLM_API_KEY: a deployment moved over must not open up.
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("LORASTAR_API_KEY", raising=False)
+    monkeypatch.setenv(env, "k1 k2")
+    assert _serve().exit_code == 0 and served["config"].api_keys == ["k1", "k2"]
+    assert _serve("--api-key", "flag").exit_code == 0 and served["config"].api_keys == ["flag"]
+
+
 def test_api_key_never_echoed_in_the_error() -> None:
     with pytest.raises(ValueError) as info:
         LoraStarConfig(api_keys=["s3cret-key", ""])
