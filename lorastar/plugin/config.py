@@ -57,7 +57,9 @@ class LoraStarConfig:
     """Prefix of the OpenAI routes."""
 
     health_path: str | None = "/health"
-    """Liveness route (200, or 503 once the engine died). ``None``: not mounted."""
+    """Liveness route (200, or 503 once the engine died). ``None``: not mounted. An app that serves
+    this path itself keeps its own route (the plugin's is left out with a warning), as for
+    ``metrics_path``, ``/tokenize``, ``/detokenize`` and the live page."""
 
     metrics_path: str | None = "/metrics"
     """Prometheus route (vLLM's metric names). ``None``: not mounted."""

@@ -7,14 +7,16 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from litestar import Litestar, Router
+from litestar import Controller, Litestar, Router
 from litestar.di import Provide
 from litestar.exceptions import (
     HTTPException,
     MethodNotAllowedException,
     NotFoundException,
 )
+from litestar.handlers import HTTPRouteHandler
 from litestar.plugins import CLIPlugin, InitPlugin
+from litestar.utils.path import join_paths, normalize_path
 
 from lorastar.errors import LoraStarError, StartupCancelled
 from lorastar.plugin.config import LoraStarConfig
@@ -36,6 +38,23 @@ if TYPE_CHECKING:
     from litestar.config.app import AppConfig
     from litestar.connection import ASGIConnection
     from litestar.handlers.base import BaseRouteHandler
+
+
+def _app_routes(handlers: list[Any]) -> set[tuple[str, str]]:
+    """``(path, method)`` the app's own handlers, routers and controllers serve (before the plugin's;
+    OPTIONS, which Litestar answers on every path, left out)."""
+    out: set[tuple[str, str]] = set()
+    for h in handlers:
+        if isinstance(h, Router):
+            out |= {(normalize_path(r.path), m) for r in h.routes for m in getattr(r, "methods", ())}
+        elif isinstance(h, type) and issubclass(h, Controller):
+            for name in dir(h):
+                v = getattr(h, name, None)
+                if isinstance(v, HTTPRouteHandler):
+                    out |= {(join_paths([h.path, p]), m) for p in v.paths for m in v.http_methods}
+        elif isinstance(h, HTTPRouteHandler):
+            out |= {(normalize_path(p), m) for p in h.paths for m in h.http_methods}
+    return {(p, m) for p, m in out if m != "OPTIONS"}
 
 
 class LoraStarPlugin(InitPlugin, CLIPlugin):
@@ -88,6 +107,14 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
             )
         system += build_tokenize_handlers(service, guards=api_guards)  # vLLM serves these at the root
         system += build_ops_handlers(service, guards=api_guards)  # the live page: /lorastar/
+        # The app's own route on a path of ours (its /health, say) wins: ours would stop it starting.
+        taken = _app_routes(app_config.route_handlers)
+        for h in list(system):
+            if clash := sorted(taken & _app_routes([h])):
+                system.remove(h)
+                logger.warning(
+                    "lorastar: the app serves %s itself; lorastar's route there is not mounted", clash[0][0]
+                )
         if system:
             app_config.route_handlers.append(
                 Router(path="/", route_handlers=system, exception_handlers=own_handlers, tags=["lorastar"])

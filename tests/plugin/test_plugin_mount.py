@@ -86,3 +86,44 @@ def test_plain_asgi_prefix_mount_starts_engine_lazily() -> None:
         client = openai.OpenAI(base_url=srv.url + "/prefix/v1", api_key="x")
         r = client.completions.create(model="fake-model", prompt="abc", max_tokens=3)
         assert r.choices[0].text == "cba" and engine.started
+
+
+def test_the_apps_own_health_and_metrics_routes_win(caplog: pytest.LogCaptureFixture) -> None:
+    """on_app_init adds only what the app has not set: an app that already serves GET /health
+    (a handler), /metrics (a controller, as litestar's PrometheusController) and /tokenize (in a
+    router) keeps them; the plugin's are left out with a warning (the app used to refuse to start:
+    'Handler already registered for path')."""
+    import logging
+
+    from litestar import Controller, Litestar, Router, get, post
+    from litestar.testing import TestClient
+
+    from lorastar.plugin import LoraStarPlugin
+
+    @get("/health/", sync_to_thread=False)
+    def health() -> str:
+        return "mine"
+
+    class Metrics(Controller):
+        path = "/metrics"
+
+        @get(sync_to_thread=False)
+        def scrape(self) -> str:
+            return "my metrics"
+
+    @post("/tokenize", sync_to_thread=False)
+    def tokenize() -> str:
+        return "my tokenizer"
+
+    caplog.set_level(logging.WARNING, "lorastar.plugin")
+    plugin = LoraStarPlugin(LoraStarConfig(async_engine=FakeAsyncLLM(), served_model_name="tiny"))
+    app = Litestar([health, Metrics, Router("/", route_handlers=[tokenize])], plugins=[plugin])
+    with TestClient(app) as c:
+        assert c.get("/health").text == "mine"
+        assert c.get("/metrics").text == "my metrics"
+        assert c.post("/tokenize", json={"prompt": "hi"}).text == "my tokenizer"
+        assert c.post("/detokenize", json={"tokens": [1]}).status_code == 200  # not taken: the plugin's
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    warned = [r.getMessage() for r in caplog.records]
+    for path in ("/health", "/metrics", "/tokenize"):
+        assert any(f"serves {path} itself" in m for m in warned), warned
