@@ -164,14 +164,15 @@ def test_unload_with_requests_running_and_waiting_for_the_slot(client: Any) -> N
     results: list[tuple[int, str | None]] = []
 
     def run(model: str) -> None:
-        body = {"model": model, "prompt": "hello", "max_tokens": 24, "ignore_eos": True}
+        # long enough that none ends before all five are submitted (each holds its adapter then)
+        body = {"model": model, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
         r = c.post("/v1/completions", json=body)
         results.append((r.status_code, r.json()["choices"][0]["finish_reason"] if r.is_success else r.text))
 
     threads = [threading.Thread(target=run, args=(m,)) for m in ("u1", "u2", "u1", "u2", "alpha")]
     for t in threads:
         t.start()
-    assert wait_until(lambda: sum(a.in_flight for a in engine.list_adapters()) >= 3, timeout=10)
+    assert wait_until(lambda: sum(a.in_flight for a in engine.list_adapters()) == 5, timeout=10)
     assert unload(c, "u1").status_code == 200 and unload(c, "u2").status_code == 200
     assert not {"u1", "u2"} & set(model_ids(c))  # gone from the list at once
     for t in threads:
