@@ -154,7 +154,9 @@ def test_concurrent_loads_of_one_name_load_once(client: Any) -> None:
     assert unload(c, "cc").status_code == 200
 
 
-def test_unload_with_requests_running_and_waiting_for_the_slot(client: Any) -> None:
+def test_unload_with_requests_running_and_waiting_for_the_slot(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """max_loras=1: requests on two adapters take turns on the one slot; unloading both names
     meanwhile lets every request finish, and nothing (slot, KV block, reference) stays held."""
     c = client
@@ -164,17 +166,42 @@ def test_unload_with_requests_running_and_waiting_for_the_slot(client: Any) -> N
     results: list[tuple[int, str | None]] = []
 
     def run(model: str) -> None:
-        # long enough that none ends before all five are submitted (each holds its adapter then)
-        body = {"model": model, "prompt": "hello", "max_tokens": 200, "ignore_eos": True}
+        body = {"model": model, "prompt": "hello", "max_tokens": 24, "ignore_eos": True}
         r = c.post("/v1/completions", json=body)
         results.append((r.status_code, r.json()["choices"][0]["finish_reason"] if r.is_success else r.text))
 
+    # The step loop is held until all five are submitted, then runs 3 steps (one adapter's rows
+    # running, the others waiting for the slot) and is held again while both names are unloaded.
+    steps_left, cond, step = [0], threading.Condition(), engine.engine.step
+
+    def gated_step() -> Any:
+        with cond:
+            cond.wait_for(lambda: steps_left[0] != 0, timeout=30)
+            steps_left[0] -= steps_left[0] > 0
+        return step()
+
+    def allow(n: int) -> None:
+        with cond:
+            steps_left[0] = n
+            cond.notify_all()
+
+    monkeypatch.setattr(engine.engine, "step", gated_step)
     threads = [threading.Thread(target=run, args=(m,)) for m in ("u1", "u2", "u1", "u2", "alpha")]
     for t in threads:
         t.start()
-    assert wait_until(lambda: sum(a.in_flight for a in engine.list_adapters()) == 5, timeout=10)
-    assert unload(c, "u1").status_code == 200 and unload(c, "u2").status_code == 200
-    assert not {"u1", "u2"} & set(model_ids(c))  # gone from the list at once
+    try:
+        # (u1 has hubbeta's content: one entry, so the counts are read per name)
+        want = {"u1": 2, "u2": 2, "alpha": 1}
+        assert wait_until(
+            lambda: {a.name: a.in_flight for a in engine.list_adapters() if a.name in want} == want,
+            timeout=30,
+        )
+        allow(3)
+        assert wait_until(lambda: steps_left[0] == 0, timeout=30)
+        assert unload(c, "u1").status_code == 200 and unload(c, "u2").status_code == 200
+        assert not {"u1", "u2"} & set(model_ids(c))  # gone from the list at once
+    finally:
+        allow(-1)  # unlimited
     for t in threads:
         t.join(timeout=60)
     assert results == [(200, "length")] * 5
