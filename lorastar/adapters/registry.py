@@ -54,7 +54,8 @@ class AdapterEntry:
         return "cpu" if self.weights is not None else "disk"
 
 
-def _check_name(name: object) -> str:
+def check_name(name: object) -> str:
+    """``name`` if it can name an adapter (a non-empty string, no whitespace or '/'), else AdapterError."""
     if not isinstance(name, str) or not name:
         raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
     if any(c.isspace() for c in name) or "/" in name:
@@ -90,7 +91,7 @@ class AdapterRegistry:
     def register(self, name: str, path: str | os.PathLike[str], weights: LoRAWeights) -> AdapterEntry:
         """Bind ``name`` to these weights. Idempotent for identical content; a different content
         gives the name a new identity while the old one lives on for its in-flight requests."""
-        _check_name(name)
+        check_name(name)
         if not isinstance(weights, LoRAWeights):
             raise AdapterError(f"adapter {name!r}: weights must be LoRAWeights, got {type(weights).__name__}")
         path = str(path)

@@ -15,6 +15,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.status_codes import HTTP_200_OK
 
+from lorastar.adapters.registry import check_name
 from lorastar.errors import AdapterError, AdapterNotFoundError
 from lorastar.plugin.errors import APIError, error_responses, not_found, unauthorized
 from lorastar.plugin.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -76,10 +77,10 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
             raise APIError(
                 f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name"
             )
-        if any(c.isspace() for c in name) or "/" in name:  # the registry's rule, before any file is read
-            raise APIError(
-                f"The lora adapter name '{name}' must not contain whitespace or '/'.", param="lora_name"
-            )
+        try:  # the registry's rule, before any file is read
+            check_name(name)
+        except AdapterError as exc:
+            raise APIError(str(exc), param="lora_name") from exc
         resolved = confine(service.adapter_root, path)
         # Held across the check and the load: a second load of a new name waits, then finds it loaded.
         async with service.adapter_lock(name):
