@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lorastar.adapters.info import AdapterInfo
+from lorastar.adapters.info import AdapterInfo, check_name
 from lorastar.adapters.peft import LoRAWeights
 from lorastar.errors import AdapterError, AdapterNotFoundError
 
@@ -52,15 +52,6 @@ class AdapterEntry:
         if self.slot is not None:
             return "device"
         return "cpu" if self.weights is not None else "disk"
-
-
-def check_name(name: object) -> str:
-    """``name`` if it can name an adapter (a non-empty string, no whitespace or '/'), else AdapterError."""
-    if not isinstance(name, str) or not name:
-        raise AdapterError(f"adapter name must be a non-empty string, got {name!r}")
-    if any(c.isspace() for c in name) or "/" in name:
-        raise AdapterError(f"adapter name {name!r} must not contain whitespace or '/'")
-    return name
 
 
 class AdapterRegistry:

@@ -15,7 +15,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.status_codes import HTTP_200_OK
 
-from lorastar.adapters.registry import check_name
+from lorastar.adapters.info import check_name  # torch-free, unlike the registry
 from lorastar.errors import AdapterError, AdapterNotFoundError
 from lorastar.plugin.errors import APIError, error_responses, not_found, unauthorized
 from lorastar.plugin.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
