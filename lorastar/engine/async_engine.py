@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -230,8 +230,8 @@ class AsyncLLM(PromptInputs):
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
         self,
-        prompt: str | list[int],
-        sampling_params: SamplingParams | None = None,
+        prompt: str | list[int] | Mapping[str, Any],
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         adapter: str | None = None,
         request_id: str | None = None,
@@ -239,6 +239,8 @@ class AsyncLLM(PromptInputs):
         """Stream the request's outputs, of ``sampling_params.output_kind`` (cumulative by default;
         DELTA: each holds what is new, FINAL_ONLY: one at the end); the last has ``finished=True``.
         Closing the iterator early (or cancelling its task) aborts the request."""
+        if isinstance(sampling_params, Mapping):  # as the engine takes it; its output_kind is read below
+            sampling_params = SamplingParams.from_dict(sampling_params)
         self._check_available()
         await self.start()
         rid = request_id or uuid.uuid4().hex

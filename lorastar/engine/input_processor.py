@@ -186,9 +186,12 @@ class InputProcessor:
             )
         return dict(kwargs)
 
-    def validate_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """``(text or None, token ids)`` of a prompt given as text or ids; ``InvalidParamError``
-        naming ``prompt`` when it is empty, malformed, outside the vocabulary or too long."""
+    def validate_prompt(self, prompt: str | list[int] | Mapping[str, Any]) -> tuple[str | None, list[int]]:
+        """``(text or None, token ids)`` of a prompt given as text, ids, or vLLM's ``{"prompt": text}``
+        (TextPrompt) / ``{"prompt_token_ids": ids}`` (TokensPrompt); ``InvalidParamError`` naming
+        ``prompt`` when it is empty, malformed, outside the vocabulary or too long."""
+        if isinstance(prompt, Mapping):
+            prompt = prompt_of_dict(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidParamError("prompt", "prompt must not be empty")
@@ -218,6 +221,26 @@ class InputProcessor:
                 "(prompt + at least one generated token)",
             )
         return text, ids
+
+
+def prompt_of_dict(prompt: Mapping[str, Any]) -> str | list[int]:
+    """The text or token ids of vLLM's TextPrompt / TokensPrompt dict (token ids win where both are
+    given, as in vLLM); a key lorastar does not take (``multi_modal_data``...) is refused, naming it."""
+    if extra := sorted(str(k) for k in prompt if k not in ("prompt", "prompt_token_ids")):
+        raise InvalidParamError(
+            "prompt",
+            f"prompt dict key {extra[0]!r} is not supported: give 'prompt' (text) or 'prompt_token_ids'",
+        )
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)):
+            raise InvalidParamError("prompt", "prompt_token_ids must be a list of integers")
+        return ids  # type: ignore[no-any-return]
+    if "prompt" in prompt:
+        if not isinstance(text := prompt["prompt"], str):
+            raise InvalidParamError("prompt", f"prompt must be a string, got {type(text).__name__}")
+        return text
+    raise InvalidParamError("prompt", "a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
 
 
 class PromptInputs:

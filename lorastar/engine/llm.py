@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -12,7 +14,7 @@ from lorastar.engine.engine import LLMEngine
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | Mapping[str, Any]  # a dict: vLLM's TextPrompt / TokensPrompt
 
 
 class LLM:
@@ -25,6 +27,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         config = kwargs.pop("config", None) or EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(config)
+        # One generate()/chat() at a time: each steps the engine and keeps only its own requests'
+        # final outputs, so a second caller's (another thread's) outputs would be lost to the first.
+        self._run_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> Any:
@@ -52,9 +57,11 @@ class LLM:
         """Generate for every prompt; outputs come back in prompt order.
 
         ``prompts``: a string, a list of strings, or a list of token-id lists (one list of ints
-        is one tokenized prompt). ``sampling_params`` and ``adapter`` may be one value or one per prompt.
+        is one tokenized prompt), or vLLM's prompt dicts (``{"prompt": text}``,
+        ``{"prompt_token_ids": ids}``). ``sampling_params`` and ``adapter`` may be one value or one
+        per prompt. Calls from several threads run one after another.
         """
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]  # type: ignore[list-item]
@@ -96,6 +103,12 @@ class LLM:
         return self._run(prompts, params, adapters, use_tqdm)
 
     def _run(
+        self, prompts: list[Prompt], params: list[Any], adapters: list[Any], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        with self._run_lock:
+            return self._run_locked(prompts, params, adapters, use_tqdm)
+
+    def _run_locked(
         self, prompts: list[Prompt], params: list[Any], adapters: list[Any], use_tqdm: bool
     ) -> list[RequestOutput]:
         eng = self.engine
