@@ -407,16 +407,16 @@ class Sampler:
     def _apply_min_tokens(
         self, x: Tensor, rows: Sequence[SamplingRow], vocab: int, active: list[int]
     ) -> None:
-        # Until min_tokens are generated, EOS (unless ignored) and stop_token_ids cannot be sampled.
+        # Until min_tokens are generated, EOS and stop_token_ids cannot be sampled: vLLM's
+        # ``all_stop_token_ids``, which holds EOS even under ignore_eos (ignore_eos only keeps EOS
+        # from ending the request once it may be sampled).
         r_idx: list[int] = []
         t_idx: list[int] = []
         for i in active:
             r = rows[i]
-            p = r.params
-            banned = set(p.stop_token_ids or ())
-            if not p.ignore_eos:
-                banned.update(self.eos_token_ids)
-                banned.update(r.eos_token_ids)
+            banned = set(r.params.stop_token_ids or ())
+            banned.update(self.eos_token_ids)
+            banned.update(r.eos_token_ids)
             for t in banned:
                 if 0 <= t < vocab:
                     r_idx.append(i)

@@ -187,10 +187,13 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     s = Sampler(eos_token_id=2)
     assert s(x, [_row(p, output=[0])]).token_ids == [1]
     assert s(x, [_row(p, output=[0, 0])]).token_ids == [2]
-    # Per-row eos ids work too, and ignore_eos leaves EOS alone (it is not a stop then).
+    # Per-row eos ids work too, and ignore_eos still bans EOS until min_tokens (vLLM's
+    # all_stop_token_ids holds EOS whatever ignore_eos says); after that EOS is a token like any other.
     assert Sampler()(x, [_row(p, output=[], eos=(2,))]).token_ids == [1]
     p2 = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
-    assert Sampler(eos_token_id=[2])(x, [_row(p2)]).token_ids == [2]
+    assert Sampler(eos_token_id=[2])(x, [_row(p2)]).token_ids == [3]
+    assert Sampler()(x, [_row(p2, output=[0], eos=(2,))]).token_ids == [3]
+    assert Sampler(eos_token_id=[2])(x, [_row(p2, output=[0, 0])]).token_ids == [2]
 
 
 # ---------------------------------------------------------------------- seeded determinism
