@@ -35,6 +35,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.engine.tokenizer
+
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
         return self.engine.load_adapter(name, path)
@@ -52,6 +56,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         adapter: str | None | Seq[str | None] = None,
+        lora_request: Any = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
@@ -59,7 +64,9 @@ class LLM:
         ``prompts``: a string, a list of strings, or a list of token-id lists (one list of ints
         is one tokenized prompt), or vLLM's prompt dicts (``{"prompt": text}``,
         ``{"prompt_token_ids": ids}``). ``sampling_params`` and ``adapter`` may be one value or one
-        per prompt. Calls from several threads run one after another.
+        per prompt. ``lora_request``: vLLM's ``LoRARequest`` (or a list, one per prompt) instead of
+        ``adapter``: its ``lora_path`` is loaded under its ``lora_name`` unless that name is loaded.
+        Calls from several threads run one after another.
         """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -68,7 +75,7 @@ class LLM:
         prompts = list(prompts)  # type: ignore[arg-type]
         n = len(prompts)
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
-        adapters = _per_prompt(adapter, n, "adapter", str)
+        adapters = self._adapters(adapter, lora_request, n)
         return self._run(prompts, params, adapters, use_tqdm)
 
     def chat(
@@ -81,13 +88,15 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: Any = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, with the model's chat template.
         ``continue_final_message`` (with ``add_generation_prompt=False``) continues the last message
         instead of starting a reply; ``chat_template_kwargs`` are extra template variables (vLLM's);
         ``tools``: OpenAI function definitions the template renders (the reply is text: tool calls in
-        it are parsed by the HTTP route, ``LoraStarConfig.tool_call_parser``)."""
+        it are parsed by the HTTP route, ``LoraStarConfig.tool_call_parser``); ``lora_request`` as
+        in ``generate``."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
         prompts: list[Prompt] = [
             self.engine.apply_chat_template(
@@ -99,8 +108,35 @@ class LLM:
         ]  # fmt: skip
         n = len(prompts)
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
-        adapters = _per_prompt(adapter, n, "adapter", str)
+        adapters = self._adapters(adapter, lora_request, n)
         return self._run(prompts, params, adapters, use_tqdm)
+
+    def _adapters(self, adapter: Any, lora_request: Any, n: int) -> list[str | None]:
+        """One adapter name (or None) per prompt, from ``adapter`` or vLLM's ``lora_request``; the
+        requests' adapters not loaded yet are loaded first (all checked before any is loaded)."""
+        if lora_request is None:
+            return _per_prompt(adapter, n, "adapter", str)
+        if adapter is not None:
+            raise ValueError("give adapter or lora_request, not both")
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != n:
+                raise ValueError(f"lora_request has {len(lora_request)} entries for {n} prompts")
+            reqs = list(lora_request)
+        else:
+            reqs = [lora_request] * n
+        for r in reqs:
+            name, path = getattr(r, "lora_name", None), getattr(r, "lora_path", None)
+            if r is not None and not (isinstance(name, str) and isinstance(path, str)):
+                raise ValueError(
+                    "lora_request must be a LoRARequest (lora_name and lora_path as strings) or None,"
+                    f" got {type(r).__name__}"
+                )
+        loaded = {a.name for a in self.engine.list_adapters()}
+        for r in reqs:
+            if r is not None and r.lora_name not in loaded:
+                self.engine.load_adapter(r.lora_name, r.lora_path)
+                loaded.add(r.lora_name)
+        return [None if r is None else r.lora_name for r in reqs]
 
     def _run(
         self, prompts: list[Prompt], params: list[Any], adapters: list[Any], use_tqdm: bool

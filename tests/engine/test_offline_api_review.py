@@ -129,3 +129,41 @@ def test_vllm_style_batches_and_their_errors(llm: LLM) -> None:
     assert len(system) == 1 and len(system[0].outputs[0].token_ids) == 4
     convs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
     assert len(llm.chat(convs, [GREEDY, GREEDY])) == 2
+
+
+def test_get_tokenizer_and_lora_request_as_in_vllm(llm: LLM, tiny_model_dir, tmp_path) -> None:  # noqa: ANN001
+    """vLLM code calls ``llm.get_tokenizer()`` and picks adapters with ``lora_request=LoRARequest(
+    name, id, path)``: the path is loaded under the name on first use, then the name is reused; the
+    output equals ``adapter=name``'s. A wrong object or a length mismatch is refused before loading."""
+    from dataclasses import dataclass
+
+    from tests.conftest import make_peft_adapter
+
+    @dataclass
+    class LoRARequest:  # vllm.lora.request.LoRARequest's fields
+        lora_name: str
+        lora_int_id: int
+        lora_path: str = ""
+
+    assert llm.get_tokenizer() is llm.tokenizer
+    path = make_peft_adapter(tiny_model_dir("llama-gqa"), tmp_path / "sql", 7)
+    req = LoRARequest("sql", 1, path)
+    try:
+        with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
+            llm.generate(["a"], GREEDY, lora_request="sql")
+        with pytest.raises(ValueError, match="lora_request has 1 entries for 2 prompts"):
+            llm.generate(["a", "b"], GREEDY, lora_request=[req])
+        with pytest.raises(ValueError, match="adapter or lora_request"):
+            llm.generate(["a"], GREEDY, adapter="sql", lora_request=req)
+        assert not llm.list_adapters()  # nothing loaded by a refused call
+        base = llm.generate([[5, 6, 7]], GREEDY)
+        outs = llm.generate([[5, 6, 7], [5, 6, 7]], GREEDY, lora_request=[req, None])
+        assert [a.name for a in llm.list_adapters()] == ["sql"]
+        assert _ids(outs[1:]) == _ids(base)
+        again = llm.generate([[5, 6, 7]], GREEDY, adapter="sql")
+        assert _ids(outs[:1]) == _ids(again) != _ids(base)  # the adapter changes this seed's output
+        chat = llm.chat([{"role": "user", "content": "hi"}], GREEDY, lora_request=req)
+        assert len(chat) == 1 and [a.name for a in llm.list_adapters()] == ["sql"]
+    finally:
+        if llm.list_adapters():
+            llm.unload_adapter("sql")
