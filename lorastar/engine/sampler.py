@@ -505,20 +505,22 @@ class Sampler:
         dev = x.device
         temp = to_device(meta.temperature.astype(np.float32), dev)  # [R]
         x = x / temp.unsqueeze(1)  # [R, V], our own tensor from here on
+        row_max: Tensor | None = None  # [R, 1]: min-p, top-k and top-p all keep each row's max
         if (meta.min_p > 0.0).any():
             # vLLM's order: min-p before top-k / top-p, so top-p's nucleus is one of the min-p
             # survivors' renormalized mass. p < min_p * p_max as logits: x < x_max + log(min_p)
             # (-inf for rows without min-p: nothing masked, their values untouched).
             with np.errstate(divide="ignore"):
                 log_min_p = np.log(meta.min_p).astype(np.float32)  # [R]; log(0) = -inf
-            thresh = x.amax(dim=-1, keepdim=True) + to_device(log_min_p, dev).unsqueeze(1)  # [R, 1]
+            row_max = x.amax(dim=-1, keepdim=True)
+            thresh = row_max + to_device(log_min_p, dev).unsqueeze(1)  # [R, 1]
             x = x.masked_fill_(x < thresh, float("-inf"))
         # CUDA sorts a top-p-only row whole: the window search reads back which rows need more,
         # which would wait for the step in flight under async scheduling.
         x = _top_k_top_p(x, meta.top_k, meta.top_p, search_window=dev.type != "cuda")
         # exp(x - max) in place: the draw scales by the row total, so the softmax's normalizing
         # pass (and its output tensor) is not needed.
-        x = x.sub_(x.amax(dim=-1, keepdim=True))  # [R, V], max 0 per row
+        x = x.sub_(x.amax(dim=-1, keepdim=True) if row_max is None else row_max)  # [R, V], max 0 per row
         if dev.type == "cpu" and (masked := _mostly_masked(meta)).any():
             # torch's vectorized CPU exp takes a slow path for -inf (and underflowing) inputs: on this
             # VM [64, 49152] mostly -inf took 12.6 ms against 1.7 finite. Rows that mask most of the
