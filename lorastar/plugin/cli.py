@@ -541,24 +541,57 @@ def engine(
 
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
-    _check_engine_address(address)
+    lock = _lock_ipc_address(address)  # held while this core runs
     try:
-        config = engine_config(model=_check_model(model or model_opt), max_waiting=max_waiting, **engine_kw)
-    except ValueError as exc:
-        raise UsageProblem(str(exc)) from exc
-    _probe_bind(address)  # last: nothing else can fail before the core binds it again
-    _log_to_stderr("info")
-    click.echo(f"lorastar: engine core at {address}; loading the model", err=True)
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        run_engine_core(config, address, on_ready=lambda core: _log_engine_ready(core, address))
-    except KeyboardInterrupt:
-        pass
+        _check_engine_address(address)
+        try:
+            config = engine_config(
+                model=_check_model(model or model_opt), max_waiting=max_waiting, **engine_kw
+            )
+        except ValueError as exc:
+            raise UsageProblem(str(exc)) from exc
+        _probe_bind(address)  # last: nothing else can fail before the core binds it again
+        _log_to_stderr("info")
+        click.echo(f"lorastar: engine core at {address}; loading the model", err=True)
+        previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        try:
+            run_engine_core(config, address, on_ready=lambda core: _log_engine_ready(core, address))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if lock is not None:
+            lock.release()
 
 
 _LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _lock_ipc_address(address: str) -> Any:
+    """For an ``ipc://PATH`` address in an existing folder, the held lock ``PATH.lock`` (filelock), or
+    a usage error where another process holds it; None for other addresses. zmq's ipc bind replaces
+    a socket file someone else listens on, and two ``lorastar engine`` started at one instant both
+    found no listener there: both bound, and the first core's clients lost it. A tcp port needs no
+    lock (the second bind fails)."""
+    if not address.startswith("ipc://"):
+        return None
+    path = Path(address[len("ipc://") :])
+    if not str(path) or not path.parent.is_dir():
+        return None  # _check_engine_address says what is wrong
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(f"{path}.lock", timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UsageProblem(
+            f"--address {address!r}: another `lorastar engine` holds {str(path)!r} (lock {str(path)}.lock); "
+            "stop it or pick another path"
+        ) from None
+    except OSError as exc:
+        raise UsageProblem(f"--address {address!r}: cannot create the lock {str(path)}.lock: {exc}") from exc
+    return lock
 
 
 def _check_engine_address(address: str) -> None:

@@ -129,6 +129,34 @@ def test_engine_ipc_stale_socket_is_replaced_and_ready_is_logged(
     assert any(rec.getMessage() == f"lorastar: engine core ready at ipc://{path}" for rec in records)
 
 
+def test_engine_ipc_path_another_starting_engine_holds(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ``lorastar engine`` on one ipc path at one instant both found no listener and both bound
+    (zmq replaces the socket file). The first now holds ``PATH.lock`` from its checks to its exit:
+    a second started meanwhile (here: while the first core loads) is a one-line error, and the path
+    is free again once the first has ended."""
+    import lorastar.engine.core_proc as core_proc
+
+    address = f"ipc://{short_dir}/core"
+    second: list[Any] = []
+
+    class LoadingCore(FakeCore):
+        def __init__(self, config: Any, address: str, report_to: str | None = None) -> None:
+            second.append(_engine("--address", address))  # started while this one loads
+            super().__init__(config, address, report_to)
+
+    FakeCore.made = []
+    monkeypatch.setattr(core_proc, "EngineCoreProc", LoadingCore)
+    first = _engine("--address", address)
+    assert first.exit_code == 0, first.output
+    assert FakeCore.made == [address]  # the second made no core
+    _one_line_usage_error(second[0], f"another `lorastar engine` holds '{short_dir}/core'")
+    monkeypatch.setattr(core_proc, "EngineCoreProc", FakeCore)
+    assert _engine("--address", address).exit_code == 0  # released at exit
+    assert FakeCore.made == [address, address]
+
+
 def test_engine_ipc_path_that_is_not_a_socket(short_dir: Path, fake_core: list[str]) -> None:
     (short_dir / "file").write_text("x")
     _one_line_usage_error(_engine("--address", f"ipc://{short_dir}/file"), "exists and is not a socket")
