@@ -92,15 +92,15 @@ def _check_adapters(
     root: str | None,
     *,
     max_lora_rank: int | None = None,
-    base_name: str | None = None,
+    base_names: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """Each adapter a PEFT folder (a Hugging Face id is fetched now), not named as the base model
-    (``base_name``) and of rank at most ``max_lora_rank`` (when given); the local paths."""
+    (any of ``base_names``) and of rank at most ``max_lora_rank`` (when given); the local paths."""
     from lorastar.hub import is_hub_id, resolve_folder
 
     out: dict[str, str] = {}
     for name, path in adapters.items():
-        if base_name is not None and name == base_name:
+        if name in base_names:
             raise UsageProblem(
                 f"adapter {name!r} has the base model's served name; rename the adapter or "
                 "change --served-model-name"
@@ -331,9 +331,49 @@ def _spread_adapter_values(args: list[str]) -> list[str]:
     return out
 
 
+def _spread_served_names(args: list[str], value_options: set[str]) -> list[str]:
+    """vLLM's ``MODEL --served-model-name a b`` as ``--served-model-name a --served-model-name b``.
+    The words after the first name are names only where the model is already given (MODEL before
+    the flag, or ``--model``): ``--served-model-name a ./model`` keeps ``./model`` as MODEL.
+    ``value_options``: the options that take a value (their value is not MODEL)."""
+    flag = "--served-model-name"
+    if flag not in args:
+        return args
+    model_given = "--model" in args or any(a.startswith("--model=") for a in args)
+    out: list[str] = []
+    reading = False  # reading more names after the flag's value
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return out + args[i:]
+        if a == flag and i + 1 < len(args):
+            out += [a, args[i + 1]]
+            reading, i = model_given, i + 2
+            continue
+        if reading and not a.startswith("-"):
+            out += [flag, a]
+        else:
+            reading = False
+            out.append(a)
+            if a.startswith("-") and "=" not in a and a in value_options and i + 1 < len(args):
+                out.append(args[i + 1])
+                i += 1
+            elif not a.startswith("-"):
+                model_given = True  # MODEL, before the flag
+        i += 1
+    return out
+
+
 class _ServeCommand(click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, _spread_adapter_values(args))
+        value_options = {
+            name
+            for p in self.params
+            if isinstance(p, click.Option) and not p.is_flag and not p.count
+            for name in p.opts
+        }
+        return super().parse_args(ctx, _spread_served_names(_spread_adapter_values(args), value_options))
 
 
 @main.command(
@@ -354,7 +394,14 @@ class _ServeCommand(click.Command):
 @click.option("--enable-lora", is_flag=True, hidden=True, help="Accepted for vLLM compatibility (always on).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--served-model-name", default=None, help="Name of the base in the 'model' field.")
+@click.option(
+    "--served-model-name",
+    "served_model_names",
+    multiple=True,
+    metavar="NAME",
+    help="Name of the base in the 'model' field; several (repeated, or vLLM's `MODEL --served-model-name "
+    "a b`): each selects the base, the first is reported.",
+)
 @click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from.")
 @click.option(
     "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
@@ -440,7 +487,7 @@ def serve(
     enable_lora: bool,
     host: str,
     port: int,
-    served_model_name: str | None,
+    served_model_names: tuple[str, ...],
     adapter_root: str | None,
     admin_token: str | None,
     api_keys: tuple[str, ...],
@@ -472,14 +519,17 @@ def serve(
         all_adapters[name] = path
     # A shared core (--engine-address) has its own rank limit and model name: only a given
     # --served-model-name is known here then.
-    base_name = served_model_name or (
-        None if engine_address is not None else Path(model).name if model else DEFAULT_MODEL_NAME
+    served_model_name = (
+        served_model_names[0] if len(served_model_names) == 1 else list(served_model_names) or None
+    )
+    base_names = served_model_names or (
+        () if engine_address is not None else (Path(model).name if model else DEFAULT_MODEL_NAME,)
     )
     all_adapters = _check_adapters(
         all_adapters,
         adapter_root,
         max_lora_rank=None if engine_address is not None else engine_kw["max_lora_rank"],
-        base_name=base_name,
+        base_names=base_names,
     )
     try:
         engine = engine_config(**engine_kw)

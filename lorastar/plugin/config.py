@@ -29,9 +29,10 @@ class LoraStarConfig:
     """HF folder of the base model. ``None`` keeps ``engine.model`` (itself ``None``: the embedded
     SmolLM2-135M-Instruct)."""
 
-    served_model_name: str | None = None
-    """Name clients put in the ``model`` field for the base. ``None``: the engine's ``model_name``
-    (the model folder's name)."""
+    served_model_name: str | list[str] | None = None
+    """Name clients put in the ``model`` field for the base, or several (vLLM's list): each selects
+    the base, the first is the one ``/metrics`` and a request without ``model`` use, and adapters'
+    ``parent``. ``None``: the engine's ``model_name`` (the model folder's name)."""
 
     adapters: dict[str, str] = field(default_factory=dict)
     """Adapters loaded at startup, ``{name: PEFT folder}``. Trusted (written by the operator), so not
@@ -173,9 +174,18 @@ class LoraStarConfig:
                     raise ValueError(f"api_keys must hold non-empty strings, got {got}")
         if self.admin_token is not None and not isinstance(self.admin_token, str):
             raise ValueError(f"admin_token must be a string or None, got {type(self.admin_token).__name__}")
-        # vLLM's list of names is not supported: a list became the models' id (never matched).
-        if self.served_model_name is not None and not isinstance(self.served_model_name, str):
-            raise ValueError(f"served_model_name must be a string or None, got {self.served_model_name!r}")
+        names = self.served_model_name
+        if names is not None and not isinstance(names, str):
+            if (
+                not isinstance(names, (list, tuple))
+                or not names
+                or not all(isinstance(n, str) and n for n in names)
+                or len(set(names)) < len(names)
+            ):
+                raise ValueError(
+                    "served_model_name must be a string, a list of distinct non-empty strings or None, "
+                    f"got {names!r}"
+                )
         if self.engine_address is not None and not str(self.engine_address).startswith(("tcp://", "ipc://")):
             raise ValueError(f"engine_address must start with tcp:// or ipc://, got {self.engine_address!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

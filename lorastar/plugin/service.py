@@ -107,8 +107,19 @@ class LoraStarService:
 
     @property
     def served_model_name(self) -> str:
-        if self.config.served_model_name:
-            return self.config.served_model_name
+        """The base's name in responses to requests without ``model``, in metrics and as adapters'
+        ``parent``: the first of ``served_model_names``."""
+        return self.served_model_names[0]
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name that selects the base (``config.served_model_name``'s, or the model's)."""
+        names = self.config.served_model_name
+        if isinstance(names, (list, tuple)):
+            return tuple(names)
+        return (names or self._default_model_name(),)
+
+    def _default_model_name(self) -> str:
         if self.engine is not None:
             return self.engine.model_name
         model = self.config.model or self.config.engine.model
@@ -134,7 +145,7 @@ class LoraStarService:
             try:
                 loaded = {a.name for a in self.engine.list_adapters()}
                 for name, path in self.config.adapters.items():
-                    if name == self.served_model_name:
+                    if name in self.served_model_names:
                         raise ValueError(f"adapters: {name!r} is the base model's served name")
                     if name not in loaded:
                         await self.engine.load_adapter(name, str(Path(path).expanduser()))
@@ -223,7 +234,7 @@ class LoraStarService:
 
     async def resolve_model(self, model: str | None) -> str | None:
         """The adapter a request's ``model`` selects (``None``: the base). 404 when unknown."""
-        if not model or model == self.served_model_name:
+        if not model or model in self.served_model_names:
             return None
         if model in self.adapter_names():
             return model

@@ -36,7 +36,7 @@ def build_app(
         raise TypeError(f"config must be a LoraStarConfig, got {type(config).__name__}")
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
-    base_name = LoraStarService(config).served_model_name
+    base_names = LoraStarService(config).served_model_names
     replica_options: dict[str, Any] = {
         "num_replicas": num_replicas,
         "ray_actor_options": ray_actor_options or default_actor_options(config),
@@ -49,4 +49,4 @@ def build_app(
     ingress = serve.deployment(LoraStarIngress).options(
         name="LoraStarIngress", ray_actor_options={"num_cpus": 0}
     )
-    return ingress.bind(replica.bind(config), [base_name, *config.adapters], routing)
+    return ingress.bind(replica.bind(config), [*base_names, *config.adapters], routing)

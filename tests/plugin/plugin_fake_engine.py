@@ -73,6 +73,7 @@ class FakeAsyncLLM:
         self.retry_after = 1.0
         self.adapters: dict[str, FakeAdapter] = {}
         self.running: dict[str, str | None] = {}
+        self.last_adapter: str | None = None  # the adapter of the last request generated
         self.aborted: list[str] = []
         self.started = False
         self.total_prompt = 0
@@ -180,6 +181,7 @@ class FakeAsyncLLM:
             raise ValueError(f"prompt is longer than max_model_len ({len(ids)} >= {self.max_model_len})")
         rid = request_id or "r"
         self.running[rid] = adapter
+        self.last_adapter = adapter
         self.total_prompt += len(ids)
         src = "".join(chr(i) for i in reversed(ids)) or "x"
         if adapter:

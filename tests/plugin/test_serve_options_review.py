@@ -134,7 +134,10 @@ def test_empty_api_key_is_a_usage_error(served: dict[str, Any]) -> None:
         ({"retry_after_seconds": "1"}, "retry_after_seconds must be a number >= 0"),
         ({"shutdown_drain_timeout": -1}, "shutdown_drain_timeout must be a number >= 0"),
         ({"shutdown_drain_timeout": "5"}, "shutdown_drain_timeout must be a number >= 0"),
-        ({"served_model_name": ["a", "b"]}, "served_model_name must be a string or None"),
+        ({"served_model_name": ["a", ""]}, "served_model_name must be a string, a list of distinct"),
+        ({"served_model_name": ["a", "a"]}, "served_model_name must be a string, a list of distinct"),
+        ({"served_model_name": []}, "served_model_name must be a string, a list of distinct"),
+        ({"served_model_name": 5}, "served_model_name must be a string, a list of distinct"),
     ],
 )
 def test_bad_config_values_name_the_field(kwargs: dict[str, Any], text: str) -> None:
@@ -172,3 +175,76 @@ def test_good_api_key_collections_still_guard(caplog: pytest.LogCaptureFixture) 
             r = c.get("/v1/models", headers={"Authorization": "Bearer nope"})
             assert r.status_code == want, (keys, r.text)
             assert c.get("/health").status_code == 200  # open, as vLLM's
+
+
+# ---- several --served-model-name ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "names", "model"),
+    [
+        (("MODEL", "--served-model-name", "a", "b"), ["a", "b"], "MODEL"),  # vLLM's form
+        (("--model", "MODEL", "--served-model-name", "a", "b"), ["a", "b"], "MODEL"),
+        (("--served-model-name", "a", "b", "--model", "MODEL"), ["a", "b"], "MODEL"),
+        (("--served-model-name", "a", "--served-model-name", "b", "MODEL"), ["a", "b"], "MODEL"),
+        (("--served-model-name", "a", "MODEL"), "a", "MODEL"),  # MODEL after one name stays MODEL
+        (("--max-num-seqs", "4", "MODEL", "--served-model-name", "a", "b", "c"), ["a", "b", "c"], "MODEL"),
+        (("MODEL", "--served-model-name", "a", "b", "--port", "0"), ["a", "b"], "MODEL"),
+    ],
+)
+def test_several_served_model_names_as_vllm_serve(
+    served: dict[str, Any], folders: dict[str, Path], args: tuple[str, ...], names: Any, model: str
+) -> None:
+    argv = [str(folders["model"]) if a == "MODEL" else a for a in args]
+    r = _serve(*argv)
+    assert r.exit_code == 0, r.output
+    cfg = served["config"]
+    assert cfg.served_model_name == names and cfg.model == str(folders["model"])
+
+
+def test_an_adapter_named_as_any_served_name_is_refused(
+    served: dict[str, Any], folders: dict[str, Path]
+) -> None:
+    r = _serve(str(folders["model"]), "--served-model-name", "x", "a", "--lora-modules", f"a={folders['a']}")
+    _one_line_error(r, "adapter 'a' has the base model's served name")
+    _one_line_error(_serve("--served-model-name", "x", "--served-model-name", "x"), "list of distinct")
+
+
+def test_every_served_name_selects_the_base_and_is_listed(folders: dict[str, Path]) -> None:
+    """vLLM: each served name is a model card and selects the base (a response echoes the name the
+    request gave); the first is reported where no name was given, and is the adapters' parent."""
+    from litestar.testing import TestClient
+
+    engine = FakeAsyncLLM()
+    cfg = LoraStarConfig(
+        async_engine=engine,
+        served_model_name=["base", "alias"],
+        adapters={"ad": str(folders["a"])},
+        admin_token="t",
+        adapter_root=folders["b"].parent,
+    )
+    with TestClient(create_app(cfg)) as c:
+        cards = c.get("/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in cards] == [("base", None), ("alias", None), ("ad", "base")]
+        assert c.get("/v1/models/alias").json()["id"] == "alias"
+        for name in ("base", "alias"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == name, r.text
+            assert engine.last_adapter is None
+        r = c.post("/v1/completions", json={"model": "ad", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and engine.last_adapter == "ad"
+        r = c.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": "alias", "lora_path": "b"},
+            headers={"Authorization": "Bearer t"},
+        )
+        assert r.status_code == 400 and "clashes with the base model's name" in r.text
+    import asyncio
+
+    from lorastar.plugin.service import LoraStarService
+
+    cfg = LoraStarConfig(
+        async_engine=FakeAsyncLLM(), served_model_name=["x", "base"], adapters={"base": str(folders["a"])}
+    )
+    with pytest.raises(ValueError, match="'base' is the base model's served name"):
+        asyncio.run(LoraStarService(cfg).start())

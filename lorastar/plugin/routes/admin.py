@@ -73,7 +73,7 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
                 "Both 'lora_name' and 'lora_path' must be provided.",
                 param="lora_name" if not name else "lora_path",
             )
-        if name == service.served_model_name:
+        if name in service.served_model_names:
             raise APIError(
                 f"The lora adapter '{name}' clashes with the base model's name.", param="lora_name"
             )

@@ -21,15 +21,16 @@ def build_model_handlers(service: LoraStarService, guards: list[Any]) -> list[An
         now = int(time.time())
         model_path = service.config.model or service.config.engine.model
         root = Path(model_path).name if model_path else base  # never a server path
-        cards = [
+        cards = [  # one per served name, as vLLM lists them
             ModelCard(
-                id=base,
+                id=name,
                 created=service.created,
                 root=root,
                 parent=None,
                 max_model_len=int(engine.max_model_len),
                 permission=[ModelPermission(id=random_id("modelperm"), created=now)],
             )
+            for name in service.served_model_names
         ]
         for a in engine.list_adapters():
             cards.append(
