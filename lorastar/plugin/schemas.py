@@ -163,6 +163,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     chat_template: None = None  # refused (UNSUPPORTED_FIELDS): the server's template is its operator's
     tools: list[Any] | None = None  # OpenAI function definitions, rendered by the chat template
     tool_choice: Any = None  # "auto" (the default with tools; needs a tool_call_parser) or "none"
+    parallel_tool_calls: bool | None = None  # OpenAI's: false keeps an answer's first call only (vLLM's)
 
 
 class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):

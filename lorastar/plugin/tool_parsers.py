@@ -51,6 +51,7 @@ START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 Tools = list[Any] | None  # a request's OpenAI tool definitions
 REQUIRED = "required"  # the parser of tool_choice "required" (not a --tool-call-parser choice)
+REQUIRED_MISTRAL = "required_mistral"  # the same on a mistral server: its calls take Mistral's ids
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
 
@@ -341,14 +342,17 @@ class PythonicParser:
 
 class RequiredParser:
     """``tool_choice: "required"``'s answer, decoded under the tools' JSON schema (vLLM's):
-    ``[{"name": ..., "parameters": {...}}, ...]``, calls from its first character."""
+    ``[{"name": ..., "parameters": {...}}, ...]``, calls from its first character; ids by ``make_id``."""
+
+    def __init__(self, make_id: Any = None) -> None:
+        self.make_id = make_id
 
     def parse(self, text: str, tools: Tools = None) -> tuple[str | None, list[ParsedToolCall]]:
         try:
             objs = json.loads(text)
         except (ValueError, *_DEPTH):
             return text, []  # cut short (max_tokens): the text stays content
-        calls = [_call(o) for o in objs] if isinstance(objs, list) and objs else [None]
+        calls = [_call(o, self.make_id) for o in objs] if isinstance(objs, list) and objs else [None]
         if any(c is None for c in calls):
             return text, []
         return None, calls  # type: ignore[return-value]
@@ -366,6 +370,7 @@ PARSERS: dict[str, ToolCallParser] = {
 }
 TOOL_CALL_PARSERS = tuple(PARSERS)  # --tool-call-parser's choices
 PARSERS[REQUIRED] = RequiredParser()
+PARSERS[REQUIRED_MISTRAL] = RequiredParser(_mistral_id)
 
 
 def parse_tool_calls(

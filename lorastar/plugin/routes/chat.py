@@ -63,6 +63,7 @@ from lorastar.plugin.service import LoraStarService, merge_streams, run_until_di
 from lorastar.plugin.sse import sse_response
 from lorastar.plugin.tool_parsers import (
     REQUIRED,
+    REQUIRED_MISTRAL,
     ParsedToolCall,
     ToolCallStream,
     call_id,
@@ -162,8 +163,11 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
     if choice == "required":
         if not functions:  # no call can satisfy an empty schema: the answer would run to the limit
             raise APIError("tools must not be empty when tool_choice requires a tool call.", param="tools")
-        return ToolChoice(parser=REQUIRED, schema=required_tools_schema(functions))
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        # the calls' ids in the server's form (Mistral's templates take only their own)
+        parser = REQUIRED_MISTRAL if config.tool_call_parser == "mistral" else REQUIRED
+        return ToolChoice(parser=parser, schema=required_tools_schema(functions))
+    fn_choice = choice.get("function") if isinstance(choice, dict) else None
+    name = fn_choice.get("name") if isinstance(fn_choice, dict) else None  # not a dict: the 400 below
     if not (
         isinstance(choice, dict) and choice.get("type", "function") == "function" and isinstance(name, str)
     ):
@@ -393,7 +397,7 @@ async def plan_chat(
         sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
         aliases=aliases, guided_json=tools.schema,
     ))  # fmt: skip
-    if tool_parser and tool_parser != REQUIRED:  # call markers may be control tokens ([TOOL_CALLS])
+    if tool_parser and tool_parser not in (REQUIRED, REQUIRED_MISTRAL):  # markers may be control tokens
         params.skip_special_tokens = False
     reasoning_style = service.config.reasoning_parser
     budget = data.thinking_token_budget
@@ -451,7 +455,9 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         tokenizer = engine.tokenizer
         stream = service.generate(prompt_ids, params, plan.adapter, request_id)
         n = params.n
-        want_lp = bool(data.logprobs)
+        # vLLM's: with the reasoning hidden, so are logprobs (their tokens would spell it out)
+        want_lp = bool(data.logprobs) and (data.include_reasoning or not reasoning_style)
+        one_call = data.parallel_tool_calls is False  # vLLM's: only the first call is returned
         echo_text = ""
         if data.echo and messages and messages[-1].get("role") == "assistant":
             echo_text = messages[-1]["content"] or ""
@@ -515,6 +521,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         )
                     elif parts:
                         reasoning, content, calls = parts[o.index].feed(d.text, final=finish is not None)
+                        calls = calls[:1] if one_call else calls
                         if not data.include_reasoning:
                             reasoning = ""
                         if not (reasoning or content or calls or lp or finish or d.out.finished):
@@ -561,6 +568,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
 
         def choice(o: CompletionOutput) -> ChatCompletionResponseChoice:
             reasoning, content, calls = plan.read(o.text, o.index)
+            calls = calls[:1] if one_call else calls
             if echo_text:
                 content = echo_text + (content or "")
             return ChatCompletionResponseChoice(
