@@ -37,6 +37,18 @@ def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _original_max_positions(p: dict[str, Any], cfg: dict[str, Any]) -> int:
+    """The pretraining context of a scaled RoPE (llama3, yarn, longrope), as transformers'
+    ``standardize_rope_params`` sets it: a top-level ``original_max_position_embeddings`` (Phi-3 writes
+    it there) over the RoPE parameters' own, else ``max_position_embeddings`` (a hand-written
+    ``rope_scaling`` may omit it)."""
+    return int(
+        cfg.get("original_max_position_embeddings")
+        or p.get("original_max_position_embeddings")
+        or cfg["max_position_embeddings"]
+    )
+
+
 def rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
     """Dimensions of each head that rotate (``partial_rotary_factor`` < 1: the first ones only)."""
     p = _rope_parameters(cfg)
@@ -56,7 +68,7 @@ def rope_inv_freq(
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = 1.0
     if p["rope_type"] == "longrope":
-        orig = int(p.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        orig = _original_max_positions(p, cfg)
         factor = p.get("factor") or cfg["max_position_embeddings"] / orig
         scaling = p.get("attention_factor")
         if scaling is None:
@@ -72,7 +84,7 @@ def rope_inv_freq(
         factor = float(p["factor"])
         low_freq_factor = float(p["low_freq_factor"])
         high_freq_factor = float(p["high_freq_factor"])
-        old_len = float(p["original_max_position_embeddings"])
+        old_len = float(_original_max_positions(p, cfg))
         low_freq_wavelen = old_len / low_freq_factor
         high_freq_wavelen = old_len / high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -92,7 +104,7 @@ def _yarn(
     ``beta_fast`` and ``beta_slow`` times over the original context; cos/sin scaled by the attention
     factor ``0.1 ln(factor) + 1`` (or its mscale / mscale_all_dim ratio). transformers'
     ``_compute_yarn_parameters``, step for step."""
-    orig = int(p.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+    orig = _original_max_positions(p, cfg)
     factor = float(p["factor"])  # required (transformers 5 refuses a yarn config without it)
 
     def mscale_of(scale: float, m: float = 1.0) -> float:

@@ -6,7 +6,7 @@ What differs from Llama (transformers' Gemma2/Gemma3 modeling is the reference):
 * token embeddings scaled by ``sqrt(hidden)`` (cast to the weight dtype first, as transformers does);
 * GeGLU MLP (tanh-approximated GELU); softmax scale ``query_pre_attn_scalar ** -0.5``;
 * alternating local (sliding-window) and global layers (``models/layer_types.py``);
-* Gemma 2: attention-logit and final-logit soft-capping ``c * tanh(x / c)``;
+* Gemma 2: attention-logit and final-logit soft-capping ``c * tanh(x / c)`` (Gemma 3: final only);
 * Gemma 3: per-head q/k norms (Gemma style) and a RoPE base per layer type (local 10k, global 1M,
   the global one possibly linearly scaled).
 
@@ -70,7 +70,9 @@ class GemmaAttention(Attention):
     ) -> None:
         super().__init__(cfg, layer_idx, dtype, quant, rope, sliding_window)
         self.scale = float(cfg.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
-        self.softcap = float(cfg.get("attn_logit_softcapping") or 0.0)
+        # Gemma 2 only: Gemma 3's attention ignores attn_logit_softcapping (transformers, vLLM).
+        if cfg.get("model_type") == "gemma2":
+            self.softcap = float(cfg.get("attn_logit_softcapping") or 0.0)
         if cfg.get("model_type") in ("gemma3", "gemma3_text"):
             eps = cfg.get("rms_norm_eps", 1e-6)
             self.q_norm = GemmaRMSNorm(self.head_dim, eps, dtype)

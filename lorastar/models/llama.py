@@ -39,7 +39,9 @@ def layer_type_rope_config(cfg: dict[str, Any], layer_type: str) -> dict[str, An
     5 writes them so for Gemma 3 and OLMo 3), else the model's one set."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and layer_type in params:
-        return {**cfg, "rope_parameters": params[layer_type], "rope_scaling": None}
+        # Nested: the layer type's own original context only (transformers ignores the top level's).
+        nested = {"rope_parameters": params[layer_type], "rope_scaling": None}
+        return {**cfg, **nested, "original_max_position_embeddings": None}
     return cfg
 
 
