@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -15,6 +16,7 @@ from litestar.status_codes import HTTP_200_OK
 from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from lorastar.engine.sampling import SamplingParams
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
     ChoiceDelta,
@@ -162,6 +164,15 @@ async def _prompts_only(
             yield i, _prompt_only(out)
 
 
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    """``params`` for one prompt: its own ``max_tokens`` (checked already: ``params`` holds the least)."""
+    if params.max_tokens == max_tokens:
+        return params
+    own = copy.copy(params)
+    own.max_tokens = max_tokens
+    return own
+
+
 def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any:
     @generation_route(
         "/completions", "OpenAI completions", CompletionResponse, CompletionStreamResponse, guards
@@ -211,19 +222,23 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                 c if len(c) < len(ids) else p for p, ids, c in zip(prompts, token_ids, cut, strict=True)
             ]
             token_ids = cut
-        if max_tokens is None:  # the default 16, shortened when a prompt leaves less room
-            max_tokens = max(1, min([16, *(max_model_len - len(ids) for ids in token_ids)]))
-        for ids in token_ids:
-            check_length(max_model_len, len(ids), max_tokens, chat=False)
+        # vLLM's default 16 per prompt, shortened when that prompt leaves less room (not the others)
+        limits = [
+            max_tokens if max_tokens is not None else max(1, min(16, max_model_len - len(ids)))
+            for ids in token_ids
+        ]
+        for ids, limit in zip(token_ids, limits, strict=True):
+            check_length(max_model_len, len(ids), limit, chat=False)
         params = await in_thread(partial(  # a schema's check can take long: never on the event loop
-            sampling_params, data, max_tokens=max_tokens, logprobs=data.logprobs,
+            sampling_params, data, max_tokens=min(limits), logprobs=data.logprobs,
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
         ))  # fmt: skip
         request_id = random_id("cmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name
         streams = [
-            service.generate(ids, params, adapter, f"{request_id}-{i}") for i, ids in enumerate(token_ids)
+            service.generate(ids, _with_max_tokens(params, limit), adapter, f"{request_id}-{i}")
+            for i, (ids, limit) in enumerate(zip(token_ids, limits, strict=True))
         ]
         n = params.n
         num_top = data.logprobs or 0
