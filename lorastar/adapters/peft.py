@@ -84,6 +84,8 @@ _BASE_CHANGING_INITS: dict[str, str] = {
     "corda": "CorDA trains against the base less its initial B.A",
     "olora": "OLoRA trains against the base less its initial B.A",
     "loftq": "LoftQ trains against a quantized base",
+    # PEFT's from_pretrained cannot redo it (no gradients): it silently serves base + B.A.
+    "lora_ga": "LoRA-GA trains against the base less its initial B.A",
 }
 
 
@@ -265,8 +267,8 @@ def _validate_config(
     if (why := _base_changing_init(init)) is not None:
         raise _fail(
             cfg_path,
-            f"refused: init_lora_weights={init!r} ({why}; PEFT changes the base when it loads the "
-            "adapter, and the base here is shared). Convert it to a plain LoRA first: PEFT's "
+            f"refused: init_lora_weights={init!r} ({why}; it was trained against a base changed at "
+            "initialization, and the base here is shared). Convert it to a plain LoRA first: PEFT's "
             "save_pretrained(..., path_initial_model_for_weight_conversion=<the initial adapter>)",
         )
     if cfg.get("modules_to_save"):
@@ -286,7 +288,9 @@ def _validate_config(
             except re.error as e:
                 raise _fail(cfg_path, f"target_modules regex {targets!r} is invalid: {e}") from e
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        unknown = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in (*supported, *unserved)})
+        # A Llama-family name this model lacks (q_proj on Phi-3, qkv_proj on Llama) matches no module
+        # of the HF model either: PEFT wrapped none, so it is a no-op (a tensor for it is refused below).
+        unknown = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in (*MODULE_GROUP, *unserved)})
         if unknown:
             raise _fail(
                 cfg_path,
