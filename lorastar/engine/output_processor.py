@@ -164,6 +164,7 @@ class OutputProcessor:
         detok = s.detok
         assert detok is not None
         last = len(delta.token_ids) - 1
+        unchecked = 0  # characters of text the loop's stop-string search has not seen
         for i, tok in enumerate(delta.token_ids):
             s.token_ids.append(tok)
             if delta.logprobs is not None:
@@ -177,7 +178,9 @@ class OutputProcessor:
             # does (with skip_special_tokens=False an EOS would otherwise end the text).
             if i == last and delta.finish_reason == "stop":
                 if p.include_stop_str_in_output:
-                    s.text += detok.add(tok)
+                    new_text = detok.add(tok)
+                    s.text += new_text
+                    unchecked = len(new_text)
                 break
             new_text = detok.add(tok)
             s.text += new_text
@@ -191,9 +194,21 @@ class OutputProcessor:
                     s.finish_reason, s.stop_reason = "stop", stop_str
                     return stop_str
         if delta.finish_reason is not None:
-            if delta.finish_reason != "abort":
-                s.text += detok.flush()
-            s.finish_reason, s.stop_reason = delta.finish_reason, delta.stop_reason
+            reason, stop_reason = delta.finish_reason, delta.stop_reason
+            if reason != "abort":
+                # Text held back for an incomplete character ("b " of "b " + half an emoji), out
+                # with the EOS kept or at the flush, is text too: a stop string in it cuts it (and
+                # comes before the length limit; EOS and stop token ids stay the reason).
+                new_text = detok.flush()
+                s.text += new_text
+                unchecked += len(new_text)
+                if p.stop and len(s.token_ids) > p.min_tokens:
+                    hit = find_stop(s.text, unchecked, p.stop, p.include_stop_str_in_output)
+                    if hit is not None:
+                        s.text = s.text[: hit[0]]
+                        if reason == "length":
+                            reason, stop_reason = "stop", hit[1]
+            s.finish_reason, s.stop_reason = reason, stop_reason
         return None
 
     def _whole(self, st: _RequestState, samples: list[SampleDelta]) -> None:
