@@ -76,6 +76,104 @@ def _refusal(field: str, exc: BaseException) -> InvalidParamError:
     return InvalidParamError(field, f"{field}: invalid {_WHAT.get(field, 'grammar')}: {_clean(exc)}.")
 
 
+# String formats xgrammar enforces (vLLM's STRING_SUPPORTED_FORMATS); another one it ignores.
+STRING_FORMATS = frozenset(
+    {
+        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+        "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+    }
+)  # fmt: skip
+# Keywords whose value is a map of names to schemas, and those whose value is data, not a schema.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA = frozenset({"enum", "const", "default", "examples"})
+
+
+def _types(schema: dict[str, Any]) -> set[str]:
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    return {t for t in kinds if isinstance(t, str)}
+
+
+def _ignored_keyword(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """A keyword of this one schema (not its subschemas) that xgrammar compiles without enforcing,
+    as ``(what to say, the key that loosens it away)``: vLLM's ``has_xgrammar_unsupported_json_features``,
+    less what the installed xgrammar (0.2.8) does enforce (an integer's integral ``multipleOf``,
+    ``uniqueItems: false``, ``patternProperties`` and ``propertyNames`` beside ``properties``; each
+    checked against its matcher). A ``format`` xgrammar does not know is not refused: JSON Schema
+    makes ``format`` an annotation unless a validator opts in (pydantic writes ``"password"``,
+    OpenAPI tools ``"int64"``)."""
+    types = _types(schema)
+    step = schema.get("multipleOf")
+    if types & {"integer", "number"} and "multipleOf" in schema:
+        integral = isinstance(step, int) or (isinstance(step, float) and step.is_integer())
+        if "number" in types or not integral:
+            return "'multipleOf'", "multipleOf"
+    if "array" in types:
+        if schema.get("uniqueItems") is True:
+            return "'uniqueItems'", "uniqueItems"
+        for key in ("contains", "minContains", "maxContains"):
+            if key in schema:
+                return f"'{key}'", key
+    if "string" in types:
+        known_format = isinstance(schema.get("format"), str) and schema["format"] in STRING_FORMATS
+        if ("pattern" in schema or known_format) and (bound := _length_bound(schema)):
+            return f"'{bound}' with '{'pattern' if 'pattern' in schema else 'format'}'", bound
+    if "object" in types and isinstance(names := schema.get("propertyNames"), dict):
+        if ("pattern" in names or "format" in names) and (bound := _length_bound(names)):
+            what = f"'propertyNames' with '{bound}' and '{'pattern' if 'pattern' in names else 'format'}'"
+            return what, "propertyNames"
+        if schema.get("unevaluatedProperties", True) is not True:
+            return "'unevaluatedProperties' with 'propertyNames'", "unevaluatedProperties"
+    return None
+
+
+def _length_bound(schema: dict[str, Any]) -> str | None:
+    return next((k for k in ("minLength", "maxLength") if k in schema), None)
+
+
+def unenforced_json_feature(schema: Any, where: str = "#") -> str | None:
+    """The first keyword of ``schema`` (a JSON schema, parsed) that xgrammar would silently ignore,
+    with where it is (a JSON pointer), e.g. ``"'uniqueItems' at #/properties/tags"``; None where
+    there is none. vLLM refuses such a schema with its xgrammar backend (as the only backend here,
+    a 400) rather than return output that breaks it."""
+    if not isinstance(schema, dict):
+        return None
+    if (keyword := _ignored_keyword(schema)) is not None:
+        return f"{keyword[0]} at {where}"
+    for key, value in schema.items():
+        if key in _DATA:
+            continue
+        path = f"{where}/{key}"
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            subs = [
+                (f"{path}/{str(name).replace('~', '~0').replace('/', '~1')}", sub)
+                for name, sub in value.items()
+            ]
+        elif isinstance(value, list):
+            subs = [(f"{path}/{i}", sub) for i, sub in enumerate(value)]
+        else:
+            subs = [(path, value)]
+        for sub_where, sub in subs:
+            if (found := unenforced_json_feature(sub, sub_where)) is not None:
+                return found
+    return None
+
+
+def strip_unenforced(schema: Any) -> Any:
+    """A copy of ``schema`` without the keywords xgrammar would ignore (``unenforced_json_feature``'s),
+    so it compiles to the same grammar and is not refused: for the schemas a server builds from a
+    request's tools (a forced tool call), which were written to describe a function, not to
+    constrain decoding, and which vLLM's default "auto" backend serves through another backend."""
+    if isinstance(schema, list):
+        return [strip_unenforced(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA else strip_unenforced(v)) for k, v in schema.items()}
+    while (keyword := _ignored_keyword(out)) is not None:
+        del out[keyword[1]]
+    return out
+
+
 def parse_grammar(params: SamplingParams) -> Any:
     """``params``' constraint as an xgrammar ``Grammar`` (no tokenizer needed), or None where it has
     none; ``InvalidParamError`` naming the field where xgrammar cannot parse it. Also a frontend's
@@ -87,6 +185,10 @@ def parse_grammar(params: SamplingParams) -> Any:
     import xgrammar as xgr
 
     field, text = spec
+    if field == "guided_json" and (found := unenforced_json_feature(json.loads(text))) is not None:
+        raise InvalidParamError(  # vLLM's validate_xgrammar_grammar
+            field, f"{field}: the JSON schema uses {found}, which the xgrammar backend does not enforce."
+        )
     any_whitespace = not params.disable_any_whitespace
     try:
         if field == "guided_regex":

@@ -16,6 +16,7 @@ from msgspec import UNSET
 
 from lorastar.engine.outputs import CompletionOutput
 from lorastar.engine.sampling import SamplingParams
+from lorastar.engine.structured import strip_unenforced
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
@@ -165,7 +166,7 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
             raise APIError("tools must not be empty when tool_choice requires a tool call.", param="tools")
         # the calls' ids in the server's form (Mistral's templates take only their own)
         parser = REQUIRED_MISTRAL if config.tool_call_parser == "mistral" else REQUIRED
-        return ToolChoice(parser=parser, schema=required_tools_schema(functions))
+        return ToolChoice(parser=parser, schema=strip_unenforced(required_tools_schema(functions)))
     fn_choice = choice.get("function") if isinstance(choice, dict) else None
     name = fn_choice.get("name") if isinstance(fn_choice, dict) else None  # not a dict: the 400 below
     if not (
@@ -181,7 +182,7 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, config: LoraStarConfi
     fn = next((f for f in functions if f["name"] == name), None)
     if fn is None:
         raise APIError(f"tool_choice names {name!r}, which is not in tools.", param="tool_choice")
-    return ToolChoice(schema=_parameters(fn), function=name)
+    return ToolChoice(schema=strip_unenforced(_parameters(fn)), function=name)
 
 
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
