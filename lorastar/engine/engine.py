@@ -419,10 +419,12 @@ class LLMEngine(PromptInputs):
             )
         if params.use_beam_search:
             # Beams advance in lockstep: all of them must hold their blocks at once, or the
-            # scheduler preempts one to grow another forever. Full prompt blocks are shared.
+            # scheduler preempts one to grow another forever. Full prompt blocks are shared: a
+            # preempted beam gets them back from the prefix cache; without it, it recomputes its
+            # prompt into blocks of its own (so the sharing can't be counted on).
             bs = self.kv_spec.block_size
             total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
-            shared = num_prompt_tokens // bs
+            shared = num_prompt_tokens // bs if self.block_manager.enable_prefix_caching else 0
             need = shared + params.n * (-(-total // bs) - shared)
             if need > self.kv_spec.num_blocks:
                 raise LimitExceededError(
