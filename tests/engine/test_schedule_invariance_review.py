@@ -200,6 +200,17 @@ def test_abort_mid_prefill_or_preempted_leaves_others_alone(
             _same(ref, out)
 
 
+def _drain(engine: Any, late: tuple[list[int], SamplingParams]) -> None:
+    """Step ``engine`` until it is idle, adding ``late`` at step 3 (it competes for the blocks)."""
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 3:
+            engine.add_request(*late)
+        engine.step()
+        steps += 1
+        assert steps < 200, "the engine livelocked"
+
+
 def test_beam_search_without_prefix_cache_never_livelocks(model) -> None:  # noqa: ANN001
     """Without the prefix cache a preempted beam recomputes its prompt into blocks of its own: a
     beam search whose beams only fit while sharing their prompt blocks used to pass the admission
@@ -215,23 +226,11 @@ def test_beam_search_without_prefix_cache_never_livelocks(model) -> None:  # noq
         engine.add_request(prompt, beam)
     assert not engine.requests and engine.block_manager.num_used_blocks == 0
     engine.add_request(prompt[:17], beam)  # 7 blocks a beam, unshared: 14 fit, even preempted
-    steps = 0
-    while engine.has_unfinished():
-        if steps == 3:
-            engine.add_request(_prompt(20, 10), other)
-        engine.step()
-        steps += 1
-        assert steps < 200, "the engine livelocked"
+    _drain(engine, late=(_prompt(20, 10), other))
     assert engine.block_manager.num_used_blocks == 0
     # With the prefix cache a preempted beam takes the shared prompt blocks back: it fits and ends.
     engine = _engine(model, cfg)
     engine.add_request(prompt, beam)
-    steps = 0
-    while engine.has_unfinished():
-        if steps == 3:
-            engine.add_request(_prompt(20, 10), other)
-        engine.step()
-        steps += 1
-        assert steps < 200, "the engine livelocked"
+    _drain(engine, late=(_prompt(20, 10), other))
     assert engine.scheduler.stats.num_preemptions > 0
     assert engine.block_manager.num_used_blocks == 0
