@@ -11,12 +11,16 @@ def layer_windows(cfg: dict[str, Any]) -> list[int]:
     transformers 5 writes ``layer_types`` ("sliding_attention" / "full_attention"); older configs
     imply them: Mistral windows every layer when ``sliding_window`` is set; Qwen2/Qwen3 only with
     ``use_sliding_window``, from layer ``max_window_layers`` on; Gemma 2 alternates (even layers
-    local); Gemma 3 makes every ``sliding_window_pattern``-th layer global.
+    local); Gemma 3 makes every ``sliding_window_pattern``-th layer global. Llama, Granite and OLMo 2
+    attend fully whatever ``sliding_window`` says unless ``layer_types`` name windowed layers
+    (transformers' modeling never reads the field; vLLM reads it only through ``layer_types``).
     """
     n = int(cfg["num_hidden_layers"])
     window = int(cfg.get("sliding_window") or 0)
     model_type = cfg.get("model_type", "llama")
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = 0
+    if model_type in ("llama", "granite", "olmo2") and not cfg.get("layer_types"):
         window = 0
     if window <= 0:
         return [0] * n

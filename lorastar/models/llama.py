@@ -30,6 +30,10 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / Phi-4-mini: fused qkv_proj / gate_up_proj checkpoints
 }
+# family -> the transformers config class whose defaults complete a config.json (text_config)
+_DEFAULTS_FROM = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                  "qwen3": "Qwen3Config", "phi3": "Phi3Config", "granite": "GraniteConfig",
+                  "olmo2": "Olmo2Config"}  # fmt: skip
 # Families whose checkpoints (and so their PEFT adapters) store the fused modules themselves.
 FUSED_CHECKPOINT_FAMILIES = ("phi3",)
 
@@ -252,8 +256,14 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def text_config(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        """The decoder's config from ``config.json`` (a multimodal config's text part, completed)."""
-        return cfg
+        """The decoder's config: ``config.json`` with the fields it omits filled from the family's
+        transformers config class, as transformers and vLLM read it (OLMo 2's and Phi-3's
+        ``rms_norm_eps`` default to 1e-5, not Llama's 1e-6). A family without a class here (its
+        subclass completes its own) is taken as written."""
+        name = _DEFAULTS_FROM.get(cls.architectures.get(check_architecture(cfg, cls.architectures), ""))
+        if name is None:
+            return cfg
+        return {**transformers_defaults(cfg, name), **cfg}
 
     def __init__(
         self,

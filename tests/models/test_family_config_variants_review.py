@@ -48,6 +48,13 @@ def _set_nested_original(n: int) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def _drop(field: str) -> Callable[[dict[str, Any]], None]:
+    def edit(cfg: dict[str, Any]) -> None:
+        cfg.pop(field)
+
+    return edit
+
+
 # id -> (transformers family, config kwargs, config.json edit, prompt length, engine max positions)
 VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None] | None, int, int]] = {
     # yarn / llama3 without original_max_position_embeddings: transformers takes max_position_embeddings
@@ -82,6 +89,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[dict[str, Any]], None] 
     "phi3-window-partial-rotary": ("Phi3", {"sliding_window": 8, "partial_rotary_factor": 0.5}, None, 40, 256),
     "granite-head-dim-biases": ("Granite", {"head_dim": 32, "attention_bias": True, "mlp_bias": True,
                                             "attention_multiplier": 0.1, "logits_scaling": 4.0}, None, 40, 256),
+    # Llama, Granite and OLMo 2 attend fully whatever sliding_window says (transformers and vLLM read it
+    # only through layer_types); Mistral and Phi-3 window every layer
+    "llama-window-ignored": ("Llama", {"sliding_window": 8}, None, 40, 256),
+    "granite-window-ignored": ("Granite", {"sliding_window": 8}, None, 40, 256),
+    "olmo2-window-ignored": ("Olmo2", {"sliding_window": 8}, None, 40, 256),
+    "mistral-window": ("Mistral", {"sliding_window": 8}, None, 40, 256),
+    # a config.json without rms_norm_eps: each family's transformers default (OLMo 2, Phi-3: 1e-5)
+    "olmo2-eps-omitted": ("Olmo2", {}, _drop("rms_norm_eps"), 40, 256),
+    "phi3-eps-omitted": ("Phi3", {}, _drop("rms_norm_eps"), 40, 256),
+    "llama-eps-omitted": ("Llama", {}, _drop("rms_norm_eps"), 40, 256),
 }  # fmt: skip
 
 
