@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lorastar.forward_context import AttentionMetadata, ForwardContext, to_device
 from lorastar.kernels.cpu_native import DTYPES as CPU_NATIVE_DTYPES
 from lorastar.kernels.cpu_native import paged_decode as cpu_paged_decode
-from lorastar.kernels.paged_attention import paged_attention, reshape_and_cache
+from lorastar.kernels.paged_attention import _to_cache_dtype, paged_attention, reshape_and_cache
 
 
 @dataclass
@@ -175,6 +175,12 @@ def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype:
     return x
 
 
+def _fp8_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as ``_read_blocks`` gives it back once ``reshape_and_cache`` has stored it."""
+    y = _to_cache_dtype(x, cache_dtype, scale).to(x.dtype)
+    return y * scale if scale != 1.0 else y
+
+
 def _sdpa(
     q: torch.Tensor,  # [..., Hq, q, D]
     k: torch.Tensor,  # [..., Hkv, L, D]
@@ -258,6 +264,11 @@ def attention_forward(
         if ctx_blocks is None:  # the whole sequence is in this chunk: K/V are the fresh tensors
             kk = k[start : start + qlen].transpose(0, 1)
             vv = v[start : start + qlen].transpose(0, 1)
+            # FP8 cache: attend over the values it holds, as a chunk after cached context, later
+            # steps and the Triton path do (vLLM reads the cache): else the schedule changes outputs.
+            if k_cache.dtype != q.dtype:
+                kk = _fp8_round_trip(kk, k_cache.dtype, ks)
+                vv = _fp8_round_trip(vv, v_cache.dtype, vs)
             mask = None
             if sliding_window > 0:
                 mask = torch.ones(qlen, qlen, dtype=torch.bool).tril().triu(-(sliding_window - 1))
