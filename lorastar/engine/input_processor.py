@@ -106,6 +106,7 @@ class InputProcessor:
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self.check_prompt_size(prompt)
+        _check_unicode(prompt, "prompt")
         return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
 
     def check_prompt_size(self, text: str | Sequence[str], param: str = "prompt") -> None:
@@ -133,6 +134,7 @@ class InputProcessor:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The messages rendered by the model's chat template, then tokenized; ``add_special_tokens``
         (vLLM's field, off by default: templates write their own BOS) adds what the tokenizer adds to
@@ -140,7 +142,8 @@ class InputProcessor:
         ``add_generation_prompt``) leaves the last message open for the model to continue (an
         assistant prefill); ``chat_template_kwargs`` are extra template variables (Qwen3's
         ``enable_thinking``), never one of ``apply_chat_template``'s own parameters; ``tools``: the
-        OpenAI function definitions, which the template renders into the prompt (its ``tools``)."""
+        OpenAI function definitions, which the template renders into the prompt (its ``tools``);
+        ``documents``: vLLM's RAG documents (``{"title", "text"}``), the template's ``documents``."""
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise InvalidParamError("messages", "messages must be a list of {'role', 'content'} objects")
         if not messages:
@@ -149,6 +152,10 @@ class InputProcessor:
             not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools)
         ):
             raise InvalidParamError("tools", "tools must be a list of objects")
+        if documents is not None and (
+            not isinstance(documents, list) or not all(isinstance(d, Mapping) for d in documents)
+        ):
+            raise InvalidParamError("documents", "documents must be a list of objects")
         if continue_final_message and add_generation_prompt:
             raise InvalidParamError(
                 "continue_final_message",
@@ -157,17 +164,20 @@ class InputProcessor:
         extra = self._template_kwargs(chat_template_kwargs)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
-        self.check_prompt_size([c for m in messages if isinstance(c := m.get("content"), str)], "messages")
+        texts = [c for m in messages if isinstance(c := m.get("content"), str)]
+        texts += [v for d in documents or [] for v in d.values() if isinstance(v, str)]  # in the prompt too
+        self.check_prompt_size(texts, "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=[dict(t) for t in tools] if tools else None,
-                **extra,
+                documents=[dict(d) for d in documents] if documents else None, **extra,
             )  # fmt: skip
         except Exception as exc:  # jinja's UndefinedError / TemplateError: what the messages lack
             raise InvalidParamError(
                 "messages", f"messages could not be rendered by the chat template: {exc}"
             ) from exc
+        _check_unicode(text, "messages")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def _template_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -223,6 +233,18 @@ class InputProcessor:
         return text, ids
 
 
+def _check_unicode(text: str, param: str) -> None:
+    """Refuse text holding a lone surrogate (Python's API lets one in, e.g. from a file read with
+    ``errors="surrogateescape"``; JSON bodies cannot): the tokenizer raised a ``TypeError`` naming
+    no field ("TextEncodeInput must be Union[...]")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidParamError(
+            param, f"{param} is not valid Unicode: it holds a lone surrogate ({exc.object[exc.start]!r})."
+        ) from None
+
+
 def prompt_of_dict(prompt: Mapping[str, Any]) -> str | list[int]:
     """The text or token ids of vLLM's TextPrompt / TokensPrompt dict (token ids win where both are
     given, as in vLLM); a key lorastar does not take (``multi_modal_data``...) is refused, naming it."""
@@ -268,9 +290,10 @@ class PromptInputs:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return self.inputs.apply_chat_template(
             messages, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
+            tools=tools, documents=documents,
         )  # fmt: skip

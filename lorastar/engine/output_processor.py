@@ -45,6 +45,7 @@ class _Sample:
     sent_tokens: int = 0  # DELTA: output tokens and text characters handed out already
     sent_chars: int = 0
     sent_finish: bool = False  # DELTA: its finish went out (a finished sample is not sent again)
+    held: list[int] = field(default_factory=list)  # hold_back's memo over this sample's growing text
 
 
 @dataclass(eq=False)
@@ -237,7 +238,7 @@ class OutputProcessor:
                 continue
             text = s.text
             if s.finish_reason is None and p.stop:
-                text = text[: len(text) - hold_back(text, p.stop)]  # never stream a partial stop
+                text = text[: len(text) - hold_back(text, p.stop, s.held)]  # never stream a partial stop
             ids, lps = s.token_ids, s.logprobs
             if delta:
                 text, s.sent_chars = text[s.sent_chars :], max(s.sent_chars, len(text))
