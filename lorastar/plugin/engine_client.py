@@ -75,6 +75,7 @@ class EngineClient(Protocol):
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
     ) -> list[int]: ...
 
     def stats(self) -> EngineStats | None: ...

@@ -125,10 +125,13 @@ ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class ChatContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's content; only ``{"type": "text", "text": ...}`` is served."""
+    """One part of a message's content; only text is served: ``{"type": "text", "text": ...}``
+    (also ``input_text`` / ``output_text``, vLLM's) and an assistant's ``{"type": "refusal",
+    "refusal": ...}`` (OpenAI's), each as its text."""
 
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessageParam(msgspec.Struct, kw_only=True):
@@ -157,6 +160,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS etc. on top of the template's
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking)
+    documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, the template's ``documents``
     include_reasoning: bool = True  # vLLM's: False drops reasoning_content (with a reasoning parser)
     # vLLM's: at most this many tokens of thinking, then the block's end tag (with a reasoning parser)
     thinking_token_budget: Annotated[int, msgspec.Meta(ge=0)] | None = None

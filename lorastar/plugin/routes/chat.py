@@ -71,15 +71,20 @@ from lorastar.plugin.tool_parsers import (
     parse_tool_calls,
 )
 
+# vLLM's text part types (a refusal's text is its ``refusal``)
+_TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
 
 def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts: list[str] = []
     for part in content:
-        if part.type != "text" or part.text is None:
+        if part.type not in _TEXT_PARTS:
             raise APIError(f"messages[{index}].content: only text parts are supported.", param="messages")
-        parts.append(part.text)
+        text = part.refusal if part.type == "refusal" else part.text
+        if text is not None:  # vLLM skips a text part without its text
+            parts.append(text)
     return "\n".join(parts)
 
 
@@ -273,6 +278,7 @@ async def render_messages(
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The messages as the template takes them and their token ids, rendered on a worker thread.
     A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
@@ -280,11 +286,13 @@ async def render_messages(
     own ``chat_template`` never gets here: the schemas refuse it, as vLLM does unless its operator
     trusts clients' templates.)"""
     normalized = _normalize_messages(messages)
+    # documents only when sent: an engine client written before them takes no such argument
+    extra: dict[str, Any] = {"documents": documents} if documents is not None else {}
     ids = await in_thread(
         partial(
             engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
-            tools=tools,
+            tools=tools, **extra,
         )
     )  # fmt: skip
     return normalized, list(ids)
@@ -382,7 +390,7 @@ async def plan_chat(
     messages, prompt_ids = await render_messages(
         engine, data.messages, data.add_generation_prompt, data.add_special_tokens,
         continue_final_message=data.continue_final_message,
-        chat_template_kwargs=data.chat_template_kwargs, tools=data.tools,
+        chat_template_kwargs=data.chat_template_kwargs, tools=data.tools, documents=data.documents,
     )  # fmt: skip
     prompt_ids = truncate_prompt(prompt_ids, data.truncate_prompt_tokens, int(engine.max_model_len))
     requested = data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
