@@ -229,13 +229,22 @@ def handler_map(handler: Any) -> dict[Any, Any]:
     return {**dict.fromkeys(classes, handler), **dict.fromkeys(OWN_STATUSES, handler)}
 
 
+def app_path(scope: Any) -> str:
+    """The path an app routes on: ``scope["path"]`` less ``root_path`` (uvicorn's ``--root-path``,
+    Starlette's ``Mount`` and Ray Serve's ``route_prefix`` put the prefix in both)."""
+    path, root = scope["path"], (scope.get("root_path") or "").rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root) :] or "/"
+    return str(path)
+
+
 def scoped_handler(prefixes: tuple[str, ...], handler: Any, fallback: Any) -> Any:
     """An app-level handler for 404/405: OpenAI errors under the plugin's paths (unknown routes
     and wrong methods never reach a route, so the router's handlers do not see them); the
     app's own handling (``fallback``, else Litestar's default) everywhere else."""
 
     def scoped(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
-        path = request.url.path
+        path = app_path(request.scope)  # (``request.url.path`` repeats a root_path)
         if any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes):
             return handler(request, exc)  # type: ignore[no-any-return]
         if fallback is not None:

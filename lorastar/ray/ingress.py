@@ -16,21 +16,21 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from lorastar.plugin.errors import APIError
+from lorastar.plugin.errors import APIError, app_path
 from lorastar.ray.asgi_call import ResponseStart
 
 ROUTINGS = ("multiplexed", "adapter_blind")
 
 
-def model_of(method: str, body: bytes) -> str | None:
-    """The ``model`` field of a JSON object body, else ``None`` (the routes report bad bodies)."""
+def model_of(method: str, body: bytes, field: str = "model") -> str | None:
+    """The ``model`` (or ``field``) of a JSON object body, else ``None`` (the routes report bad bodies)."""
     if method.upper() != "POST" or not body:
         return None
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
-    model = data.get("model") if isinstance(data, dict) else None
+    model = data.get(field) if isinstance(data, dict) else None
     return model if isinstance(model, str) and model else None
 
 
@@ -50,6 +50,9 @@ class LoraStarIngress:
 
     def adapter_of(self, method: str, body: bytes) -> str | None:
         model = model_of(method, body)
+        if model is None or model in self.base_names:
+            # LoRAX's ``adapter_id`` names the adapter when ``model`` does not (the routes accept it)
+            model = model_of(method, body, "adapter_id") if b'"adapter_id"' in body else None
         return None if model is None or model in self.base_names else model
 
     async def __call__(self, request: Request) -> Response:
@@ -61,7 +64,7 @@ class LoraStarIngress:
         stream = self.replicas.options(**options).handle_http.remote(
             adapter,
             request.method,
-            request.url.path,
+            app_path(request.scope),  # relative to serve.run's route_prefix (the scope's root_path)
             request.url.query.encode(),
             [(k.lower(), v) for k, v in request.headers.raw],
             body,
