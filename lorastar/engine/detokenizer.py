@@ -45,12 +45,7 @@ class IncrementalDetokenizer:
         self._decode_kwargs: dict[str, Any] = {"skip_special_tokens": skip_special_tokens}
         if _accepts_cleanup_kwarg(tokenizer):
             self._decode_kwargs["clean_up_tokenization_spaces"] = False
-        tail = list(prompt_token_ids[-INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET:])
-        # A prompt given as ids may end inside a character: its bytes are no context (the output's
-        # would complete it, so the text would not be decode(output ids)), and DecodeStream, whose
-        # seeded prefix is then "", would emit the prompt tail's text as output.
-        while tail and self._decode(tail).endswith(_REPLACEMENT_CHAR):
-            tail.pop()
+        tail = self._context(prompt_token_ids)
         # _ids = prompt tail + output ids; the windows below index into it.
         self._ids: list[int] = tail
         self._num_prompt = len(tail)
@@ -112,8 +107,7 @@ class IncrementalDetokenizer:
         context = self._ids[
             max(0, self._streamed - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET) : self._streamed
         ]
-        text = self._decode(context + self._ids[self._streamed :])
-        delta = text[len(self._decode(context)) :]
+        delta = self._after(context, self._ids[self._streamed :])
         self._streamed = len(self._ids)
         return self._emit(delta) if delta else ""
 
@@ -123,6 +117,33 @@ class IncrementalDetokenizer:
         return delta
 
     # ------------------------------------------------------------------ internals
+
+    def _context(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt tail that gives the first output token its left context."""
+        # A tail of whole characters, as vLLM looks for one: a tail starting inside a character
+        # decodes to U+FFFD, and byte-fallback decoders turn the whole byte run into U+FFFD (the
+        # trim below would then drop all of it, and Llama's "▁the" would lose its space).
+        n = INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET
+        for size in range(min(n, len(prompt)), min(n + 3, len(prompt)) + 1):  # a character: <= 4 bytes
+            tail = list(prompt[len(prompt) - size :])
+            if _REPLACEMENT_CHAR not in self._decode(tail):
+                return tail
+        # A prompt given as ids may end inside a character: its bytes are no context (the output's
+        # would complete it, so the text would not be decode(output ids)), and DecodeStream, whose
+        # seeded prefix is then "", would emit the prompt tail's text as output.
+        tail = list(prompt[-n:])
+        while tail and self._decode(tail).endswith(_REPLACEMENT_CHAR):
+            tail.pop()
+        return tail
+
+    def _after(self, context: list[int], rest: list[int]) -> str:
+        """The text ``rest`` adds after ``context`` (already emitted)."""
+        text, prefix = self._decode(context + rest), self._decode(context)
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+        # Byte fallback made the context's bytes one invalid run with the rest's (an incomplete
+        # character at the end): all U+FFFD, the emitted context's too. The rest alone, then.
+        return self._decode(rest)
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -137,7 +158,10 @@ class IncrementalDetokenizer:
             return ""
         if new_text.endswith(_REPLACEMENT_CHAR) and not final:
             return ""
-        delta = new_text[len(prefix_text) :]
+        if final and not new_text.startswith(prefix_text):  # byte fallback rewrote the context (_after)
+            delta = self._decode(self._ids[self._read_offset :])
+        else:
+            delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return self._emit(delta)
