@@ -174,7 +174,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.device not in _DEVICES:
             raise ValueError(f"device must be one of {_DEVICES}, got {self.device!r}")
-        if isinstance(self.dtype, str) and self.dtype not in _DTYPES:
+        is_torch_dtype = f"{type(self.dtype).__module__}.{type(self.dtype).__qualname__}" == "torch.dtype"
+        if self.dtype not in _DTYPES if isinstance(self.dtype, str) else not is_torch_dtype:
             raise ValueError(f"dtype must be one of {_DTYPES} or a torch.dtype, got {self.dtype!r}")
         if self.kv_cache_dtype not in _KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_DTYPES}, got {self.kv_cache_dtype!r}")
@@ -223,6 +224,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        # torch's Generator.manual_seed takes [-2**63, 2**64): anything else failed after the model load
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

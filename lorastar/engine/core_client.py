@@ -127,6 +127,8 @@ class AsyncCoreClient(PromptInputs):
         dead_timeout: float = DEAD_S,
         **kwargs: Any,
     ) -> None:
+        if config is not None and kwargs:  # they would be silently ignored
+            raise ValueError(f"give config or engine options ({', '.join(sorted(kwargs))}), not both")
         self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
         self.start_timeout = start_timeout  # for Ready (a core loads its model first)
         self.connect_timeout = connect_timeout  # a shared core: for its address to accept a connection
@@ -136,17 +138,22 @@ class AsyncCoreClient(PromptInputs):
         self._input_address = address or f"ipc://{self._tmp}/input"
         self._client_id = uuid.uuid4().hex
         self._ctx = zmq.Context()
-        self._out = self._ctx.socket(zmq.PULL)
-        if self._input_address.startswith("ipc://"):
-            self._output_address = f"ipc://{self._tmp}/output"
-            self._out.bind(self._output_address)
-        else:
-            port = self._out.bind_to_random_port("tcp://127.0.0.1")
-            self._output_address = f"tcp://127.0.0.1:{port}"
-        self._stop = threading.Event()  # ends a wait for the core (cancel_startup, shutdown)
-        # A shared core's address: its connections are watched while this waits for Ready.
-        self._monitor: zmq.Socket | None = None if self._owns_core else self._ctx.socket(zmq.PAIR)
-        self._in = self._new_input()
+        try:
+            self._out = self._ctx.socket(zmq.PULL)
+            if self._input_address.startswith("ipc://"):
+                self._output_address = f"ipc://{self._tmp}/output"
+                self._out.bind(self._output_address)
+            else:
+                port = self._out.bind_to_random_port("tcp://127.0.0.1")
+                self._output_address = f"tcp://127.0.0.1:{port}"
+            self._stop = threading.Event()  # ends a wait for the core (cancel_startup, shutdown)
+            # A shared core's address: its connections are watched while this waits for Ready.
+            self._monitor: zmq.Socket | None = None if self._owns_core else self._ctx.socket(zmq.PAIR)
+            self._in = self._new_input()
+        except BaseException:  # an address zmq refuses: leave no context or temporary folder behind
+            self._ctx.destroy(linger=0)
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
         self._send_lock = threading.Lock()  # guards self._in (zmq sockets are not thread-safe)
         self._enc = encoder()
         self._dec = output_decoder()

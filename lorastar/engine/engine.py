@@ -146,6 +146,32 @@ def resolve_dtype(dtype: Any, device: torch.device, cfg: dict[str, Any]) -> torc
     return ckpt if ckpt != torch.float32 else torch.bfloat16
 
 
+def rope_scaled_max_len(cfg: dict[str, Any]) -> int:
+    """The context a scaled RoPE (linear, yarn) extends to, as vLLM derives it: ``factor``
+    times ``max_position_embeddings`` (yarn: times its ``original_max_position_embeddings``); 0 where
+    none. Gemma 3's ``max_position_embeddings`` already counts its scaling (vLLM skips it too)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if not isinstance(params, dict) or "gemma3" in str(cfg.get("model_type", "")):
+        return 0
+    nested = bool(params) and all(isinstance(v, dict) for v in params.values())  # per layer type
+    max_pos = int(cfg.get("max_position_embeddings", 8192))
+    scaled = 0
+    for p in params.values() if nested else [params]:
+        kind = p.get("rope_type", p.get("type", "default"))
+        factor = p.get("factor")
+        if kind not in ("linear", "yarn") or "short_factor" in p or not factor:
+            continue  # llama3 and longrope: max_position_embeddings is already the scaled length
+        base = max_pos
+        if kind == "yarn":
+            base = int(
+                cfg.get("original_max_position_embeddings")
+                or p.get("original_max_position_embeddings")
+                or max_pos
+            )
+        scaled = max(scaled, int(base * float(factor)))
+    return scaled
+
+
 class LLMEngine(PromptInputs):
     def __init__(
         self, config: EngineConfig, *, lazy_tokenizer: bool = False, tokenizer: TokenizerLoader | None = None
@@ -164,6 +190,11 @@ class LLMEngine(PromptInputs):
 
             self.model_dir = resolve_folder(config.model)  # a local folder or a Hugging Face id
             self.model_name = Path(config.model).name
+        if config.tokenizer is not None:  # before the model load, not minutes after it
+            from lorastar.hub import is_hub_id
+
+            if not Path(config.tokenizer).expanduser().is_dir() and not is_hub_id(str(config.tokenizer)):
+                raise ValueError(f"tokenizer: folder {config.tokenizer!r} does not exist")
         self.hf_config = read_hf_config(self.model_dir)
         self.device = resolve_device(config.device)
         self.async_scheduling = (
@@ -179,9 +210,11 @@ class LLMEngine(PromptInputs):
         cfg = self.hf_config
         max_pos = int(cfg.get("max_position_embeddings", 8192))
         max_len = config.max_model_len or min(max_pos, 8192)
-        if max_len > max_pos:
+        scaled = rope_scaled_max_len(cfg)
+        if max_len > max(max_pos, scaled):
             raise ValueError(
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
+                + (f" and its RoPE-scaled length ({scaled})" if scaled > max_pos else "")
             )
 
         from lorastar.quant import get_quant_config

@@ -20,7 +20,10 @@ def load_tokenizer(folder: Path, chat_template: str | None = None) -> Any:
     """The folder's transformers tokenizer (no network), with ``chat_template`` replacing its own."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:  # transformers' messages name neither the folder nor the setting
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {str(folder)!r}: {e}") from e
     if chat_template is not None:
         tok.chat_template = chat_template
     return tok
