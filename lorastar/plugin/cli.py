@@ -225,7 +225,10 @@ _ENGINE_OPTIONS = [
         help="Force or check the method (fp8 / int8 quantize a 16-bit checkpoint at load; int8: CPU W8A8).",
     ),
     click.option(
-        "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "fp8", "fp8_e5m2"])
+        "--kv-cache-dtype",
+        default="auto",
+        show_default=True,
+        type=click.Choice(["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]),
     ),
     click.option(
         "--embedding-quantization",

@@ -156,3 +156,12 @@ def test_engine_takes_the_chat_template_and_tokenizer(tiny_model_dir: Path) -> N
     )  # fmt: skip
     ids = eng.apply_chat_template([{"role": "user", "content": "hi"}])
     assert eng.tokenizer.decode(ids) == "<<hi>>"
+
+
+@pytest.mark.parametrize("command", ["serve", "engine"])
+def test_kv_cache_dtype_choices_are_the_engines(command: str) -> None:
+    """vLLM's ``fp8_e4m3`` spelling, which ``EngineConfig`` takes, was missing from the flag."""
+    from lorastar.config import _KV_DTYPES
+
+    opt = next(p for p in main.commands[command].params if p.name == "kv_cache_dtype")
+    assert tuple(opt.type.choices) == _KV_DTYPES  # type: ignore[attr-defined]
