@@ -488,7 +488,9 @@ def load_peft_adapter(path: str | Path, spec: ModelSpec, *, max_rank: int) -> Lo
                 f"layer {layer} {module}: shapes A {list(a.shape)}, B {list(b.shape)} do not match the base "
                 f"(expected A [{r}, {in_f}], B [{out_f}, {r}] for rank {r})",
             )
-        a32, b32 = a.to(torch.float32), b.to(torch.float32)
+        # copy=True: a float32 tensor from safe_open is a view of the file's memory map, so a file
+        # rewritten in place (cp over it) would change a registered adapter's A under its hash.
+        a32, b32 = a.to(torch.float32, copy=True), b.to(torch.float32)
         if not (torch.isfinite(a32).all() and torch.isfinite(b32).all()):
             raise _fail(w_path, f"layer {layer} {module}: non-finite values (NaN/inf) in the LoRA weights")
         scaling = alpha / math.sqrt(r) if use_rslora else alpha / r

@@ -396,7 +396,8 @@ class LLMEngine(PromptInputs):
         weights = self._read_adapter(local)
         with self.lock:
             self.registry.register(name, local, weights)
-        return next(i for i in self.registry.list() if i.name == name)
+            # Under the lock: an unload (or another load) of the name cannot come in between.
+            return next(i for i in self.registry.list() if i.name == name)
 
     def unload_adapter(self, name: str) -> None:
         with self.lock:
