@@ -59,6 +59,9 @@ async def to_fresh_thread(fn: Callable[..., T], *args: Any, thread_name: str = "
             value, ok = fn(*args), True
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
             value, ok = e, False
+            if isinstance(e, StopIteration):  # a Future refuses it (TypeError): the task would hang
+                value = RuntimeError(f"{getattr(fn, '__qualname__', fn)} raised StopIteration")
+                value.__cause__ = e
         try:
             loop.call_soon_threadsafe(done, ok, value)
         except RuntimeError:  # the loop is closed: nobody is waiting

@@ -45,6 +45,21 @@ def test_to_fresh_thread_and_submit() -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_a_stop_iteration_reaches_the_awaiting_task_as_a_runtime_error() -> None:
+    """An asyncio Future refuses a StopIteration (TypeError, logged on the loop), so the task
+    awaiting ``to_fresh_thread`` hung forever; it now gets a RuntimeError caused by it."""
+
+    def empty() -> int:
+        return next(iter([]))
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="StopIteration") as err:
+            await asyncio.wait_for(to_fresh_thread(empty), 10)
+        assert isinstance(err.value.__cause__, StopIteration)
+
+    asyncio.run(main())
+
+
 def test_a_fresh_thread_leaves_no_openmp_worker_behind() -> None:
     """The reason for the helpers: a thread that ran a parallel torch op keeps an OpenMP worker
     pool while it lives (an executor thread lives on); one that exits takes its pool with it."""
