@@ -124,7 +124,9 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []
-        for h in self._hashes(seq, max_blocks):
+        # (sliced: the memoised chain may already cover the whole prompt, e.g. hashed at admission
+        # before a preemption mid-prefill; a hit on the last token's block would skip its logits)
+        for h in self.hashes(seq, max_blocks):
             bid = self._cached.get(h)
             if bid is None:
                 break
