@@ -460,6 +460,11 @@ class LLMEngine(PromptInputs):
             total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
             shared = num_prompt_tokens // bs if self.block_manager.enable_prefix_caching else 0
             need = shared + params.n * (-(-total // bs) - shared)
+            if window := self.block_manager.sliding_window:
+                # Every layer slides: a beam holds at most the window plus one chunk, however long
+                # (release_outside_window; the bound max_model_len is sized with).
+                chunk = self.scheduler.max_num_batched_tokens
+                need = min(need, params.n * (-(-(window + chunk) // bs) + 2))
             if need > self.kv_spec.num_blocks:
                 raise LimitExceededError(
                     "n",
