@@ -141,14 +141,23 @@ class AsyncLLM(PromptInputs):
     async def shutdown(self, drain_timeout: float = 5.0) -> None:
         """Let in-flight requests finish for up to ``drain_timeout`` s, abort the rest, stop."""
         deadline = time.monotonic() + drain_timeout
-        while self.is_running and self.engine.has_unfinished() and time.monotonic() < deadline:
+        while (
+            self.is_running
+            and (self.engine.has_unfinished() or self._adding)  # (an add in flight: a grammar compiling)
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.02)
+
+        def refuse_adds() -> None:  # an add still in flight now is refused, not left with no loop
+            with self._swap_lock:
+                self._stop.set()
+
+        await asyncio.to_thread(refuse_adds)
         with self.engine.lock:
             for rid in list(self.engine.requests):
                 out = self.engine.abort_request(rid)
                 if out is not None:
                     self._dispatch(out)
-        self._stop.set()
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
@@ -293,6 +302,8 @@ class AsyncLLM(PromptInputs):
                 grammar = self.engine.compile_grammar(params)
             with self._swap_lock:
                 self._check_available()
+                if self._stop.is_set():  # shutdown() ran meanwhile (start() clears it)
+                    raise EngineDeadError("The engine was shut down.")
                 self.engine.add_request(prompt, params, adapter=adapter, request_id=rid, grammar=grammar)
         finally:
             with self._streams_lock:

@@ -639,6 +639,8 @@ class AsyncCoreClient(PromptInputs):
             text, ids = await asyncio.to_thread(self.inputs.validate_prompt, prompt)
         else:
             text, ids = self.inputs.validate_prompt(prompt)
+        if self._closing:  # shut down while the prompt was tokenized: its sockets are closed
+            raise EngineDeadError("The engine was shut down.")
         rid = request_id or uuid.uuid4().hex
         # Encoded before anything is registered: what msgspec cannot encode (a lone surrogate, an
         # int past 64 bits) leaves nothing behind and is the caller's error (400).
