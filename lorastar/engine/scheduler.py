@@ -258,9 +258,15 @@ class Scheduler:
                     self._blocked_steps[seq.seq_id] = self._blocked_steps.get(seq.seq_id, 0) + 1
                     j += 1
                     continue
-            elif key is not None and starving and not self._is_starving(seq):
+            elif (
+                key is not None
+                and starving
+                and not self._is_starving(seq)
+                and seq.seq_id not in self._preempted_beams
+            ):
                 # Let the starving adapter's requests in first: don't grow other adapters' load
-                # (base-model requests hold no adapter slot: they go on).
+                # (base-model requests hold no adapter slot: they go on). A preempted beam goes on:
+                # its running siblings wait for it holding the slot, which could never drain.
                 j += 1
                 continue
             cached = self.bm.lookup(seq)
