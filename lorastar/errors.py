@@ -24,6 +24,11 @@ class AdapterError(LoraStarError, ValueError):
     """An adapter could not be loaded or validated; the registry is unchanged."""
 
 
+class AdapterExistsError(AdapterError):
+    """A load of a new adapter found its name taken (vLLM's "has already been loaded"): the check is
+    the engine's, so workers sharing one core cannot both load the name."""
+
+
 class AdapterNotFoundError(LoraStarError, KeyError):
     """A request or command named an adapter that is not registered (or is being unloaded)."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import threading
@@ -337,11 +338,14 @@ class AsyncLLM(PromptInputs):
         self._queue_abort(request_id)
 
     # ---- adapters ------------------------------------------------------------------------------
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    async def load_adapter(self, name: str, path: str, *, new: bool = False) -> AdapterInfo:
         # Reading + validating runs off the event loop and outside the step lock.
         self._check_available()
         return await to_fresh_thread(
-            self.engine.load_adapter, name, path, thread_name="lorastar-adapter-load"
+            functools.partial(self.engine.load_adapter, new=new),
+            name,
+            path,
+            thread_name="lorastar-adapter-load",
         )
 
     async def unload_adapter(self, name: str) -> None:

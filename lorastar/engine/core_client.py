@@ -692,11 +692,11 @@ class AsyncCoreClient(PromptInputs):
                 return name
         return None
 
-    async def load_adapter(self, name: str, path: str) -> AdapterInfo:
+    async def load_adapter(self, name: str, path: str, *, new: bool = False) -> AdapterInfo:
+        """``new``: refused (AdapterExistsError) if the core holds the name, whichever client loaded it."""
         self._check_available()
-        info = msgspec.convert(
-            await asyncio.wrap_future(self._start_call("load_adapter", [name, str(path)])), AdapterInfo
-        )
+        args = [name, str(path)] + (["new"] if new else [])  # (Call.args are strings)
+        info = msgspec.convert(await asyncio.wrap_future(self._start_call("load_adapter", args)), AdapterInfo)
         self._adapters[name] = info.path or str(path)  # loaded again should a shared core restart
         return info
 

@@ -24,6 +24,7 @@ fail, the engine is rebuilt, queued requests move over. Clients see ``State.rest
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -314,11 +315,10 @@ class EngineCoreProc:
         return dropped
 
     def _call(self, msg: Call) -> None:
-        if msg.method == "load_adapter" and len(msg.args) == 2:
+        if msg.method == "load_adapter" and len(msg.args) in (2, 3):
             # A thread that exits with the load: no second OpenMP pool stays (engine/threads.py).
-            fut = submit_to_fresh_thread(
-                self.engine.load_adapter, msg.args[0], msg.args[1], thread_name="lorastar-adapter-load"
-            )
+            load = functools.partial(self.engine.load_adapter, new=msg.args[2:] == ["new"])
+            fut = submit_to_fresh_thread(load, msg.args[0], msg.args[1], thread_name="lorastar-adapter-load")
             self.jobs.append((msg.client_id, msg.call_id, fut))
             return
         reply = Reply(msg.call_id)

@@ -47,6 +47,7 @@ from lorastar.engine.structured import GrammarCompiler, GrammarRow
 from lorastar.engine.thinking_budget import ThinkingBudget
 from lorastar.errors import (
     AdapterError,
+    AdapterExistsError,
     AdapterNotFoundError,
     EngineOverloadedError,
     InvalidParamError,
@@ -383,8 +384,10 @@ class LLMEngine(PromptInputs):
         return max(1, mem // spec.bytes_per_block)
 
     # ---- adapters -------------------------------------------------------------------------
-    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
-        """Read + validate (outside the engine lock: decoding goes on), then register."""
+    def load_adapter(self, name: str, path: str | Path, *, new: bool = False) -> AdapterInfo:
+        """Read + validate (outside the engine lock: decoding goes on), then register. ``new``: the
+        name must not be registered (AdapterExistsError, checked under the lock that registers it),
+        else a load of a registered name replaces its weights (in-flight requests keep the old)."""
         from lorastar.hub import is_hub_id, resolve_folder
 
         local = str(path)
@@ -395,6 +398,8 @@ class LLMEngine(PromptInputs):
                 raise AdapterError(str(exc)) from exc
         weights = self._read_adapter(local)
         with self.lock:
+            if new and name in self.registry:
+                raise AdapterExistsError(f"The lora adapter '{name}' has already been loaded.")
             self.registry.register(name, local, weights)
             # Under the lock: an unload (or another load) of the name cannot come in between.
             return next(i for i in self.registry.list() if i.name == name)

@@ -27,6 +27,7 @@ from lorastar.engine.outputs import EngineCoreOutput
 from lorastar.engine.sampling import SamplingParams
 from lorastar.errors import (
     AdapterError,
+    AdapterExistsError,
     AdapterNotFoundError,
     EngineDeadError,
     EngineOverloadedError,
@@ -143,7 +144,7 @@ CoreOutput = Ready | Outputs | Reply | State | StartupFailed
 _ERRORS: dict[str, type[BaseException]] = {
     cls.__name__: cls
     for cls in (
-        LoraStarError, InvalidParamError, LimitExceededError, AdapterError, AdapterNotFoundError,
+        LoraStarError, InvalidParamError, LimitExceededError, AdapterError, AdapterExistsError, AdapterNotFoundError,
         EngineOverloadedError, EngineDeadError, EngineUnavailableError, RequestFailedError,
         ValueError, KeyError, TypeError, RuntimeError, FileNotFoundError, PermissionError,
     )

@@ -148,7 +148,7 @@ async def test_a_dead_shared_core_fails_open_requests_and_calls_and_a_new_one_se
     c.dead_timeout = 2.0  # DEAD_S is 30
     try:
         loading = threading.Event()
-        core.proc.engine.load_adapter = lambda *a: loading.wait(60)  # type: ignore[method-assign]
+        core.proc.engine.load_adapter = lambda *a, **k: loading.wait(60)  # type: ignore[method-assign]
         sp = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         gen = c.generate("hello", sp)
         await gen.__anext__()

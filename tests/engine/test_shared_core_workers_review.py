@@ -20,7 +20,7 @@ from lorastar.config import EngineConfig
 from lorastar.engine.core_client import AsyncCoreClient
 from lorastar.engine.core_proc import EngineCoreProc
 from lorastar.engine.sampling import SamplingParams
-from lorastar.errors import AdapterNotFoundError
+from lorastar.errors import AdapterExistsError, AdapterNotFoundError
 from tests.conftest import make_peft_adapter
 
 
@@ -125,6 +125,28 @@ async def test_an_adapter_loaded_through_one_worker_serves_another(shared: _Shar
         assert await asyncio.to_thread(_wait, lambda: "one" not in names(), 5)
         with pytest.raises(AdapterNotFoundError, match="one"):
             await _collect(b, "hi", GREEDY, adapter="one")
+    finally:
+        await a.shutdown(drain_timeout=0)
+        await b.shutdown(drain_timeout=0)
+
+
+async def test_a_new_name_loaded_through_two_workers_at_once_is_loaded_once(shared: _Shared) -> None:
+    """Each worker's route checks "already loaded" under its own lock, so two workers loading one new
+    name with different weights both answered 200 and the last silently won; the core checks a
+    ``new`` load under the lock that registers it: exactly one wins, the other is refused."""
+    a, b = await _client(shared.address), await _client(shared.address)
+    try:
+        got = await asyncio.gather(
+            a.load_adapter("race", str(shared.adapters / "one"), new=True),
+            b.load_adapter("race", str(shared.adapters / "two"), new=True),
+            return_exceptions=True,
+        )
+        refused = [g for g in got if isinstance(g, BaseException)]
+        assert len(refused) == 1 and isinstance(refused[0], AdapterExistsError), got
+        assert "race" in str(refused[0]) and "already been loaded" in str(refused[0])
+        # a replacing load (vLLM's load_inplace) still rebinds the name
+        await b.load_adapter("race", str(shared.adapters / "two"))
+        await a.unload_adapter("race")
     finally:
         await a.shutdown(drain_timeout=0)
         await b.shutdown(drain_timeout=0)

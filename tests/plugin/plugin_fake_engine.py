@@ -91,8 +91,13 @@ class FakeAsyncLLM:
     def list_adapters(self) -> list[FakeAdapter]:
         return list(self.adapters.values())
 
-    async def load_adapter(self, name: str, path: str) -> None:
+    async def load_adapter(self, name: str, path: str, *, new: bool = False) -> None:
         import os
+
+        from lorastar.errors import AdapterExistsError
+
+        if new and name in self.adapters:
+            raise AdapterExistsError(f"The lora adapter '{name}' has already been loaded.")
 
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise AdapterError(f"lora_path {path} has no adapter_config.json")

@@ -7,6 +7,7 @@ token; paths are confined to ``adapter_root``.
 from __future__ import annotations
 
 import hmac
+import inspect
 import time
 from typing import Any
 
@@ -16,7 +17,7 @@ from litestar.handlers.base import BaseRouteHandler
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.adapters.info import check_name  # torch-free, unlike the registry
-from lorastar.errors import AdapterError, AdapterNotFoundError
+from lorastar.errors import AdapterError, AdapterExistsError, AdapterNotFoundError
 from lorastar.plugin.errors import APIError, error_responses, not_found, unauthorized
 from lorastar.plugin.schemas import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from lorastar.plugin.service import LoraStarService, confine
@@ -48,6 +49,14 @@ def admin_guard(service: LoraStarService) -> Any:
             raise unauthorized("Invalid or missing admin token.")
 
     return guard
+
+
+def _takes_new(load: Any) -> bool:
+    """Whether an engine client's ``load_adapter`` takes ``new`` (a client written before it: no)."""
+    try:
+        return "new" in inspect.signature(load).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _text(message: str) -> Response[str]:
@@ -88,8 +97,13 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
                 raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
             # load_inplace: the engine re-registers the name atomically (in-flight requests keep the
             # old weights; a failed load leaves the old adapter in place).
+            # new: the engine's own check too (workers sharing one core each hold their own lock);
+            # an engine client written before ``new`` is called as before.
+            new = {"new": True} if not data.load_inplace and _takes_new(engine.load_adapter) else {}
             try:
-                await engine.load_adapter(name, str(resolved))
+                await engine.load_adapter(name, str(resolved), **new)
+            except AdapterExistsError as exc:
+                raise APIError(str(exc), param="lora_name") from exc
             except AdapterError as exc:
                 reason = service.scrub_paths(str(exc))
                 raise APIError(
