@@ -350,10 +350,29 @@ class EngineCoreProc:
                 return
             try:
                 self._handle(self.dec.decode(frame.buffer))
-            except msgspec.DecodeError:
-                logger.error("lorastar: engine core dropped a malformed message")
+            except msgspec.DecodeError as exc:
+                logger.error("lorastar: engine core dropped a malformed message: %s", exc)
+                self._refuse_malformed(frame.buffer, exc)
             except Exception:  # one bad message must not stop the core
                 logger.exception("lorastar: engine core could not handle a message")
+
+    def _refuse_malformed(self, buf: Any, exc: Exception) -> None:
+        """Answer a malformed call or request (a worker of another lorastar version) that its sender
+        waits for, when its ids can still be read: else that caller waited forever."""
+        try:
+            raw = msgspec.msgpack.decode(buf)
+        except msgspec.DecodeError:
+            return
+        client = raw.get("client_id") if isinstance(raw, dict) else None
+        if not isinstance(client, str):
+            return
+        info = ErrorInfo(
+            "RuntimeError", f"the engine core could not read this message (another lorastar version?): {exc}"
+        )
+        if raw.get("type") == "Call" and isinstance(call_id := raw.get("call_id"), int):
+            self._send(client, Reply(call_id, error=info))
+        elif raw.get("type") == "AddRequest" and isinstance(rid := raw.get("request_id"), str):
+            self._send(client, Outputs([], [(rid, info)]))
 
     # ---- outputs --------------------------------------------------------------------------------
     def _deliver(self, outs: list[EngineCoreOutput], failures: Sequence[tuple[str, ErrorInfo]] = ()) -> None:

@@ -152,6 +152,20 @@ async def test_a_new_name_loaded_through_two_workers_at_once_is_loaded_once(shar
         await b.shutdown(drain_timeout=0)
 
 
+async def test_a_call_the_core_cannot_read_is_answered_not_left_waiting(shared: _Shared) -> None:
+    """A worker of another lorastar version may send a call the core cannot decode (here a bool where
+    it reads strings): the core dropped it and the caller waited forever; it now gets an error."""
+    a = await _client(shared.address)
+    try:
+        fut = a._start_call("load_adapter", ["x", str(shared.adapters / "one"), True])  # type: ignore[list-item]
+        with pytest.raises(RuntimeError, match="could not read this message"):
+            await asyncio.wait_for(asyncio.wrap_future(fut), 30)
+        assert "x" not in [x.name for x in a.list_adapters()]
+        assert len(await _collect(a, "hi", GREEDY)) >= 1  # the core serves on
+    finally:
+        await a.shutdown(drain_timeout=0)
+
+
 async def test_a_restarted_core_serves_every_adapter_it_held(shared: _Shared) -> None:
     """The core restarted: what it held is loaded again by the workers that remain, also what a
     worker that has since exited loaded; what one worker unloaded stays unloaded."""
