@@ -316,8 +316,11 @@ class AdapterRegistry:
         for path in paths:
             try:
                 w = self._loader(path)
-            except AdapterError as e:
-                first = first or e
+            except AdapterError as e:  # the loader names the folder only: name the adapter too
+                msg = str(e).removeprefix(f"{path}: ")
+                first = first or AdapterError(
+                    f"{path}: reloading adapter {sorted(entry.names)} failed: {msg}"
+                )
                 continue
             except Exception as e:  # the loader's own failure, with the adapter named
                 first = first or AdapterError(f"{path}: reloading adapter {sorted(entry.names)} failed: {e}")
