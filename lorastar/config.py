@@ -229,6 +229,16 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
     @classmethod
+    def given(cls, config: EngineConfig | None, **kwargs: Any) -> EngineConfig:
+        """``config``, else one built from engine options ``kwargs``; both: a ValueError (the
+        options would be ignored)."""
+        if config is None:
+            return cls.from_kwargs(**kwargs)
+        if kwargs:
+            raise ValueError(f"give config or engine options ({', '.join(sorted(kwargs))}), not both")
+        return config
+
+    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)

@@ -51,9 +51,7 @@ class AsyncLLM(PromptInputs):
     restart_backoff: tuple[float, float] = (0.5, 30.0)
 
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
-        if config is not None and kwargs:  # they would be silently ignored
-            raise ValueError(f"give config or engine options ({', '.join(sorted(kwargs))}), not both")
-        config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        config = EngineConfig.given(config, **kwargs)
         self.config = config
         # Built on a thread that exits: no OpenMP pool outlives it next to the step thread's
         # (engine/threads.py).

@@ -127,9 +127,7 @@ class AsyncCoreClient(PromptInputs):
         dead_timeout: float = DEAD_S,
         **kwargs: Any,
     ) -> None:
-        if config is not None and kwargs:  # they would be silently ignored
-            raise ValueError(f"give config or engine options ({', '.join(sorted(kwargs))}), not both")
-        self.config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        self.config = EngineConfig.given(config, **kwargs)
         self.start_timeout = start_timeout  # for Ready (a core loads its model first)
         self.connect_timeout = connect_timeout  # a shared core: for its address to accept a connection
         self.dead_timeout = dead_timeout  # a shared core silent this long is taken for dead

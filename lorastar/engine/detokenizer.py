@@ -227,24 +227,14 @@ def hold_back(text: str, stops: Sequence[str], state: list[int] | None = None) -
     at most the characters added since, so a call costs the new characters, not each stop's
     length squared (64 stops of 256 characters: ~3 ms a call, per sample per step, without it).
     """
-    grown = len(text)
-    if state is not None:
-        if len(state) == len(stops) + 1 and state[-1] <= len(text):
-            grown = len(text) - state[-1]  # the text only grew since (else: from scratch)
-        else:
-            state[:] = [0] * (len(stops) + 1)
-    best = 0
+    state = [] if state is None else state
+    if len(state) == len(stops) + 1 and state[-1] <= len(text):
+        grown = len(text) - state[-1]  # the text only grew since
+    else:  # a first call (or another text): from scratch
+        state[:], grown = [0] * (len(stops) + 1), len(text)
     for i, stop in enumerate(stops):
         # Longest proper prefix of stop that is a suffix of text (a full stop is find_stop's job).
-        top = min(len(stop) - 1, len(text), grown + (state[i] if state is not None else 0))
-        found = 0
-        for k in range(top, 0 if state is not None else best, -1):
-            if text.endswith(stop[:k]):
-                found = k
-                break
-        if state is not None:
-            state[i] = found
-        best = max(best, found)
-    if state is not None:
-        state[-1] = len(text)
-    return best
+        top = min(len(stop) - 1, len(text), grown + state[i])
+        state[i] = next((k for k in range(top, 0, -1) if text.endswith(stop[:k])), 0)
+    state[-1] = len(text)
+    return max(state[:-1], default=0)

@@ -314,6 +314,7 @@ class LLMEngine(PromptInputs):
         window = uniform_window(self.model.layer_windows)
         chunk = config.max_num_batched_tokens or max(2048, config.block_size)
         held = -(-(window + chunk) // spec.block_size) + 2 if window else spec.num_blocks + 1
+        self._window_blocks = held if window else 0  # the most one sequence holds (0: no bound)
         self.max_model_len = (
             max_len if held <= spec.num_blocks else min(max_len, spec.num_blocks * spec.block_size)
         )
@@ -465,11 +466,10 @@ class LLMEngine(PromptInputs):
             total = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
             shared = num_prompt_tokens // bs if self.block_manager.enable_prefix_caching else 0
             need = shared + params.n * (-(-total // bs) - shared)
-            if window := self.block_manager.sliding_window:
+            if self._window_blocks:
                 # Every layer slides: a beam holds at most the window plus one chunk, however long
                 # (release_outside_window; the bound max_model_len is sized with).
-                chunk = self.scheduler.max_num_batched_tokens
-                need = min(need, params.n * (-(-(window + chunk) // bs) + 2))
+                need = min(need, params.n * self._window_blocks)
             if need > self.kv_spec.num_blocks:
                 raise LimitExceededError(
                     "n",

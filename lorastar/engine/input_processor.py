@@ -109,8 +109,14 @@ class InputProcessor:
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self.check_prompt_size(prompt)
-        _check_unicode(prompt, "prompt")
-        return list(self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+        return self._ids(prompt, add_special_tokens, "prompt")
+
+    def _ids(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        except TypeError:  # the tokenizer's "TextEncodeInput must be Union[...]": say why, naming param
+            _check_unicode(text, param)
+            raise
 
     def check_prompt_size(self, text: str | Sequence[str], param: str = "prompt") -> None:
         """Refuse text over ``max_prompt_bytes`` before any tokenizing (a 9 MB prompt would hold
@@ -180,8 +186,7 @@ class InputProcessor:
             raise InvalidParamError(
                 "messages", f"messages could not be rendered by the chat template: {exc}"
             ) from exc
-        _check_unicode(text, "messages")
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self._ids(text, add_special_tokens, "messages")
 
     def _template_kwargs(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         """``chat_template_kwargs`` checked: string keys, none of them a parameter of the tokenizer's
@@ -238,8 +243,8 @@ class InputProcessor:
 
 def _check_unicode(text: str, param: str) -> None:
     """Refuse text holding a lone surrogate (Python's API lets one in, e.g. from a file read with
-    ``errors="surrogateescape"``; JSON bodies cannot): the tokenizer raised a ``TypeError`` naming
-    no field ("TextEncodeInput must be Union[...]")."""
+    ``errors="surrogateescape"``; JSON bodies cannot), which the tokenizer refuses with a
+    ``TypeError`` naming no field. Called once tokenizing failed: no second pass over every prompt."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -25,11 +25,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        config = kwargs.pop("config", None)
-        given = sorted(kwargs) + (["model"] if model is not None else [])
-        if config is not None and given:  # they would be silently ignored
-            raise ValueError(f"give config or engine options ({', '.join(given)}), not both")
-        config = config or EngineConfig.from_kwargs(model=model, **kwargs)
+        config = EngineConfig.given(
+            kwargs.pop("config", None), **kwargs, **({} if model is None else {"model": model})
+        )
         self.engine = LLMEngine(config)
         # One generate()/chat() at a time: each steps the engine and keeps only its own requests'
         # final outputs, so a second caller's (another thread's) outputs would be lost to the first.

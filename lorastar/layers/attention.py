@@ -168,17 +168,17 @@ def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype:
         *blocks.shape, *cache.shape[1:]
     )  # [..., n, BS, Hkv, D]
     x = x.flatten(-4, -3)
-    if x.dtype != dtype:  # FP8 cache: dequantize before SDPA (no fp8 SDPA on CPU)
-        x = x.to(dtype)
-        if scale != 1.0:
-            x = x * scale
-    return x
+    return _dequantize(x, scale, dtype) if x.dtype != dtype else x  # FP8 cache (no fp8 SDPA on CPU)
+
+
+def _dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(dtype)
+    return x * scale if scale != 1.0 else x
 
 
 def _fp8_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """``x`` as ``_read_blocks`` gives it back once ``reshape_and_cache`` has stored it."""
-    y = _to_cache_dtype(x, cache_dtype, scale).to(x.dtype)
-    return y * scale if scale != 1.0 else y
+    return _dequantize(_to_cache_dtype(x, cache_dtype, scale), scale, x.dtype)
 
 
 def _sdpa(
