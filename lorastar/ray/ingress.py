@@ -9,6 +9,7 @@ handle (``stream=True``): server-sent events reach the client chunk by chunk.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from lorastar.plugin.errors import APIError, app_path
+from lorastar.plugin.routes import messages, responses
+from lorastar.plugin.sse import DONE, event_frame, frame
 from lorastar.ray.asgi_call import ResponseStart
 
 ROUTINGS = ("multiplexed", "adapter_blind")
@@ -65,7 +68,7 @@ class LoraStarIngress:
             adapter,
             request.method,
             app_path(request.scope),  # relative to serve.run's route_prefix (the scope's root_path)
-            request.url.query.encode(),
+            request.scope.get("query_string", b""),  # the raw bytes, as the client sent them
             [(k.lower(), v) for k, v in request.headers.raw],
             body,
         )
@@ -74,17 +77,52 @@ class LoraStarIngress:
             if not isinstance(start, ResponseStart):
                 raise TypeError(f"replica sent {type(start).__name__} before the response start")
         except Exception as exc:  # a replica died or Ray failed: an OpenAI error, never a bare 500
-            error = APIError(f"No replica could serve the request ({type(exc).__name__}).", 503)
-            return Response(msgspec.json.encode(error.body()), 503, media_type="application/json")
+            return _unavailable(exc)
         content_type = (start.header(b"content-type") or b"").decode("latin-1")
         if content_type.startswith("text/event-stream"):
-            response: Response = StreamingResponse(_rest(stream), status_code=start.status)
+            response: Response = StreamingResponse(
+                _rest(stream, app_path(request.scope)), status_code=start.status
+            )
         else:
-            response = Response(b"".join([chunk async for chunk in stream]), status_code=start.status)
+            try:
+                body = b"".join([chunk async for chunk in stream])
+            except Exception as exc:  # the replica died mid-response: its start is void
+                return _unavailable(exc)
+            response = Response(body, status_code=start.status)
         response.raw_headers = list(start.headers)
         return response
 
 
-async def _rest(stream: Any) -> AsyncIterator[bytes]:
-    async for chunk in stream:
-        yield chunk
+def _lost(exc: BaseException) -> APIError:
+    return APIError(f"No replica could serve the request ({type(exc).__name__}).", 503)
+
+
+def _unavailable(exc: BaseException) -> Response:
+    return Response(msgspec.json.encode(_lost(exc).body()), 503, media_type="application/json")
+
+
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
+
+
+def stream_error(path: str, sent: bytes, error: APIError) -> bytes:
+    """The in-band error that ends a stream cut off by its replica, in the route's own framing,
+    as the plugin ends a stream whose engine failed: ``data: {"error": ...}`` then ``[DONE]``;
+    an ``error`` event for the Messages and Responses APIs (``sent``: the stream's last chunk,
+    whose ``sequence_number`` the Responses event follows)."""
+    if path.rstrip("/").endswith("/messages"):
+        return event_frame(messages.error_event(error, None))
+    if path.rstrip("/").endswith("/responses"):
+        numbers = _SEQUENCE.findall(sent)
+        last = {"sequence_number": int(numbers[-1])} if numbers else None
+        return event_frame(responses.error_event(error, last))
+    return frame(error.body()) + DONE
+
+
+async def _rest(stream: Any, path: str) -> AsyncIterator[bytes]:
+    sent = b""
+    try:
+        async for chunk in stream:
+            sent = chunk
+            yield chunk
+    except Exception as exc:  # the replica died mid-stream: end it as the plugin ends a failed one
+        yield stream_error(path, sent, _lost(exc))

@@ -217,3 +217,65 @@ def test_gc_never_awaits_eviction() -> None:
     from lorastar.ray.replica import ResidentAdapter
 
     assert "__del__" not in vars(ResidentAdapter)  # an instance attribute: Ray's hook, not Python's
+
+
+class DiesAfter(FakeReplicas):
+    """Sends ``items`` then dies, as a replica whose actor was lost mid-response."""
+
+    def remote(self, *args: Any) -> AsyncIterator[Any]:
+        async def gen() -> AsyncIterator[Any]:
+            for item in self.items:
+                yield item
+            raise RuntimeError("actor died")
+
+        return gen()
+
+
+def test_a_replica_lost_after_its_response_start_is_an_openai_503_not_a_bare_500() -> None:
+    async def main() -> None:
+        response = await LoraStarIngress(DiesAfter([JSON_START, b"{"]), ["base"])(
+            _request(b'{"model": "a1"}')
+        )
+        assert response.status_code == 503
+        assert json.loads(response.body)["error"]["code"] == 503
+        assert (b"content-length", b"2") not in response.raw_headers  # the lost start's headers are void
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("path", "sent", "want"),
+    [
+        ("/v1/completions", b'data: {"id": "c"}\n\n', "openai"),
+        ("/v1/chat/completions", b'data: {"id": "c"}\n\n', "openai"),
+        ("/v1/messages", b"event: ping\ndata: {}\n\n", "messages"),
+        (
+            "/v1/responses",
+            b'event: response.output_text.delta\ndata: {"sequence_number": 7}\n\n',
+            "responses",
+        ),
+    ],
+)
+def test_a_replica_lost_mid_stream_ends_the_stream_with_the_apis_error(
+    path: str, sent: bytes, want: str
+) -> None:
+    async def main() -> list[bytes]:
+        fake = DiesAfter([SSE_START, sent])
+        response = await LoraStarIngress(fake, ["base"])(_request(b'{"model": "a1", "stream": true}', path))
+        assert isinstance(response, StreamingResponse)
+        return [c async for c in response.body_iterator]
+
+    chunks = asyncio.run(main())
+    assert chunks[0] == sent and len(chunks) == 2
+    end = chunks[1].decode()
+    if want == "openai":  # vLLM's in-band error frame, then [DONE]
+        first, done = end.split("\n\n")[:2]
+        assert json.loads(first.removeprefix("data: "))["error"]["code"] == 503 and done == "data: [DONE]"
+    else:
+        name, data = end.strip().split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == "event: error" and event["type"] == "error"
+        if want == "responses":
+            assert event["sequence_number"] == 8
+        else:
+            assert "replica" in event["error"]["message"]

@@ -80,7 +80,7 @@ def anthropic_response(error: APIError) -> Response[Any]:
     return Response(anthropic_error(error), status_code=error.status_code, headers=error.headers)
 
 
-def _error_event(error: APIError, last: dict[str, Any] | None) -> dict[str, Any]:
+def error_event(error: APIError, last: dict[str, Any] | None) -> dict[str, Any]:
     return {"type": "error", "error": {"type": anthropic_error(error).error.type, "message": error.message}}
 
 
@@ -502,7 +502,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
                 }
                 yield {"type": "message_stop"}
 
-            return sse_event_response(events(), _error_event, retry_after=service.config.retry_after_seconds)
+            return sse_event_response(events(), error_event, retry_after=service.config.retry_after_seconds)
 
         finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
         out = finals[0]

@@ -299,7 +299,7 @@ def _renamed(exc: APIError) -> APIError:
     return APIError(message, exc.status_code, param=param, headers=exc.headers)
 
 
-def _error_event(error: APIError, last: dict[str, Any] | None) -> dict[str, Any]:
+def error_event(error: APIError, last: dict[str, Any] | None) -> dict[str, Any]:
     """OpenAI's ``error`` event, numbered after the last event sent."""
     seq = last["sequence_number"] + 1 if last is not None else 0
     return {
@@ -678,7 +678,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
                     "response.incomplete" if status == "incomplete" else "response.completed", response=done
                 )
 
-            return sse_event_response(events(), _error_event, retry_after=service.config.retry_after_seconds)
+            return sse_event_response(events(), error_event, retry_after=service.config.retry_after_seconds)
 
         finals = await run_until_disconnect(collect(merge_streams([stream]), data.model), request.receive)
         out = finals[0]
