@@ -318,6 +318,13 @@ class LLMEngine(PromptInputs):
         self.max_model_len = (
             max_len if held <= spec.num_blocks else min(max_len, spec.num_blocks * spec.block_size)
         )
+        if config.max_model_len and self.max_model_len < config.max_model_len:
+            # vLLM refuses this; we keep serving what fits, and say so once (the summary repeats it)
+            logger.warning(
+                "max_model_len=%d does not fit in the KV cache (%d blocks of %d tokens): lowered to %d;"
+                " raise kv_cache_memory or num_kv_blocks to serve the full length",
+                config.max_model_len, spec.num_blocks, spec.block_size, self.max_model_len,
+            )  # fmt: skip
         self.max_prompt_bytes = config.max_prompt_bytes or 64 * self.max_model_len
         self.inputs = InputProcessor(
             self.tokenizer_loader,

@@ -132,3 +132,18 @@ def test_engine_options_beside_a_config_are_refused_not_ignored(tmp_path: Path) 
         AsyncLLM(cfg, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"\(max_num_seqs\), not both"):
         AsyncCoreClient(cfg, max_num_seqs=2)
+
+
+def test_a_max_model_len_the_cache_cannot_hold_is_lowered_with_a_warning(
+    tiny_model_dir: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM refuses a max_model_len its KV cache cannot hold; lorastar serves what fits, but it
+    lowered an explicit setting without a word."""
+    with caplog.at_level("WARNING", logger="lorastar"):
+        llm = LLM(tiny_model_dir("llama-gqa"), max_model_len=256, num_kv_blocks=4, block_size=16, **FAST)
+    assert llm.engine.max_model_len == 64
+    assert any("max_model_len=256" in r.message and "lowered to 64" in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lorastar"):
+        LLM(tiny_model_dir("llama-gqa"), max_model_len=64, num_kv_blocks=4, block_size=16, **FAST)
+    assert not [r for r in caplog.records if "max_model_len" in r.message]
