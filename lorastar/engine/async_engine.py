@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import itertools
 import logging
 import threading
 import time
@@ -67,7 +68,13 @@ class AsyncLLM(PromptInputs):
         self._restarting = False
         self._retry_after = self.restart_backoff[0]
         self.num_restarts = 0
+        # Streams, aborts and the engine are keyed by wire id: the caller's request id plus a
+        # number of our own, so a late output or queued abort of an earlier request under the
+        # same id (its stream closed or finished) cannot reach a new one (vLLM's internal ids).
+        # ``_open``: the caller's id -> the wire id of its open stream.
         self._streams: dict[str, Stream] = {}
+        self._open: dict[str, str] = {}
+        self._wire_ids = itertools.count()
         self._streams_lock = threading.Lock()
         self._aborts: deque[str] = deque()
         # Ids whose add is in flight (``_add_request`` on a worker thread), and those of them an
@@ -254,41 +261,49 @@ class AsyncLLM(PromptInputs):
         self._check_available()
         await self.start()
         rid = request_id or uuid.uuid4().hex
+        wire = f"{rid}-{next(self._wire_ids)}"
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:
-            if rid in self._streams:
+            if self._open.get(rid) in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            self._streams[rid] = (asyncio.get_running_loop(), q)
-            self._adding.add(rid)
-        add = asyncio.ensure_future(
-            asyncio.to_thread(self._add_request, prompt, sampling_params, adapter, rid)
-        )
+            self._streams[wire] = (asyncio.get_running_loop(), q)
+            self._open[rid] = wire
+            self._adding.add(wire)
         try:
-            # Shielded: if we are cancelled mid-add, the add still completes and is aborted below,
-            # instead of running unobserved to max_tokens.
-            await asyncio.shield(add)
-        except asyncio.CancelledError:
-            with self._streams_lock:
-                self._streams.pop(rid, None)
-            add.add_done_callback(
-                lambda f: f.cancelled() or f.exception() is not None or self._queue_abort(rid)
+            add = asyncio.ensure_future(
+                asyncio.to_thread(self._add_request, prompt, sampling_params, adapter, wire)
             )
-            raise
-        except BaseException:
-            with self._streams_lock:
-                self._streams.pop(rid, None)
-            raise
-        self._wake.set()
-        delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
+            try:
+                # Shielded: if we are cancelled mid-add, the add still completes and is aborted
+                # below, instead of running unobserved to max_tokens.
+                await asyncio.shield(add)
+            except asyncio.CancelledError:
+                with self._streams_lock:
+                    self._streams.pop(wire, None)
+                add.add_done_callback(
+                    lambda f: f.cancelled() or f.exception() is not None or self._queue_abort(wire)
+                )
+                raise
+            except BaseException:
+                with self._streams_lock:
+                    self._streams.pop(wire, None)
+                raise
+            self._wake.set()
+            delta = sampling_params is not None and sampling_params.output_kind == RequestOutputKind.DELTA
 
-        def abandon() -> None:
-            with self._streams_lock:
-                self._streams.pop(rid, None)
-            self._queue_abort(rid)
+            def abandon() -> None:
+                with self._streams_lock:
+                    self._streams.pop(wire, None)
+                self._queue_abort(wire)
 
-        async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
-            async for out in outputs:
-                yield out
+            async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
+                async for out in outputs:
+                    out.request_id = rid
+                    yield out
+        finally:
+            with self._streams_lock:
+                if self._open.get(rid) == wire:
+                    del self._open[rid]
 
     def _add_request(
         self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str
@@ -331,9 +346,12 @@ class AsyncLLM(PromptInputs):
 
     async def abort(self, request_id: str) -> None:
         with self._streams_lock:
-            if request_id in self._adding:
-                self._aborted_adding.add(request_id)
-        self._queue_abort(request_id)
+            wire = self._open.get(request_id)
+            if wire is None:  # not open here (finished, closed, never added): nothing to abort
+                return
+            if wire in self._adding:
+                self._aborted_adding.add(wire)
+        self._queue_abort(wire)
 
     # ---- adapters ------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str, *, new: bool = False) -> AdapterInfo:

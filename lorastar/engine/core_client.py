@@ -155,7 +155,13 @@ class AsyncCoreClient(PromptInputs):
         self._send_lock = threading.Lock()  # guards self._in (zmq sockets are not thread-safe)
         self._enc = encoder()
         self._dec = output_decoder()
+        # Streams and the output processor are keyed by wire id: the caller's request id plus a
+        # number of this client's own, so a late output or abort of an earlier request under the
+        # same id (closed or finished here, not yet in the core) cannot reach the new one (vLLM's
+        # internal request ids). ``_open``: the caller's id -> the wire id of its open stream.
         self._streams: dict[str, Stream] = {}
+        self._open: dict[str, str] = {}
+        self._wire_ids = itertools.count()
         self._streams_lock = threading.Lock()
         self._outputs_lock = threading.Lock()  # the output processor: receiver thread vs callers
         self._calls: dict[int, concurrent.futures.Future[Any]] = {}
@@ -640,34 +646,45 @@ class AsyncCoreClient(PromptInputs):
         if self._closing:  # shut down while the prompt was tokenized: its sockets are closed
             raise EngineDeadError("The engine was shut down.")
         rid = request_id or uuid.uuid4().hex
+        wire = f"{rid}-{next(self._wire_ids)}"
         # Encoded before anything is registered: what msgspec cannot encode (a lone surrogate, an
         # int past 64 bits) leaves nothing behind and is the caller's error (400).
-        data = self._encode_request(AddRequest(self._client_id, rid, ids, params, adapter))
+        data = self._encode_request(AddRequest(self._client_id, wire, ids, params, adapter))
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:
-            if rid in self._streams:
+            if self._open.get(rid) in self._streams:
                 raise ValueError(f"request_id {rid!r} is already in use")
-            self._streams[rid] = (asyncio.get_running_loop(), q)
+            self._streams[wire] = (asyncio.get_running_loop(), q)
+            self._open[rid] = wire
         try:
-            with self._outputs_lock:
-                self._processor.add_request(rid, text, ids, params, adapter)
-            if not self._send_data(data):
-                raise self._not_reading()
-        except BaseException:
-            self._forget(rid)
-            raise
+            try:
+                with self._outputs_lock:
+                    self._processor.add_request(wire, text, ids, params, adapter)
+                if not self._send_data(data):
+                    raise self._not_reading()
+            except BaseException:
+                self._forget(wire)
+                raise
 
-        def abandon() -> None:
-            self._forget(rid)
-            self._abort([rid])
+            def abandon() -> None:
+                self._forget(wire)
+                self._abort([wire])
 
-        delta = params.output_kind == RequestOutputKind.DELTA
-        async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
-            async for out in outputs:
-                yield out
+            delta = params.output_kind == RequestOutputKind.DELTA
+            async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
+                async for out in outputs:
+                    out.request_id = rid
+                    yield out
+        finally:
+            with self._streams_lock:
+                if self._open.get(rid) == wire:
+                    del self._open[rid]
 
     async def abort(self, request_id: str) -> None:
-        self._abort([request_id])
+        with self._streams_lock:
+            wire = self._open.get(request_id)
+        if wire is not None:
+            self._abort([wire])
 
     def _encode_request(self, msg: AddRequest) -> bytes:
         try:

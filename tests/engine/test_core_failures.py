@@ -124,7 +124,7 @@ async def test_an_abort_while_the_grammar_compiles_ends_the_stream_as_aborted(
         # AddRequest at once, so it reaches the core while the grammar compiles
         sp = SamplingParams(n=2, max_tokens=4, guided_json={"type": "string", "maxLength": 10**5 + 17})
         task = asyncio.ensure_future(_collect(c, "hi", sp, request_id="g"))
-        while "g" not in c._streams:
+        while "g" not in c._open:  # registered (its stream is keyed by its wire id)
             await asyncio.sleep(0.001)
         await c.abort("g")
         outs = await asyncio.wait_for(task, 15)
