@@ -21,6 +21,21 @@ def is_hub_id(ref: str) -> bool:
     return bool(_REPO_ID.fullmatch(ref)) and ".." not in ref and not Path(ref).expanduser().exists()
 
 
+def snapshot_hub_id(ref: str | os.PathLike[str]) -> str | None:
+    """The hub id of an HF cache snapshot folder (``models--{org}--{name}/snapshots/{commit}``)."""
+    p = Path(ref)
+    repo = p.parent.parent.name
+    if p.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return None
+
+
+def model_folder_name(ref: str | os.PathLike[str]) -> str:
+    """The name a model is known by: its folder's name, the repo's name for an HF cache snapshot
+    (``lorastar serve org/name`` hands the engine the snapshot: never the commit hash)."""
+    return Path(snapshot_hub_id(ref) or ref).name
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -187,10 +187,10 @@ class LLMEngine(PromptInputs):
             self.model_dir = Path(default_model_dir())
             self.model_name = DEFAULT_MODEL_NAME
         else:
-            from lorastar.hub import resolve_folder
+            from lorastar.hub import model_folder_name, resolve_folder
 
             self.model_dir = resolve_folder(config.model)  # a local folder or a Hugging Face id
-            self.model_name = Path(config.model).name
+            self.model_name = model_folder_name(config.model)
         if config.tokenizer is not None:  # before the model load, not minutes after it
             from lorastar.hub import is_hub_id
 

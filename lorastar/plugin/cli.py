@@ -508,6 +508,7 @@ def serve(
     engine_address: str | None,
     **engine_kw: Any,
 ) -> None:
+    from lorastar.hub import model_folder_name
     from lorastar.plugin.config import LoraStarConfig
     from lorastar.plugin.plugin import LoraStarPlugin, create_app  # lazy: only needed to serve
 
@@ -526,7 +527,7 @@ def serve(
         served_model_names[0] if len(served_model_names) == 1 else list(served_model_names) or None
     )
     base_names = served_model_names or (
-        () if engine_address is not None else (Path(model).name if model else DEFAULT_MODEL_NAME,)
+        () if engine_address is not None else (model_folder_name(model) if model else DEFAULT_MODEL_NAME,)
     )
     all_adapters = _check_adapters(
         all_adapters,

@@ -19,6 +19,7 @@ import anyio
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import MAX_THINKING_MESSAGE, RequestOutputKind
 from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableError
+from lorastar.hub import model_folder_name, snapshot_hub_id
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, forbidden, not_found
@@ -59,10 +60,7 @@ def relative_to_root(root: Path | None, path: str | Path) -> str:
     p = Path(path)
     if root is not None and p.is_absolute() and p.is_relative_to(root):
         return p.relative_to(root).as_posix()
-    repo = p.parent.parent.name  # HF cache: models--{org}--{name}/snapshots/{commit} (org optional)
-    if p.parent.name == "snapshots" and repo.startswith("models--"):
-        return repo.removeprefix("models--").replace("--", "/")
-    return p.name
+    return snapshot_hub_id(p) or p.name
 
 
 def build_engine(config: Any) -> EngineClient:
@@ -123,7 +121,7 @@ class LoraStarService:
         if self.engine is not None:
             return self.engine.model_name
         model = self.config.model or self.config.engine.model
-        return Path(model).name if model else "SmolLM2-135M-Instruct"
+        return model_folder_name(model) if model else "SmolLM2-135M-Instruct"
 
     async def start(self) -> None:
         """Build the engine (in a thread: loading is blocking), start its loop, load ``config.adapters``."""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from litestar import get
 
+from lorastar.hub import is_hub_id
 from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.routes.common import random_id
 from lorastar.plugin.schemas import ModelCard, ModelList, ModelPermission
@@ -20,7 +20,9 @@ def build_model_handlers(service: LoraStarService, guards: list[Any]) -> list[An
         base = service.served_model_name
         now = int(time.time())
         model_path = service.config.model or service.config.engine.model
-        root = Path(model_path).name if model_path else base  # never a server path
+        root = base
+        if model_path:  # never a server path: the folder's name, or the hub id (vLLM: the model argument)
+            root = model_path if is_hub_id(model_path) else relative_to_root(None, model_path)
         cards = [  # one per served name, as vLLM lists them
             ModelCard(
                 id=name,
@@ -56,12 +58,13 @@ def build_model_handlers(service: LoraStarService, guards: list[Any]) -> list[An
         return ModelList(data=await model_cards())
 
     @get(
-        "/models/{model_id:str}",
+        "/models/{model_id:path}",  # a path: served names and adapter names may hold "/" (org/name)
         guards=guards,
         summary="One model (OpenAI's retrieve)",
         responses=error_responses(*auth, 404, 503),
     )
     async def retrieve_model(model_id: str) -> ModelCard:
+        model_id = model_id.removeprefix("/")  # Litestar's path parameters start with the "/"
         for card in await model_cards():
             if card.id == model_id:
                 return card

@@ -105,7 +105,8 @@ def build_tokenize_handlers(service: LoraStarService, *, guards: list[Any] | Non
         bad = [t for t in data.tokens if not 0 <= t < engine.vocab_size]
         if bad:
             raise APIError(f"token id {bad[0]} is out of range [0, {engine.vocab_size}).", param="tokens")
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(data.tokens))
+        # on a worker thread: a 10 MB body's ~2M ids take the tokenizer most of a second
+        return DetokenizeResponse(prompt=await in_thread(engine.tokenizer.decode, data.tokens))
 
     @get("/version", sync_to_thread=False, summary="lorastar version")
     def version() -> VersionResponse:
