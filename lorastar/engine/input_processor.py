@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lorastar.engine.chat_content import content_format, template_content, texts_of
 from lorastar.errors import InvalidParamError, LimitExceededError
 
 
@@ -173,12 +174,20 @@ class InputProcessor:
         extra = self._template_kwargs(chat_template_kwargs)
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidParamError("messages", f"model {self.model_name!r} has no chat template")
-        texts = [c for m in messages if isinstance(c := m.get("content"), str)]
+        texts = [t for m in messages for t in texts_of(m.get("content"))]
         texts += [v for d in documents or [] for v in d.values() if isinstance(v, str)]  # in the prompt too
         self.check_prompt_size(texts, "messages")
+        try:  # the template the tokenizer will pick (a named "tool_use" one when tools are given)
+            fmt = content_format(self.tokenizer.get_chat_template(None, tools))
+        except Exception:  # noqa: BLE001 - no usable template: rendering says why
+            fmt = "string"
+        messages = [
+            {**m, "content": template_content(m["content"], fmt, i)} if "content" in m else dict(m)
+            for i, m in enumerate(messages)
+        ]  # (no content at all: the template says what it lacks)
         try:
             text = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=[dict(t) for t in tools] if tools else None,
                 documents=[dict(d) for d in documents] if documents else None, **extra,
             )  # fmt: skip

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from lorastar.engine.chat_content import template_content
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.errors import AdapterError, AdapterNotFoundError, EngineDeadError, EngineOverloadedError
@@ -129,7 +130,11 @@ class FakeAsyncLLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
     ) -> list[int]:
-        self.rendered.append((messages, tools))  # what the template was given (not rendered here)
+        # what the template was given (not rendered here): content as a string template reads it
+        messages = [
+            {**m, "content": template_content(m.get("content"), "string", i)} for i, m in enumerate(messages)
+        ]
+        self.rendered.append((messages, tools))
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + (
             "<assistant>" if add_generation_prompt else ""
         )
@@ -281,7 +286,7 @@ class ScriptedLLM(FakeAsyncLLM):
     def apply_chat_template(self, messages: list[dict], *args: Any, **kw: Any) -> list[int]:
         super().apply_chat_template(messages, *args, **kw)
         self.template_kwargs = kw.get("chat_template_kwargs")  # the last request's template variables
-        return self.tokenizer.encode(messages[-1]["content"] or "x")
+        return self.tokenizer.encode(self.rendered[-1][0][-1]["content"] or "x")
 
 
 def say(answer: str) -> str:

@@ -13,6 +13,7 @@ from plugin_fake_engine import FakeAsyncLLM
 from plugin_support import ServerThread
 from transformers import AutoTokenizer
 
+from lorastar.engine.chat_content import content_format, template_content
 from lorastar.engine.input_processor import InputProcessor
 from lorastar.models.default import default_model_dir
 from lorastar.plugin import LoraStarConfig, create_app
@@ -38,7 +39,9 @@ class TemplateLLM(FakeAsyncLLM):
         self.prompts: list[list[int]] = []
 
     def apply_chat_template(self, messages: list[dict], *args: Any, **kw: Any) -> list[int]:
-        self.rendered.append((messages, kw.get("tools")))
+        fmt = content_format(self.inputs.tokenizer.chat_template)  # content as the template reads it
+        given = [{**m, "content": template_content(m.get("content"), fmt, i)} for i, m in enumerate(messages)]
+        self.rendered.append((given, kw.get("tools")))
         ids = self.inputs.apply_chat_template(messages, *args, **kw)
         self.prompts.append(ids)
         return ids

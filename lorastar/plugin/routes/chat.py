@@ -75,17 +75,19 @@ from lorastar.plugin.tool_parsers import (
 _TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
 
 
-def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str:
+def _message_text(content: str | list[ChatContentPart] | None, index: int) -> str | list[dict[str, str]]:
+    """A string as sent, or the text parts (the engine joins them with "\n" for a template that
+    prints content, or hands them as parts to one that loops over them, as vLLM does)."""
     if content is None or isinstance(content, str):
         return content or ""
-    parts: list[str] = []
+    parts: list[dict[str, str]] = []
     for part in content:
         if part.type not in _TEXT_PARTS:
             raise APIError(f"messages[{index}].content: only text parts are supported.", param="messages")
         text = part.refusal if part.type == "refusal" else part.text
         if text is not None:  # vLLM skips a text part without its text
-            parts.append(text)
-    return "\n".join(parts)
+            parts.append({"type": "text", "text": text})
+    return parts
 
 
 def _template_tool_calls(calls: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
@@ -221,6 +223,22 @@ def required_tools_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
     return schema
 
 
+_EBNF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """``guided_choice`` as an EBNF grammar (xgrammar's, as vLLM compiles a choice): the output is
+    exactly one of ``choices``. Control characters and surrogates are written as escapes."""
+
+    def char(ch: str) -> str:
+        code = ord(ch)
+        if ch in _EBNF_ESCAPES:
+            return _EBNF_ESCAPES[ch]
+        return f"\\u{code:04x}" if code < 0x20 or code == 0x7F or 0xD800 <= code < 0xE000 else ch
+
+    return "root ::= " + " | ".join('"' + "".join(map(char, c)) + '"' for c in choices)
+
+
 def reasoning_token_ids(tokenizer: Any, style: str) -> tuple[int | None, int] | None:
     """The reasoning block's (start, end) token ids for a structured output that follows it:
     ``qwen3`` gives both (the model opens the block itself), ``deepseek_r1`` only the end (the
@@ -236,6 +254,29 @@ def reasoning_token_ids(tokenizer: Any, style: str) -> tuple[int | None, int] | 
     if end is None or (style == "qwen3" and start is None):
         return None
     return start, end
+
+
+def prompt_reasoning_style(tokenizer: Any, style: str | None, prompt_ids: list[int]) -> str | None:
+    """How the answer is read, given where the prompt leaves the thinking block (vLLM reads the
+    prompt too, its parser's ``is_reasoning_end``): a prompt ending in ``</think>`` (a hybrid
+    template with ``enable_thinking=False``) closed it, so the answer is all content (None); one
+    ending in ``<think>`` (Qwen3-Thinking-2507's, Qwen3.5's) left it open, so the answer is
+    reasoning from its first token (``deepseek_r1``). Only whitespace may follow the tag; tags of
+    several tokens leave ``style`` as it is."""
+    if style is None:
+        return None
+    tags: dict[int, str] = {}
+    for tag in (THINK_START, THINK_END):
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        if len(ids) != 1:
+            return style
+        tags[ids[0]] = tag
+    for i in range(len(prompt_ids) - 1, max(len(prompt_ids) - 9, -1), -1):
+        if (tag := tags.get(prompt_ids[i])) is not None:
+            if tokenizer.decode(prompt_ids[i + 1 :]).strip():
+                return style
+            return "deepseek_r1" if tag == THINK_START else None
+    return style
 
 
 class AnswerParts:
@@ -408,19 +449,24 @@ async def plan_chat(
     ))  # fmt: skip
     if tool_parser and tool_parser not in (REQUIRED, REQUIRED_MISTRAL):  # markers may be control tokens
         params.skip_special_tokens = False
-    reasoning_style = service.config.reasoning_parser
+    configured = service.config.reasoning_parser
+    reasoning_style = prompt_reasoning_style(engine.tokenizer, configured, prompt_ids)
     budget = data.thinking_token_budget
     # the constraint follows the thinking; the budget counts it
-    if reasoning_style and (params.grammar_spec is not None or budget is not None):
+    constrained = params.grammar_spec is not None or params.guided_choice is not None
+    if reasoning_style and (constrained or budget is not None):
         tags = reasoning_token_ids(engine.tokenizer, reasoning_style)
         if tags is not None:
             params.reasoning_start_token_id, params.reasoning_end_token_id = tags
+            if params.guided_choice is not None:  # vLLM's: a choice is a grammar, which waits for the block
+                params.guided_grammar, params.guided_choice = choice_grammar(params.guided_choice), None
     if budget is not None and params.reasoning_end_token_id is not None:
         params.thinking_token_budget = budget
         params.thinking_budget_message_ids = service.thinking_message_ids
-    elif budget is not None and not soft_thinking_budget:
-        why = "the server has no reasoning parser (--reasoning-parser)" if not reasoning_style else (
-            f"the {reasoning_style} parser's </think> is several tokens for this tokenizer"
+    elif budget is not None and not soft_thinking_budget and not (configured and reasoning_style is None):
+        # (the prompt closed the block: no thinking to cap)
+        why = "the server has no reasoning parser (--reasoning-parser)" if not configured else (
+            f"the {configured} parser's </think> is several tokens for this tokenizer"
         )  # fmt: skip
         raise APIError(
             f"thinking_token_budget needs the thinking block's end tag as one token: {why}.",
@@ -470,6 +516,8 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         echo_text = ""
         if data.echo and messages and messages[-1].get("role") == "assistant":
             echo_text = messages[-1]["content"] or ""
+            if isinstance(echo_text, list):  # vLLM's echo of a parts message: its texts joined
+                echo_text = "\n".join(p["text"] for p in echo_text)
 
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
