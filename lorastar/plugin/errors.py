@@ -153,6 +153,23 @@ def _has_non_finite(value: Any) -> bool:
     return False
 
 
+_LEADING_PATH = re.compile(r"^/[^\n]*?(?=: )")  # the engine's "<folder>: <problem>"
+_QUOTED_PATH = re.compile(r"(['\"])(/[^'\"\n]+)\1")  # OSError's "...: '/a/b'"
+_BARE_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\":]+")
+
+
+def hide_paths(message: str) -> str:
+    """``message`` with each absolute server path cut to its last part (the folder or file name, as
+    ``/v1/models`` shows a folder outside the adapter root)."""
+
+    def name(path: str) -> str:
+        return path.rstrip("/").rpartition("/")[2] or "."
+
+    message = _LEADING_PATH.sub(lambda m: name(m.group(0)), message)
+    message = _QUOTED_PATH.sub(lambda m: m.group(1) + name(m.group(2)) + m.group(1), message)
+    return _BARE_PATH.sub(lambda m: name(m.group(0)), message)
+
+
 def to_api_error(
     exc: BaseException,
     *,
@@ -179,8 +196,8 @@ def to_api_error(
         )
     if isinstance(exc, EngineDeadError):
         return APIError(str(exc) or "The engine is dead.", HTTP_503_SERVICE_UNAVAILABLE)
-    if isinstance(exc, AdapterError):
-        return APIError(str(exc), HTTP_400_BAD_REQUEST)
+    if isinstance(exc, AdapterError):  # e.g. a disk-tier adapter whose folder is gone: no server paths
+        return APIError(hide_paths(str(exc)), HTTP_400_BAD_REQUEST)
     if isinstance(exc, ValidationException):
         message, param = _validation_param(exc, body)
         return APIError(message, HTTP_400_BAD_REQUEST, param=param)
