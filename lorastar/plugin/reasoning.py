@@ -10,6 +10,10 @@ Two styles, by where the thinking block opens:
   prompt inside the block, so the output is reasoning from its first token (a ``<think>`` the model
   writes anyway is dropped) until ``</think>``; without one, all of it is reasoning.
 
+The chat route reads the prompt first (vLLM's ``is_reasoning_end``; ``prompt_reasoning_style``): a
+prompt ending in ``</think>`` (``enable_thinking=False``) makes the answer all content, one ending in
+``<think>`` makes it reasoning from its first token, whichever the parser.
+
 One incremental splitter serves streams and whole answers alike, so both give the same split: it
 holds back only text that may still become a tag (``</thi`` at the end of a delta) and flushes it at
 the end. Reasoning cut off by ``max_tokens`` stays reasoning.
