@@ -51,9 +51,13 @@ class _Client:
         self._base: str | None = None
 
     def _send(self, method: str, url: str, token: str | None, json: Any = None) -> httpx.Response:
+        if token and not token.isascii():  # httpx sends headers as ASCII
+            raise click.ClickException("the token / API key has non-ASCII characters")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
             return httpx.request(method, url, json=json, headers=headers, timeout=self.timeout)
+        except httpx.InvalidURL as exc:  # not an httpx.HTTPError: e.g. a typo in the port
+            raise click.ClickException(f"invalid --url {self.url!r}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise click.ClickException(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
 
@@ -89,6 +93,13 @@ class _Client:
         return resp
 
 
+def _positive_seconds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    # A socket timeout must be finite and positive (else a ValueError/OverflowError traceback).
+    if value is not None and not 0 < value < 1e9:
+        raise click.BadParameter("give a positive number of seconds", ctx, param)
+    return value
+
+
 def _connection_options(group: bool, default_url: str) -> Callable[[F], F]:
     """``--url/--token/--api-key/--timeout``: on the group (with env and defaults) and on each command."""
 
@@ -97,6 +108,7 @@ def _connection_options(group: bool, default_url: str) -> Callable[[F], F]:
         f = click.option(
             "--timeout",
             type=float,
+            callback=_positive_seconds,
             default=120.0 if group else None,
             help="Seconds to wait for the server." + (" [default: 120]" if group else ""),
         )(f)
@@ -152,7 +164,19 @@ def make_lora_group(default_url: str = DEFAULT_URL, plugin_path: str = "/v1") ->
     @lora.command("list", help="List the base model and the loaded adapters.")
     @_connection_options(False, default_url)
     def list_cmd(**conn: Any) -> None:
-        data = _client(**conn).request("GET", "/models", admin=False).json().get("data", [])
+        client = _client(**conn)
+        resp = client.request("GET", "/models", admin=False)
+        try:
+            data = resp.json()["data"]
+            ok = isinstance(data, list) and all(
+                isinstance(m, dict) and isinstance(m.get("id"), str) for m in data
+            )
+        except (ValueError, TypeError, KeyError):
+            ok = False
+        if not ok:  # e.g. another web server on that port answering HTML
+            raise click.ClickException(
+                f"{client.base()}/models did not answer an OpenAI model list; is --url a lorastar server?"
+            )
         base = [m for m in data if not m.get("parent")]
         adapters = [m for m in data if m.get("parent")]
         for m in base:

@@ -104,6 +104,11 @@ class LoraStarService:
         return self._started
 
     @property
+    def closed(self) -> bool:
+        """Shutdown has begun (or ended): requests get 503."""
+        return self._closed
+
+    @property
     def served_model_name(self) -> str:
         """The base's name in responses to requests without ``model``, in metrics and as adapters'
         ``parent``: the first of ``served_model_names``."""
@@ -181,8 +186,12 @@ class LoraStarService:
 
     async def ready(self) -> EngineClient:
         """The running engine. Starts it on first use when no lifespan ran (e.g. under a Starlette Mount)."""
-        if self._closed:
-            raise APIError("The server is shutting down.", 503)
+        if self._closed:  # Retry-After: a client or balancer retries (elsewhere) instead of failing
+            raise APIError(
+                "The server is shutting down.",
+                503,
+                headers={"Retry-After": str(self.config.retry_after_seconds)},
+            )
         if not self._started:
             logger.warning(
                 "lorastar: engine started lazily; run the app's lifespan (see lorastar.plugin.lifespan)"
@@ -200,6 +209,7 @@ class LoraStarService:
     def healthy(self) -> bool:
         return (
             self._started
+            and not self._closed  # draining: out of rotation at once
             and self.engine is not None
             and not self.engine.errored
             and not self.engine.restarting

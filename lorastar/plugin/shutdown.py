@@ -37,7 +37,11 @@ async def drain(service: Any, timeout: float) -> int:
     while engine.has_unfinished() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     n = engine.fail_streams(
-        APIError("The server is shutting down; the request was ended before it finished.", 503)
+        APIError(
+            "The server is shutting down; the request was ended before it finished.",
+            503,
+            headers={"Retry-After": str(service.config.retry_after_seconds)},
+        )
     )
     if n:
         logger.warning("lorastar: shutdown: ended %d unfinished request(s) after %.1f s", n, timeout)

@@ -34,6 +34,12 @@ def build_health_handler(service: LoraStarService, path: str, include_in_schema:
                 HTTP_503_SERVICE_UNAVAILABLE,
                 headers={"Retry-After": str(wait)},
             ).to_response()
+        if service.closed:  # draining: a balancer's probe takes the server out of rotation
+            return APIError(
+                "The server is shutting down.",
+                HTTP_503_SERVICE_UNAVAILABLE,
+                headers={"Retry-After": str(service.config.retry_after_seconds)},
+            ).to_response()
         message = "The engine has stopped." if service.started else "The engine is not running."
         return APIError(message, HTTP_503_SERVICE_UNAVAILABLE).to_response()
 
