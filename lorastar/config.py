@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 _DEVICES = ("auto", "cpu", "cuda")
@@ -165,6 +166,12 @@ class EngineConfig:
     chat_template: str | None = None
     """Jinja chat template replacing the tokenizer's. ``None``: the tokenizer's own."""
 
+    generation_config: str = "auto"
+    """Sampling defaults for requests that leave them unset (vLLM's ``--generation-config``):
+    ``"auto"``, the model's ``generation_config.json`` (temperature, top_p, top_k, min_p,
+    repetition_penalty; ``max_new_tokens`` caps ``max_tokens``); ``"vllm"``, none (OpenAI's
+    neutral values); or a folder holding a ``generation_config.json``."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form options for experiments (ignored by the engine core)."""
 
@@ -222,6 +229,12 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if not isinstance(self.generation_config, str) or not (
+            self.generation_config in ("auto", "vllm") or Path(self.generation_config).expanduser().is_dir()
+        ):
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}"
+            )
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         # torch's Generator.manual_seed takes [-2**63, 2**64): anything else failed after the model load

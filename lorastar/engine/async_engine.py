@@ -105,6 +105,11 @@ class AsyncLLM(PromptInputs):
         return self._vocab_size
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """``generation_config.json``'s sampling defaults (``EngineConfig.generation_config``)."""
+        return self.engine.default_sampling
+
+    @property
     def max_waiting(self) -> int | None:
         """Most requests queued and not yet started (``EngineConfig.max_waiting``; None: no bound)."""
         return self.config.max_waiting

@@ -210,6 +210,7 @@ class AsyncCoreClient(PromptInputs):
         self.max_waiting = ready.max_waiting
         self.summary = ready.summary
         self.info = ready.info  # dtype, device, max_model_len, block_size (the operator page's header)
+        self.default_sampling = ready.default_sampling  # generation_config.json's, for the routes
         # Text, stop strings and RequestOutputs from the core's deltas, in this process.
         self._processor = OutputProcessor(self._tokenizer)
         self.inputs = InputProcessor(

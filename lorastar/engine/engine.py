@@ -21,6 +21,7 @@ from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
 from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
+from lorastar.engine.generation_config import generation_defaults
 from lorastar.engine.host_memory import keep_freed_memory
 from lorastar.engine.input_processor import InputProcessor, PromptInputs, TokenizerLoader
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
@@ -197,6 +198,14 @@ class LLMEngine(PromptInputs):
             if not Path(config.tokenizer).expanduser().is_dir() and not is_hub_id(str(config.tokenizer)):
                 raise ValueError(f"tokenizer: folder {config.tokenizer!r} does not exist")
         self.hf_config = read_hf_config(self.model_dir)
+        # The model creator's sampling defaults (vLLM's --generation-config auto); before the load
+        self.default_sampling = generation_defaults(self.model_dir, config.generation_config)
+        if self.default_sampling:
+            logger.info(
+                "Default sampling parameters from the model's generation_config.json: %s (requests that "
+                "set them override them; generation_config='vllm' turns this off)",
+                self.default_sampling,
+            )
         self.device = resolve_device(config.device)
         self.async_scheduling = (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"

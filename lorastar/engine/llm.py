@@ -41,6 +41,11 @@ class LLM:
         """The model's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``/``chat`` use without ``sampling_params`` (vLLM's): the model's
+        ``generation_config.json`` defaults (``EngineConfig.generation_config``), else the neutral ones."""
+        return SamplingParams(**self.engine.default_sampling)
+
     # ---- adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> AdapterInfo:
         return self.engine.load_adapter(name, path)
@@ -154,7 +159,7 @@ class LLM:
         for p in prompts:
             eng.validate_prompt(p)
         # Only the final outputs are read here: the engine builds no per-step output for them.
-        params = [_final_only(sp) for sp in params]
+        params = [_final_only(self.get_default_sampling_params() if sp is None else sp) for sp in params]
         ids: list[str] = []
         try:
             for p, sp, ad in zip(prompts, params, adapters):

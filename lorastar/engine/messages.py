@@ -116,6 +116,8 @@ class Ready(msgspec.Struct, tag=True):
     # one it had dropped (not reading its outputs): that client's open requests are gone.
     known_client: bool = False
     info: dict[str, Any] = msgspec.field(default_factory=dict)  # summary.engine_info: dtype, device...
+    # generation_config.json's sampling defaults (engine/generation_config.py), for the frontend
+    default_sampling: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class Outputs(msgspec.Struct, tag=True):

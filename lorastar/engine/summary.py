@@ -61,4 +61,9 @@ def engine_summary(core: Any) -> list[str]:
         f"LoRA: max_loras={cfg.max_loras} on the device, max_cpu_loras={cfg.max_cpu_loras}, "
         f"max_lora_rank={cfg.max_lora_rank}"
     )
+    if defaults := getattr(core, "default_sampling", None):  # vLLM warns of these too
+        shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        lines.append(
+            f"Sampling defaults from generation_config.json: {shown} (--generation-config vllm: none)"
+        )
     return lines

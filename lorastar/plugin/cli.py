@@ -218,6 +218,13 @@ _ENGINE_OPTIONS = [
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
     click.option("--seed", default=0, show_default=True, type=int),
     click.option(
+        "--generation-config",
+        default="auto",
+        show_default=True,
+        help="Sampling defaults for requests that leave them unset: auto (the model's "
+        "generation_config.json), vllm (none) or a folder holding one.",
+    ),
+    click.option(
         "--quantization",
         "-q",
         default=None,

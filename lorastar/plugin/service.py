@@ -104,6 +104,13 @@ class LoraStarService:
         return self._started
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The engine's sampling defaults from ``generation_config.json`` (vLLM's
+        ``--generation-config auto``): for the fields a request leaves unset. An engine client
+        without them (an older or a test one) has none."""
+        return getattr(self.engine, "default_sampling", None) or {}
+
+    @property
     def closed(self) -> bool:
         """Shutdown has begun (or ended): requests get 503."""
         return self._closed

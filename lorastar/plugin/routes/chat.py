@@ -24,6 +24,7 @@ from lorastar.plugin.reasoning import THINK_END, THINK_START, ReasoningSplitter
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
     ChoiceDelta,
+    capped_max_tokens,
     check_length,
     choice_deltas,
     choice_usage,
@@ -439,13 +440,15 @@ async def plan_chat(
         field = "max_completion_tokens" if data.max_completion_tokens is not None else "max_tokens"
         raise APIError(f"{field} must be an integer >= 1, got {requested}.", param=field)
     max_tokens = check_length(int(engine.max_model_len), len(prompt_ids), requested, chat=True)
+    defaults = service.default_sampling
+    max_tokens = capped_max_tokens(max_tokens, defaults)
     num_top = data.top_logprobs or 0
     aliases = {"logprobs": "top_logprobs"}
     if data.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     params = await in_thread(partial(  # a schema's check can take long: never on the event loop
         sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
-        aliases=aliases, guided_json=tools.schema,
+        aliases=aliases, guided_json=tools.schema, defaults=defaults,
     ))  # fmt: skip
     if tool_parser and tool_parser not in (REQUIRED, REQUIRED_MISTRAL):  # markers may be control tokens
         params.skip_special_tokens = False

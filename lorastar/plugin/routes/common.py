@@ -5,7 +5,7 @@ priming a stream (submission errors become an HTTP status), collecting finals, a
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +43,8 @@ SAMPLING_FIELDS = (
     "use_beam_search",
     "length_penalty",
 )
+# the fields a model's generation_config.json may default (engine/generation_config.py)
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MIN_LOGPROB = -9999.0  # vLLM clamps -inf so the JSON stays valid
 OK_DOC = (
     "The whole answer as JSON; with `stream: true`, server-sent events: `data: {chunk}` frames "
@@ -80,9 +82,12 @@ def sampling_params(
     aliases: dict[str, str] | None = None,
     prompt_logprobs: int | None = None,
     guided_json: dict[str, Any] | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's parameters from a request body. ``aliases`` renames engine fields to the
     wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``).
+    ``defaults``: the model's sampling defaults (``generation_config.json``) for fields the body
+    leaves unset (vLLM's ``default_sampling_params``).
     ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's.
     ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint)."""
     if req.prompt_logprobs is not None and req.stream:
@@ -106,6 +111,8 @@ def sampling_params(
     }
     for name in SAMPLING_FIELDS:
         kw[name] = getattr(req, name)
+        if kw[name] is None and defaults and name in GENERATION_FIELDS:
+            kw[name] = defaults.get(name)
     guided, wire = structured_fields(req)
     if guided_json is not None:  # the tools' schema (tool_choice "required" or a named function)
         flags = {k: v for k, v in guided.items() if k == "disable_any_whitespace"}
@@ -251,6 +258,12 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
+
+
+def capped_max_tokens(max_tokens: int, defaults: Mapping[str, Any]) -> int:
+    """``max_tokens`` within the model's ``max_new_tokens`` (vLLM takes the least of both)."""
+    cap = defaults.get("max_tokens")
+    return min(max_tokens, cap) if isinstance(cap, int) and cap >= 1 else max_tokens
 
 
 def check_length(max_model_len: int, prompt_len: int, max_tokens: int | None, *, chat: bool) -> int:

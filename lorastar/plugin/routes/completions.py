@@ -20,6 +20,7 @@ from lorastar.engine.sampling import SamplingParams
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.routes.common import (
     ChoiceDelta,
+    capped_max_tokens,
     check_length,
     choice_deltas,
     choice_usage,
@@ -229,9 +230,13 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         ]
         for ids, limit in zip(token_ids, limits, strict=True):
             check_length(max_model_len, len(ids), limit, chat=False)
+        defaults = service.default_sampling
+        if not prompt_only:  # the model's max_new_tokens caps each (vLLM's get_max_tokens)
+            limits = [capped_max_tokens(limit, defaults) for limit in limits]
         params = await in_thread(partial(  # a schema's check can take long: never on the event loop
             sampling_params, data, max_tokens=min(limits), logprobs=data.logprobs,
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
+            defaults=defaults,
         ))  # fmt: skip
         request_id = random_id("cmpl")
         created = int(time.time())
