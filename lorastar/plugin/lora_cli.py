@@ -100,6 +100,11 @@ def _positive_seconds(ctx: click.Context, param: click.Parameter, value: float |
     return value
 
 
+def _first_key(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # `serve` takes a variable holding several keys ("k1 k2") as several keys: send the first
+    return value.split()[0] if value and value.split() else value
+
+
 def _connection_options(group: bool, default_url: str) -> Callable[[F], F]:
     """``--url/--token/--api-key/--timeout``: on the group (with env and defaults) and on each command."""
 
@@ -114,9 +119,11 @@ def _connection_options(group: bool, default_url: str) -> Callable[[F], F]:
         )(f)
         f = click.option(
             "--api-key",
-            envvar=env(API_KEY_ENV),
+            envvar=[API_KEY_ENV, "VLLM_API_KEY"] if group else None,  # the variables `serve` reads
+            callback=_first_key,
             default=None,
-            help=f"API key for listing when the server has api_keys (env {API_KEY_ENV}; default: --token).",
+            help=f"API key for listing when the server has api_keys (env {API_KEY_ENV} or VLLM_API_KEY; "
+            "default: --token).",
         )(f)
         f = click.option(
             "--token",

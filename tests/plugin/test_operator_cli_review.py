@@ -133,3 +133,37 @@ def test_request_ended_by_the_drain_timeout_is_503_with_retry_after() -> None:
     r = answers[0]
     assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
     assert r.headers.get("retry-after") == "2", r.headers
+
+
+@pytest.mark.parametrize(("env", "value"), [("VLLM_API_KEY", "k1"), ("LORASTAR_API_KEY", "k1 k2")])
+def test_list_reads_the_api_key_variables_serve_reads(
+    env: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve`` takes VLLM_API_KEY (a deployment moved from vLLM) and several keys in one
+    variable; ``lorastar lora`` read neither: its list got a 401."""
+    seen: list[str | None] = []
+    models = b'{"object": "list", "data": [{"id": "base", "object": "model"}]}'
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(models)))
+            self.end_headers()
+            self.wfile.write(models)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    for name in ("VLLM_API_KEY", "LORASTAR_API_KEY", "LORASTAR_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env, value)
+    try:
+        r = CliRunner().invoke(main, ["lora", "--url", f"http://127.0.0.1:{srv.server_address[1]}", "list"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.exit_code == 0, r.output
+    assert seen and set(seen) == {"Bearer k1"}
