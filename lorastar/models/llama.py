@@ -55,6 +55,12 @@ def transformers_defaults(cfg: dict[str, Any], config_class: str) -> dict[str, A
     import transformers
 
     fields = {k: v for k, v in cfg.items() if k != "quantization_config"}  # read as it is, by the caller
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = fields.get(key)
+        if isinstance(rope, dict) and "su" in (rope.get("rope_type"), rope.get("type")):
+            # Early Phi-3 checkpoints' name for longrope (vLLM renames it): transformers 5 renames it only
+            # after completing the parameters, without original_max_position_embeddings, then refuses them.
+            fields[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "longrope"}
     return getattr(transformers, config_class)(**fields).to_dict()
 
 
