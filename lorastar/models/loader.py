@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from lorastar.checkpoint_keys import KeyMap
@@ -24,7 +24,8 @@ from lorastar.quant.kv_cache import KVScales
 
 logger = logging.getLogger(__name__)
 
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# RoPE buffers some checkpoints store (ColossalAI's cos/sin caches too): vLLM skips them.
+_IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 
 
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -35,6 +36,8 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
     cfg.setdefault("model_type", "llama")
     check_architecture(cfg)  # a multimodal architecture not listed fails here, naming what is
     cfg = model_class(cfg).text_config(cfg)
@@ -56,8 +59,16 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({d / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({d / f for f in weight_map.values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index (no valid weight_map: {e!r})") from e
+        single = d / "model.safetensors"
+        if single.is_file() and not all(f.is_file() for f in files):
+            # save_pretrained over a sharded save leaves the old index: transformers reads the file
+            logger.warning("%s lists shards that are gone: reading %s, as transformers does", index, single)
+            files = [single]
     else:
         files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -103,6 +114,8 @@ class WeightLoader:
         module, _, suffix = name.rpartition(".")
         route = self._route.get(module)
         if route is not None:
+            if suffix == "bias" and route[0].bias is None and not tensor.any():
+                return  # AutoGPTQ stores zero biases for bias-free linears: vLLM skips them too
             route[0].weight_loader(suffix, tensor, route[1], name)
             return
         target = name if name.startswith("lm_head.") else name.removeprefix("model.")
@@ -116,8 +129,9 @@ class WeightLoader:
 
     def finish(self) -> None:
         missing = sorted(set(self._plain) - self._loaded_plain)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+        if missing:  # named as the checkpoint names them (the decoder's under ``model.``)
+            names = [n if n.startswith("lm_head.") else f"model.{n}" for n in missing[:5]]
+            raise ValueError(f"checkpoint is missing tensor(s): {', '.join(names)}")
         self._plain.clear()  # a method may replace a parameter (and free it) below
         for table in self.model.modules():  # each module once: a tied table is one module
             if isinstance(table, VocabEmbedding):
@@ -163,6 +177,15 @@ def _stores_its_own_lm_head(names: dict[Path, list[str]], key_map: KeyMap) -> bo
     return tables[0].shape != tables[1].shape or not torch.equal(tables[0], tables[1])
 
 
+def _lfs_hint(f: Path) -> str:
+    """A hint where ``f`` is a Git LFS pointer (a repo cloned without git-lfs), else ''."""
+    with open(f, "rb") as fh:
+        head = fh.read(64)
+    return (
+        "; it is a Git LFS pointer: run `git lfs pull`" if head.startswith(b"version https://git-lfs") else ""
+    )
+
+
 def _is_linear_param(name: str) -> bool:
     return bool(re.search(r"_proj\.", name))
 
@@ -186,7 +209,7 @@ def load_model(
     names: dict[Path, list[str]] = {}  # headers only: the tie check and the bar's total
     for f in files:
         with (
-            contextlib.suppress(OSError, RuntimeError),
+            contextlib.suppress(OSError, RuntimeError, SafetensorError),  # reported by the load below
             safe_open(str(f), framework="pt", device="cpu") as sf,
         ):
             names[f] = list(sf.keys())
@@ -210,9 +233,9 @@ def load_model(
                 for name in sf.keys():
                     loader.load(name, sf.get_tensor(name).to(device))
                     bar.update()
-        except (OSError, RuntimeError) as e:  # safetensors raises these for corrupt files
-            if "SafetensorError" in type(e).__name__ or "safetensors" in str(e).lower():
-                raise ValueError(f"{f}: corrupt safetensors file ({e})") from e
+        except (OSError, RuntimeError, SafetensorError) as e:  # safetensors raises these for corrupt files
+            if isinstance(e, SafetensorError) or "safetensors" in str(e).lower():
+                raise ValueError(f"{f}: corrupt safetensors file ({e}){_lfs_hint(f)}") from e
             raise
     bar.close()
     loader.finish()
