@@ -9,6 +9,7 @@ from typing import Any
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype choices
 _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _QUANT = (None, "awq", "gptq", "fp8", "int8")
 _EMBED_QUANT = (None, "int8")
@@ -28,7 +29,8 @@ class EngineConfig:
 
     dtype: Any = "auto"
     """``"auto"`` (the checkpoint's dtype on GPU, float32 on CPU), ``"float32"``, ``"float16"``,
-    ``"bfloat16"`` or a ``torch.dtype``."""
+    ``"bfloat16"`` or a ``torch.dtype``; vLLM's ``"half"`` and ``"float"`` are read as float16 and
+    float32."""
 
     block_size: int = 16
     """Tokens per KV cache block."""
@@ -176,6 +178,8 @@ class EngineConfig:
     """Free-form options for experiments (ignored by the engine core)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype in _DTYPE_ALIASES:  # vLLM's --dtype names too
+            self.dtype = _DTYPE_ALIASES[self.dtype]
         self.validate()
 
     def validate(self) -> None:

@@ -147,3 +147,9 @@ def test_a_max_model_len_the_cache_cannot_hold_is_lowered_with_a_warning(
     with caplog.at_level("WARNING", logger="lorastar"):
         LLM(tiny_model_dir("llama-gqa"), max_model_len=64, num_kv_blocks=4, block_size=16, **FAST)
     assert not [r for r in caplog.records if "max_model_len" in r.message]
+
+
+@pytest.mark.parametrize(("alias", "dtype"), [("half", "float16"), ("float", "float32")])
+def test_vllms_dtype_aliases_are_taken(alias: str, dtype: str) -> None:
+    # `vllm serve --dtype half` is common in deployment scripts; lorastar refused it.
+    assert EngineConfig(dtype=alias).dtype == dtype
