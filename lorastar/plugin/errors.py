@@ -158,12 +158,19 @@ _QUOTED_PATH = re.compile(r"(['\"])(/[^'\"\n]+)\1")  # OSError's "...: '/a/b'"
 _BARE_PATH = re.compile(r"(?<![\w.:/~-])/[^\s'\":]+")
 
 
+_ADAPTER_FILES = (".json", ".safetensors", ".bin", ".pt", ".pth")
+
+
 def hide_paths(message: str) -> str:
-    """``message`` with each absolute server path cut to its last part (the folder or file name, as
-    ``/v1/models`` shows a folder outside the adapter root)."""
+    """``message`` with each absolute server path cut to its last part (the folder name, as
+    ``/v1/models`` shows a folder outside the adapter root; an adapter's file with its folder, which
+    names the adapter)."""
 
     def name(path: str) -> str:
-        return path.rstrip("/").rpartition("/")[2] or "."
+        parts = [p for p in path.rstrip("/").split("/") if p]
+        if len(parts) > 1 and parts[-1].endswith(_ADAPTER_FILES):
+            return "/".join(parts[-2:])
+        return parts[-1] if parts else "."
 
     message = _LEADING_PATH.sub(lambda m: name(m.group(0)), message)
     message = _QUOTED_PATH.sub(lambda m: m.group(1) + name(m.group(2)) + m.group(1), message)

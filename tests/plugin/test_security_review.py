@@ -79,7 +79,7 @@ def test_adapter_errors_show_folder_names_not_server_paths() -> None:
     )
     err = to_api_error(exc)
     assert err.status_code == 400 and "/srv" not in err.message and "my adapters" not in err.message
-    assert err.message.startswith("adapter_config.json: cannot read adapter config")
+    assert err.message.startswith("alpha/adapter_config.json: cannot read adapter config")  # its folder
     # what is not a server path stays as it was: a client's name, hub ids and URLs
     for text in (
         "adapter name 'a b' must not contain whitespace or '/'",
