@@ -1,13 +1,14 @@
 """Batched token sampling with per-request parameters and seeded generators.
 
 One call samples one token for each row of a ``[R, V]`` logits tensor. Order (vLLM's):
-allowed_token_ids, guided_choice and bad_words masks -> min_tokens mask -> logit_bias ->
-penalties -> greedy rows: argmax; other rows: temperature, min-p, top-k, top-p, then an
-inverse-CDF draw. A seeded row draws exactly one uniform from its own generator per step, and
-every op is row-wise, so its token does not depend on what else is in the batch.
+guided_choice / grammar masks -> logprobs -> allowed_token_ids and bad_words masks -> min_tokens
+mask -> logit_bias -> penalties -> greedy rows: argmax; other rows: temperature, min-p, top-k,
+top-p, then an inverse-CDF draw. A seeded row draws exactly one uniform from its own generator
+per step, and every op is row-wise, so its token does not depend on what else is in the batch.
 
 Logprobs are taken from ``log_softmax`` of the raw logits (before penalties and
-temperature), as vLLM v1 does by default.
+temperature), as vLLM v1 does by default; a structured-output row's are those of its grammar's
+distribution (vLLM applies the grammar bitmask to the logits before its sampler).
 
 Invariant, whatever the logits (NaN, +-inf, all masked) and parameters: every sampled id is in
 ``[0, V)`` and every logprob is finite, so no row can poison the next step.
@@ -358,6 +359,15 @@ class Sampler:
         )
         x = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=writes)  # [R, V]
 
+        # Rows whose masks together may leave no token (every logit -inf: the argmax took token 0,
+        # which is "!" in Llama 3's vocabulary): their fallback, applied where that happens.
+        guard = _may_empty(meta, min_tok_rows)
+        g = to_device(guard, dev) if guard else None
+        unmasked = x[g] if g is not None else None  # [G, V]: a copy, before any mask (the fallback's)
+        # vLLM applies the grammar bitmask to the logits before its sampler: the logprobs are those of
+        # the grammar's (or choice's) distribution, its banned tokens -inf (MIN_LOGPROB here).
+        _apply_choices(x, rows, vocab, np.flatnonzero(meta.guided).tolist())
+
         lp_idx: list[int] = np.flatnonzero(meta.logprobs >= 0).tolist()
         raw_logprobs = None
         if (
@@ -369,12 +379,9 @@ class Sampler:
             )
 
         _apply_allowed(x, rows, vocab, np.flatnonzero(meta.allowed).tolist())
-        # Rows whose masks together may leave no token (every logit -inf: the argmax took token 0,
-        # which is "!" in Llama 3's vocabulary): their fallback, applied where that happens.
-        guard = _may_empty(meta, min_tok_rows)
-        g = to_device(guard, dev) if guard else None
-        fallback = _fallback_rows(x, rows, guard, g, self.eos_token_ids) if g is not None else None  # [G, V]
-        _apply_choices(x, rows, vocab, np.flatnonzero(meta.guided).tolist())
+        fallback = (
+            _fallback_rows(unmasked, rows, guard, vocab, self.eos_token_ids) if unmasked is not None else None
+        )  # [G, V]
         _apply_bad_words(x, rows, vocab, np.flatnonzero(meta.bad_words).tolist())
         self._apply_min_tokens(x, rows, vocab, min_tok_rows)
         if g is not None and fallback is not None:
@@ -711,13 +718,14 @@ def _may_empty(meta: SamplingMetadata, banning: list[int]) -> list[int]:
 
 
 def _fallback_rows(
-    x: Tensor, rows: Sequence[SamplingRow], guard: list[int], g: Tensor, eos: tuple[int, ...]
+    fb: Tensor, rows: Sequence[SamplingRow], guard: list[int], vocab: int, eos: tuple[int, ...]
 ) -> Tensor:
-    """``[G, V]``: what rows ``guard`` (``g`` on the device) sample where their masks leave
-    nothing. allowed_token_ids is a whitelist no other constraint overrides: such a row samples
-    among its allowed ids alone (``x`` holds them now); any other row ends (its EOS: a grammar or
-    choice that bad words or min_tokens' bans cut off has nothing valid to add)."""
-    fb = x[g]  # [G, V]: a copy
+    """``[G, V]``: what rows ``guard`` sample where their masks leave nothing, from ``fb``, their
+    logits before any mask (a copy, written here). allowed_token_ids is a whitelist no other
+    constraint overrides: such a row samples among its allowed ids alone; any other row ends (its
+    EOS: a grammar or choice that bad words or min_tokens' bans cut off has nothing valid to add)."""
+    sub = [rows[i] for i in guard]
+    _apply_allowed(fb, sub, vocab, [j for j, r in enumerate(sub) if r.params.allowed_token_ids])
     ends: list[tuple[int, int]] = []
     for j, i in enumerate(guard):
         r = rows[i]

@@ -1,0 +1,54 @@
+"""Sampled-token logprobs against vLLM: what the engine computes and how the OpenAI routes show it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import pytest
+
+from lorastar.engine.sampling import SamplingParams
+
+PROMPT_IDS = [19556, 905, 28, 216]  # "Hello world, " in SmolLM2's vocabulary
+YES, NO = 10407, 4607  # "yes" and "no": each choice is one token
+
+
+def _raw_logprob(llm: Any, ids: list[int], token: int) -> float:
+    """The model's own logprob of ``token`` after ``ids`` (a prompt logprob: raw, unconstrained)."""
+    out = llm.generate([ids + [token]], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    return out.prompt_logprobs[-1][token].logprob
+
+
+def test_guided_choice_logprobs_are_of_the_grammar_distribution(offline_llm: Any, real_server: Any) -> None:
+    """vLLM applies the structured-output bitmask to the logits before its sampler takes the
+    logprobs: a constrained step's logprobs are log_softmax over the tokens the grammar allows
+    (the chosen one at rank 1 when greedy), every banned token -inf, -9999.0 in the API. They were
+    the unconstrained model's: "yes" at rank ~10,000 with forbidden tokens as its top_logprobs."""
+    raw_yes, raw_no = _raw_logprob(offline_llm, PROMPT_IDS, YES), _raw_logprob(offline_llm, PROMPT_IDS, NO)
+    norm = math.log(math.exp(raw_yes) + math.exp(raw_no))
+    want = {YES: raw_yes - norm, NO: raw_no - norm}
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=3, guided_choice=["yes", "no"])
+    o = offline_llm.generate([PROMPT_IDS], params)[0].outputs[0]
+    first = o.token_ids[0]
+    assert first in want
+    step = o.logprobs[0]
+    assert step[first].rank == 1 and step[first].logprob == pytest.approx(want[first], abs=1e-4)
+    other = NO if first == YES else YES
+    assert step[other].rank == 2 and step[other].logprob == pytest.approx(want[other], abs=1e-4)
+    assert all(lp.logprob == -9999.0 for t, lp in step.items() if t not in want)
+    assert o.cumulative_logprob == pytest.approx(sum(s[t].logprob for t, s in zip(o.token_ids, o.logprobs)))
+
+    # the same on the wire (legacy completions and chat)
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT_IDS,
+        "max_tokens": 3,
+        "temperature": 0,
+        "guided_choice": ["yes", "no"],
+    }
+    r = httpx.post(real_server.url + "/v1/completions", json={**body, "logprobs": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] == pytest.approx(want[first], abs=1e-4)
+    assert lp["top_logprobs"][0] == pytest.approx({"yes": want[YES], "no": want[NO]}, abs=1e-4)
