@@ -102,6 +102,10 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
             system.append(build_health_handler(service, cfg.health_path, cfg.include_in_schema))
         if cfg.metrics_path:
             metrics_guards = api_guards if cfg.metrics_require_api_key else []
+            if cfg.metrics_require_api_key and not cfg.api_keys:  # nothing to guard it with
+                logger.warning(
+                    "lorastar: metrics_require_api_key without api_keys: %s stays open", cfg.metrics_path
+                )
             system.append(
                 build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema, metrics_guards)
             )

@@ -86,3 +86,16 @@ def test_adapter_errors_show_folder_names_not_server_paths() -> None:
         "org/name is not in the cache; see https://huggingface.co/org/name",
     ):
         assert hide_paths(text) == text
+
+
+def test_metrics_require_api_key_without_keys_says_the_route_stays_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It was silently open: the operator asked for a guard that had nothing to guard with."""
+    from plugin_fake_engine import FakeAsyncLLM
+
+    from lorastar.plugin import LoraStarConfig, create_app
+
+    with caplog.at_level("WARNING", logger="lorastar.plugin"):
+        create_app(LoraStarConfig(async_engine=FakeAsyncLLM(), metrics_require_api_key=True))
+    assert any("metrics_require_api_key without api_keys" in r.message for r in caplog.records)
