@@ -21,7 +21,6 @@ from lorastar.engine.sampling import MAX_CACHE_SALT
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": " is not supported.",
     "priority": " is not supported: requests are served first come, first served (priority 0).",
-    "return_tokens_as_token_ids": " is not supported.",
     "kv_transfer_params": " is not supported (no disaggregated serving).",
     "vllm_xargs": " is not supported.",
     "prompt_embeds": " is not supported: send text or token ids.",
@@ -101,12 +100,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; 0 is refused).
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    # vLLM's: logprobs name each token "token_id:{id}" (RL trainers read the sampled ids back;
+    # text cannot tell apart tokens that decode alike, such as two halves of one character)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM fields lorastar does not implement (UNSUPPORTED_FIELDS). Each changes what comes back,
     # so they are typed to take only their unset values (null; vLLM's defaults 0 and []): anything
     # else fails validation, a 400 naming the field (plugin/errors.py), never silently ignored.
     logits_processors: None = None
     priority: Literal[0] | None = None
-    return_tokens_as_token_ids: Literal[False] | None = None
     kv_transfer_params: None = None
     vllm_xargs: None = None
 

@@ -52,3 +52,29 @@ def test_guided_choice_logprobs_are_of_the_grammar_distribution(offline_llm: Any
     lp = r.json()["choices"][0]["logprobs"]
     assert lp["token_logprobs"][0] == pytest.approx(want[first], abs=1e-4)
     assert lp["top_logprobs"][0] == pytest.approx({"yes": want[YES], "no": want[NO]}, abs=1e-4)
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(real_server: Any) -> None:
+    """vLLM's ``return_tokens_as_token_ids`` (RL trainers such as OpenPipe ART read the sampled
+    ids back from the logprobs): each token is ``token_id:{id}``, the values unchanged. It was a
+    400 "not supported"."""
+    import httpx
+
+    with httpx.Client(base_url=real_server.url + "/v1", timeout=60) as c:
+        base = {"prompt": [5, 9, 12, 7], "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+        plain = c.post("/completions", json=base).json()["choices"][0]["logprobs"]
+        r = c.post("/completions", json={**base, "return_tokens_as_token_ids": True, "echo": True})
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["logprobs"]
+        assert ids["tokens"][:4] == ["token_id:5", "token_id:9", "token_id:12", "token_id:7"]  # the echo
+        assert ids["token_logprobs"][4:] == plain["token_logprobs"]
+        assert all(k.startswith("token_id:") for top in ids["top_logprobs"][4:] for k in top)
+        msgs = [{"role": "user", "content": "hi"}]
+        chat = {"messages": msgs, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+        text = c.post("/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+        got = c.post("/chat/completions", json={**chat, "return_tokens_as_token_ids": True}).json()
+        content = got["choices"][0]["logprobs"]["content"]
+        assert [e["logprob"] for e in content] == [e["logprob"] for e in text]
+        for e in content:
+            assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
+            assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"])

@@ -249,7 +249,6 @@ def test_stream_options_without_stream_is_400_as_in_vllm(http: httpx.Client) -> 
     [
         ("logits_processors", ["m.P"]),
         ("priority", 1),
-        ("return_tokens_as_token_ids", True),
         ("kv_transfer_params", {"a": 1}),
         ("vllm_xargs", {"a": 1}),
     ],

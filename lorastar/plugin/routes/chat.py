@@ -33,6 +33,7 @@ from lorastar.plugin.routes.common import (
     decoded,
     generation_route,
     in_thread,
+    logprobs_tokenizer,
     make_usage,
     prime_or_404,
     prompt_logprobs_of,
@@ -511,6 +512,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         created = int(time.time())
         model_name = data.model or service.served_model_name
         tokenizer = engine.tokenizer
+        lp_names = logprobs_tokenizer(tokenizer, data)
         stream = service.generate(prompt_ids, params, plan.adapter, request_id)
         n = params.n
         # vLLM's: with the reasoning hidden, so are logprobs (their tokens would spell it out)
@@ -556,7 +558,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 started: set[int] = set()
                 async for d in choice_deltas(primed):
                     o = d.choice
-                    lp = chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None
+                    lp = chat_logprobs(lp_names, o, 0, num_top) if want_lp else None
                     delta = DeltaMessage(content=d.text)
                     finish = o.finish_reason
                     if forced:  # after any thinking, the named function's arguments: they stream as they come
@@ -640,7 +642,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                     reasoning=reasoning if data.include_reasoning else None,
                     tool_calls=[ToolCall(id=c.id, function=FunctionCall(c.name, c.arguments)) for c in calls],
                 ),
-                logprobs=chat_logprobs(tokenizer, o, 0, num_top) if want_lp else None,
+                logprobs=chat_logprobs(lp_names, o, 0, num_top) if want_lp else None,
                 finish_reason="tool_calls" if calls and not forced else o.finish_reason,  # vLLM's
                 stop_reason=o.stop_reason,
             )

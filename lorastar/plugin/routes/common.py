@@ -241,7 +241,22 @@ def clamp_logprob(value: float) -> float:
     return max(float(value), MIN_LOGPROB)
 
 
+class TokenIdNames:
+    """The logprobs' "tokenizer" of a request with vLLM's ``return_tokens_as_token_ids``: each
+    token is named ``token_id:{id}``."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f"token_id:{i}" for i in ids)
+
+
+def logprobs_tokenizer(tokenizer: Any, req: Any) -> Any:
+    """What names the tokens in ``req``'s logprobs: its ids (``return_tokens_as_token_ids``) or text."""
+    return TokenIdNames() if getattr(req, "return_tokens_as_token_ids", None) else tokenizer
+
+
 def decoded(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:
+    if isinstance(tokenizer, TokenIdNames):
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([token_id])

@@ -29,6 +29,7 @@ from lorastar.plugin.routes.common import (
     decoded,
     generation_route,
     in_thread,
+    logprobs_tokenizer,
     prime_or_404,
     prompt_logprobs_of,
     random_id,
@@ -188,6 +189,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         if data.best_of is not None and data.best_of != data.n:
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
         tokenizer = engine.tokenizer
+        lp_names = logprobs_tokenizer(tokenizer, data)
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         limit = engine.max_waiting
         if limit is not None and len(prompts) > limit:
@@ -273,7 +275,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                     if data.logprobs is not None:
                         echoed = out if (echo and d.first) else None
                         offset0 = d.text_start + (len(prompt_text(out, d.stream)) if echo else 0)
-                        lp = _completion_logprobs(tokenizer, o, 0, offset0, num_top, echoed)
+                        lp = _completion_logprobs(lp_names, o, 0, offset0, num_top, echoed)
                     choice = CompletionStreamChoice(
                         index=d.stream * n + o.index,
                         text=text,
@@ -312,7 +314,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                 lp = None
                 if data.logprobs is not None:
                     lp = _completion_logprobs(
-                        tokenizer,
+                        lp_names,
                         o,
                         0,
                         len(prompt_text(out, i)) if echo else 0,
