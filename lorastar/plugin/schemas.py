@@ -103,6 +103,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's: logprobs name each token "token_id:{id}" (RL trainers read the sampled ids back;
     # text cannot tell apart tokens that decode alike, such as two halves of one character)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: the prompt's in
+    # the first chunk, each chunk's new ids)
+    return_token_ids: bool | None = None
     # vLLM fields lorastar does not implement (UNSUPPORTED_FIELDS). Each changes what comes back,
     # so they are typed to take only their unset values (null; vLLM's defaults 0 and []): anything
     # else fails validation, a 400 naming the field (plugin/errors.py), never silently ignored.
@@ -222,6 +225,8 @@ class CompletionResponseChoice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -239,6 +244,8 @@ class CompletionStreamChoice(msgspec.Struct):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: in the choice's first chunk
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's new ids
 
 
 class CompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -304,6 +311,7 @@ class ChatCompletionResponseChoice(msgspec.Struct):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -314,6 +322,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids
 
 
 class DeltaMessage(msgspec.Struct):
@@ -330,6 +339,7 @@ class ChatStreamChoice(msgspec.Struct):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # return_token_ids: this chunk's new ids
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -339,6 +349,7 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # return_token_ids: in the first chunk
 
 
 class ModelPermission(msgspec.Struct, kw_only=True):

@@ -78,3 +78,49 @@ def test_return_tokens_as_token_ids_names_each_token_by_its_id(real_server: Any)
         for e in content:
             assert e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
             assert all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+
+
+def test_return_token_ids_gives_the_prompt_and_sampled_ids(real_server: Any) -> None:
+    """vLLM's ``return_token_ids`` (agent-RL loops read the exact ids back instead of
+    re-tokenizing text): ``prompt_token_ids`` and each choice's ``token_ids``; streamed, the
+    prompt's in the first chunk and each chunk's new ids. It was ignored."""
+    import json
+
+    import httpx
+
+    def streamed(c: httpx.Client, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        with c.stream("POST", route, json={**body, "stream": True}) as s:
+            lines = [ln.removeprefix("data: ") for ln in s.iter_lines() if ln.startswith("data: {")]
+        return [json.loads(ln) for ln in lines]
+
+    with httpx.Client(base_url=real_server.url + "/v1", timeout=60) as c:
+        body = {"prompt": [5, 9, 12, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2}
+        assert "token_ids" not in c.post("/completions", json=body).json()["choices"][0]  # not asked for
+        body["return_token_ids"] = True
+        whole = c.post("/completions", json=body).json()["choices"]
+        assert [ch["prompt_token_ids"] for ch in whole] == [[5, 9, 12, 7]] * 2
+        assert all(len(ch["token_ids"]) == 5 for ch in whole)
+        chunks = streamed(c, "/completions", body)
+        for i in range(2):
+            mine = [ch for k in chunks for ch in k["choices"] if ch["index"] == i]
+            assert [ch.get("prompt_token_ids") for ch in mine][:1] == [[5, 9, 12, 7]]
+            assert [t for ch in mine for t in ch["token_ids"]] == whole[i]["token_ids"]
+        msgs = [{"role": "user", "content": "hi"}]
+        chat = {
+            "messages": msgs,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        got = c.post("/chat/completions", json=chat).json()
+        base = real_server.url
+        want_prompt = httpx.post(
+            base + "/tokenize", json={"messages": msgs, "add_generation_prompt": True}
+        ).json()
+        assert got["prompt_token_ids"] == want_prompt["tokens"]
+        ids = got["choices"][0]["token_ids"]
+        assert len(ids) == 4
+        chunks = streamed(c, "/chat/completions", chat)
+        assert chunks[0]["prompt_token_ids"] == got["prompt_token_ids"]
+        assert [t for k in chunks for ch in k["choices"] for t in ch.get("token_ids", [])] == ids

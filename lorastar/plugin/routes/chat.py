@@ -513,6 +513,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         model_name = data.model or service.served_model_name
         tokenizer = engine.tokenizer
         lp_names = logprobs_tokenizer(tokenizer, data)
+        want_ids = bool(data.return_token_ids)
         stream = service.generate(prompt_ids, params, plan.adapter, request_id)
         n = params.n
         # vLLM's: with the reasoning hidden, so are logprobs (their tokens would spell it out)
@@ -536,19 +537,23 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
 
             async def events() -> AsyncIterator[Any]:
                 def chunk(
-                    choice: ChatStreamChoice, d: ChoiceDelta | None = None
+                    choice: ChatStreamChoice, d: ChoiceDelta | None = None, prompt: Any = UNSET
                 ) -> ChatCompletionStreamResponse:
                     # continuous_usage_stats (vLLM): every chunk carries its choice's usage so far
                     usage: Any = UNSET
                     if continuous:
                         usage = choice_usage(d) if d is not None else make_usage(len(prompt_ids), 0, 0)
                     return ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=model_name, choices=[choice], usage=usage
-                    )
+                        id=request_id, created=created, model=model_name, choices=[choice], usage=usage,
+                        prompt_token_ids=prompt,
+                    )  # fmt: skip
 
-                # vLLM's first frame per choice: the role, empty content.
+                # vLLM's first frame per choice: the role, empty content (return_token_ids: the
+                # prompt's ids in the very first).
+                held: dict[int, list[int]] = {}  # return_token_ids: ids of chunks held back, per choice
                 for i in range(n):
-                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+                    role = ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    yield chunk(role, prompt=list(prompt_ids) if want_ids and i == 0 else UNSET)
                     if echo_text:
                         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
@@ -575,6 +580,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                                 function=DeltaFunctionCall(name=forced if first else UNSET, arguments=arguments),
                             )]  # fmt: skip
                         elif not (reasoning or lp or finish or d.out.finished):
+                            held.setdefault(o.index, []).extend(o.token_ids)
                             continue  # held back (a tag or the whitespace before the arguments)
                         delta = DeltaMessage(
                             reasoning_content=reasoning or UNSET,
@@ -587,6 +593,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         if not data.include_reasoning:
                             reasoning = ""
                         if not (reasoning or content or calls or lp or finish or d.out.finished):
+                            held.setdefault(o.index, []).extend(o.token_ids)
                             continue  # all of it held back (a tag may be starting): nothing to send yet
                         delta = DeltaMessage(
                             content=content or UNSET,
@@ -609,6 +616,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                             logprobs=lp,
                             finish_reason=finish,
                             stop_reason=o.stop_reason,
+                            token_ids=[*held.pop(o.index, []), *o.token_ids] if want_ids else UNSET,
                         ),
                         d,
                     )
@@ -645,6 +653,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 logprobs=chat_logprobs(lp_names, o, 0, num_top) if want_lp else None,
                 finish_reason="tool_calls" if calls and not forced else o.finish_reason,  # vLLM's
                 stop_reason=o.stop_reason,
+                token_ids=list(o.token_ids) if want_ids else UNSET,
             )
 
         choices = [choice(o) for o in out.outputs]
@@ -656,6 +665,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 choices=choices,
                 usage=usage_of(finals),
                 prompt_logprobs=prompt_logprobs_of(out, data.prompt_logprobs),
+                prompt_token_ids=list(out.prompt_token_ids) if want_ids else UNSET,
             ),
             status_code=HTTP_200_OK,
         )

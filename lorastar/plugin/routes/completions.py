@@ -190,6 +190,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
         tokenizer = engine.tokenizer
         lp_names = logprobs_tokenizer(tokenizer, data)
+        want_ids = bool(data.return_token_ids)
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         limit = engine.max_waiting
         if limit is not None and len(prompts) > limit:
@@ -282,6 +283,8 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         logprobs=lp,
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
+                        prompt_token_ids=list(out.prompt_token_ids) if want_ids and d.first else UNSET,
+                        token_ids=list(o.token_ids) if want_ids else UNSET,
                     )
                     yield CompletionStreamResponse(
                         id=request_id,
@@ -331,6 +334,8 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
                         prompt_logprobs=prompt_logprobs_of(out, data.prompt_logprobs),
+                        prompt_token_ids=list(out.prompt_token_ids) if want_ids else UNSET,
+                        token_ids=list(o.token_ids) if want_ids else UNSET,
                     )
                 )
         return Response(
