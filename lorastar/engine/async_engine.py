@@ -34,7 +34,7 @@ from lorastar.engine.input_processor import InputProcessor, PromptInputs
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
-from lorastar.engine.streams import Stream, deliver, stream_outputs
+from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
 from lorastar.engine.summary import engine_info
 from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
 from lorastar.errors import (
@@ -301,14 +301,11 @@ class AsyncLLM(PromptInputs):
                     self._streams.pop(wire, None)
                 self._queue_abort(wire)
 
-            async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
+            async with contextlib.aclosing(stream_outputs(q, delta, abandon, rid)) as outputs:
                 async for out in outputs:
-                    out.request_id = rid
                     yield out
         finally:
-            with self._streams_lock:
-                if self._open.get(rid) == wire:
-                    del self._open[rid]
+            release_id(self._open, self._streams_lock, rid, wire)
 
     def _add_request(
         self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str

@@ -78,7 +78,7 @@ from lorastar.engine.metrics import EngineStats
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
-from lorastar.engine.streams import Stream, deliver, stream_outputs
+from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
 from lorastar.errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -672,14 +672,11 @@ class AsyncCoreClient(PromptInputs):
                 self._abort([wire])
 
             delta = params.output_kind == RequestOutputKind.DELTA
-            async with contextlib.aclosing(stream_outputs(q, delta, abandon)) as outputs:
+            async with contextlib.aclosing(stream_outputs(q, delta, abandon, rid)) as outputs:
                 async for out in outputs:
-                    out.request_id = rid
                     yield out
         finally:
-            with self._streams_lock:
-                if self._open.get(rid) == wire:
-                    del self._open[rid]
+            release_id(self._open, self._streams_lock, rid, wire)
 
     async def abort(self, request_id: str) -> None:
         with self._streams_lock:

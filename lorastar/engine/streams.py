@@ -17,12 +17,24 @@ from lorastar.engine.outputs import CompletionOutput, RequestOutput
 Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
 
+def release_id(open_ids: dict[str, str], lock: threading.Lock, rid: str, wire: str) -> None:
+    """The caller's request id ``rid`` is free again, unless it already names a newer request
+    (``open_ids``: caller's id -> the wire id of its open stream; ``wire``: the one ending)."""
+    with lock:
+        if open_ids.get(rid) == wire:
+            del open_ids[rid]
+
+
 async def stream_outputs(
-    q: asyncio.Queue[RequestOutput | BaseException], delta: bool, abandon: Callable[[], None]
+    q: asyncio.Queue[RequestOutput | BaseException],
+    delta: bool,
+    abandon: Callable[[], None],
+    name: str | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """A request's outputs from its queue until the finished one. Several waiting are handed out
     as one (DELTA: joined; otherwise the newest); an exception in the queue is raised. Left before
-    the end (closed, cancelled), it calls ``abandon`` (drop the stream, abort the request)."""
+    the end (closed, cancelled), it calls ``abandon`` (drop the stream, abort the request).
+    ``name``: the caller's request id, given to each output (the engine knows it by a wire id)."""
     finished = False
     try:
         while not finished:
@@ -38,6 +50,8 @@ async def stream_outputs(
                 finished = True
                 raise item
             finished = item.finished
+            if name is not None:
+                item.request_id = name
             yield item
     finally:
         if not finished:

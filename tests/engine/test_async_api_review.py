@@ -5,7 +5,6 @@ clear ``EngineDeadError``), never leaves it hanging or surfaces a transport erro
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,25 +13,12 @@ import pytest
 from lorastar import AsyncLLM, SamplingParams
 from lorastar.config import EngineConfig
 from lorastar.engine.core_client import AsyncCoreClient
-from lorastar.engine.core_proc import EngineCoreProc
 from lorastar.errors import EngineDeadError
 
 
-def _gate(obj: Any, name: str) -> tuple[threading.Event, threading.Event]:
-    """Hold ``obj.name`` (a method run on a worker thread) until the returned gate is set."""
-    entered, gate = threading.Event(), threading.Event()
-    real = getattr(obj, name)
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        entered.set()
-        assert gate.wait(30)
-        return real(*args, **kwargs)
-
-    setattr(obj, name, held)
-    return entered, gate
-
-
-async def test_shutdown_while_a_grammar_compiles_drains_or_ends_the_stream(tiny_model_dir: Any) -> None:
+async def test_shutdown_while_a_grammar_compiles_drains_or_ends_the_stream(
+    tiny_model_dir: Any, hold: Any
+) -> None:
     """A request whose add is in flight (its grammar compiling) when ``shutdown`` starts is
     in-flight: it runs within the drain; with no drain left it fails with ``EngineDeadError``.
     It used to land in the engine after the loop had stopped: its stream hung for good and the
@@ -44,7 +30,7 @@ async def test_shutdown_while_a_grammar_compiles_drains_or_ends_the_stream(tiny_
         return [o async for o in engine.generate([5, 6, 7], sp)]
 
     # Drained: the add lands while shutdown waits, and the request runs to its end.
-    entered, gate = _gate(engine.engine, "compile_grammar")
+    entered, gate = hold(engine.engine, "compile_grammar")
     task = asyncio.create_task(collect())
     assert await asyncio.to_thread(entered.wait, 30)
     stopping = asyncio.create_task(engine.shutdown(drain_timeout=30))
@@ -54,7 +40,7 @@ async def test_shutdown_while_a_grammar_compiles_drains_or_ends_the_stream(tiny_
     outs = await asyncio.wait_for(task, 10)
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason != "abort"
     # No drain: the add is refused once shutdown ran (generate restarts the loop, as start() does).
-    entered, gate = _gate(engine.engine, "compile_grammar")
+    entered, gate = hold(engine.engine, "compile_grammar")
     task = asyncio.create_task(collect())
     assert await asyncio.to_thread(entered.wait, 30)
     await engine.shutdown(drain_timeout=0)
@@ -66,19 +52,16 @@ async def test_shutdown_while_a_grammar_compiles_drains_or_ends_the_stream(tiny_
 
 
 async def test_generate_racing_a_client_shutdown_raises_engine_dead(
-    tiny_model_dir: Any, tmp_path: Path
+    tiny_model_dir: Any, tmp_path: Path, hold: Any, core_in_thread: Any
 ) -> None:
     """``AsyncCoreClient.generate`` tokenizing its prompt (off the event loop) while ``shutdown``
     closes the sockets: ``EngineDeadError``, not zmq's 'Socket operation on non-socket'."""
     address = f"ipc://{tmp_path}/core"
     config = EngineConfig(model=tiny_model_dir("llama-gqa"), device="cpu", dtype="float32",
                           max_model_len=128, num_kv_blocks=32, seed=0)  # fmt: skip
-    core = EngineCoreProc(config, address)
-    thread = threading.Thread(target=core.run, name="test-core", daemon=True)
-    thread.start()
-    try:
+    with core_in_thread(config, address):
         client = await asyncio.to_thread(AsyncCoreClient, address=address, start_timeout=60)
-        entered, gate = _gate(client.inputs, "validate_prompt")
+        entered, gate = hold(client.inputs, "validate_prompt")
 
         async def collect() -> list[Any]:
             return [o async for o in client.generate("hello there", SamplingParams(max_tokens=2))]
@@ -90,6 +73,3 @@ async def test_generate_racing_a_client_shutdown_raises_engine_dead(
         with pytest.raises(EngineDeadError, match="shut down"):
             await asyncio.wait_for(task, 10)
         assert not client._streams
-    finally:
-        core.stop.set()
-        thread.join(30)

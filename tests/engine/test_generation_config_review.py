@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ from litestar.testing import TestClient
 
 from lorastar.config import EngineConfig
 from lorastar.engine.core_client import AsyncCoreClient
-from lorastar.engine.core_proc import EngineCoreProc
 from lorastar.engine.generation_config import generation_defaults
 from lorastar.engine.llm import LLM
 from lorastar.engine.sampling import SamplingParams
@@ -104,11 +102,8 @@ def test_http_requests_get_them_where_unset(model: str) -> None:
         assert len(texts) > 1
 
 
-def test_a_core_process_hands_them_to_its_frontend(model: str, tmp_path: Path) -> None:
+def test_a_core_process_hands_them_to_its_frontend(model: str, tmp_path: Path, core_in_thread: Any) -> None:
     address = f"ipc://{tmp_path}/core"
-    core = EngineCoreProc(EngineConfig(model=model, device="cpu", dtype="float32", **FAST), address)
-    thread = threading.Thread(target=core.run, name="test-core", daemon=True)
-    thread.start()
 
     async def main() -> dict[str, Any]:
         client = await asyncio.to_thread(AsyncCoreClient, address=address, start_timeout=60)
@@ -117,8 +112,5 @@ def test_a_core_process_hands_them_to_its_frontend(model: str, tmp_path: Path) -
         finally:
             await client.shutdown(drain_timeout=0)
 
-    try:
+    with core_in_thread(EngineConfig(model=model, device="cpu", dtype="float32", **FAST), address):
         assert asyncio.run(main()) == {"temperature": 0.0, "max_tokens": 5}
-    finally:
-        core.stop.set()
-        thread.join(30)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,6 @@ import pytest
 from lorastar import AsyncLLM, SamplingParams
 from lorastar.config import EngineConfig
 from lorastar.engine.core_client import AsyncCoreClient
-from lorastar.engine.core_proc import EngineCoreProc
 
 PROMPT = [5, 9, 12, 7, 3, 8]
 LONG = SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
@@ -27,20 +26,6 @@ async def _final(stream: AsyncIterator[Any]) -> Any:
     async for out in stream:
         last = out
     return last
-
-
-def _hold(obj: Any, name: str) -> tuple[threading.Event, threading.Event]:
-    """Hold ``obj.name`` (called on a worker thread) until the returned gate is set."""
-    entered, gate = threading.Event(), threading.Event()
-    real = getattr(obj, name)
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        entered.set()
-        assert gate.wait(30)
-        return real(*args, **kwargs)
-
-    setattr(obj, name, held)
-    return entered, gate
 
 
 def _after(obj: Any, name: str) -> threading.Event:
@@ -57,7 +42,24 @@ def _after(obj: Any, name: str) -> threading.Event:
     return done
 
 
-async def test_asyncllm_an_abandoned_id_is_reused_while_its_abort_is_queued(tiny_model_dir: Any) -> None:
+async def _reuse_while_the_loop_is_held(
+    engine: AsyncLLM, hold: Any, before: Callable[[], Awaitable[None]], params: SamplingParams
+) -> Any:
+    """With the step loop held before its next step: ``before()`` (which queues an abort of "r"),
+    then a request under "r" again; the loop goes on once that add is in. Its final output."""
+    entered, gate = hold(engine.engine, "step")
+    assert await asyncio.to_thread(entered.wait, 30)
+    await before()
+    added = _after(engine.engine, "add_request")
+    task = asyncio.create_task(_final(engine.generate(PROMPT, params, request_id="r")))
+    assert await asyncio.to_thread(added.wait, 30)
+    gate.set()
+    return await asyncio.wait_for(task, 60)
+
+
+async def test_asyncllm_an_abandoned_id_is_reused_while_its_abort_is_queued(
+    tiny_model_dir: Any, hold: Any
+) -> None:
     """The abort of a closed stream is applied by the step loop; an add of the same id before
     that was refused with "request_id 'r' is already in use"."""
     engine = AsyncLLM(model=tiny_model_dir("llama-gqa"), num_kv_blocks=64, seed=0)
@@ -65,14 +67,7 @@ async def test_asyncllm_an_abandoned_id_is_reused_while_its_abort_is_queued(tiny
         want = await _final(engine.generate(PROMPT, LONG, request_id="fresh"))
         stream = engine.generate(PROMPT, LONG, request_id="r")
         await stream.__anext__()
-        entered, gate = _hold(engine.engine, "step")  # the loop stops before its next step
-        assert await asyncio.to_thread(entered.wait, 30)
-        await stream.aclose()  # abandoned: its abort is queued
-        added = _after(engine.engine, "add_request")
-        task = asyncio.create_task(_final(engine.generate(PROMPT, LONG, request_id="r")))
-        assert await asyncio.to_thread(added.wait, 30)
-        gate.set()
-        out = await asyncio.wait_for(task, 60)
+        out = await _reuse_while_the_loop_is_held(engine, hold, stream.aclose, LONG)  # abandoned
         assert out.outputs[0].finish_reason == "length"
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert not engine.engine.requests and engine.kv_cache_usage()["num_used_blocks"] == 0
@@ -81,7 +76,7 @@ async def test_asyncllm_an_abandoned_id_is_reused_while_its_abort_is_queued(tiny
 
 
 async def test_asyncllm_a_late_abort_of_a_finished_id_does_not_end_its_next_request(
-    tiny_model_dir: Any,
+    tiny_model_dir: Any, hold: Any
 ) -> None:
     """``abort(id)`` after the request finished (a client timing out as the answer arrives) was
     applied by the step loop to whatever next held the id: the new request ended "abort"."""
@@ -89,15 +84,12 @@ async def test_asyncllm_a_late_abort_of_a_finished_id_does_not_end_its_next_requ
     try:
         first = await _final(engine.generate(PROMPT, SHORT, request_id="r"))
         busy = engine.generate(PROMPT, LONG, request_id="busy")
-        await busy.__anext__()
-        entered, gate = _hold(engine.engine, "step")
-        assert await asyncio.to_thread(entered.wait, 30)
-        await engine.abort("r")  # too late: "r" finished; queued all the same
-        added = _after(engine.engine, "add_request")
-        task = asyncio.create_task(_final(engine.generate(PROMPT, SHORT, request_id="r")))
-        assert await asyncio.to_thread(added.wait, 30)
-        gate.set()
-        out = await asyncio.wait_for(task, 60)
+        await busy.__anext__()  # the loop has work: it is held inside a step, not idle
+
+        async def late_abort() -> None:
+            await engine.abort("r")  # too late: "r" finished; queued all the same
+
+        out = await _reuse_while_the_loop_is_held(engine, hold, late_abort, SHORT)
         assert out.outputs[0].finish_reason == "length"
         assert out.outputs[0].token_ids == first.outputs[0].token_ids
         await busy.aclose()
@@ -106,16 +98,12 @@ async def test_asyncllm_a_late_abort_of_a_finished_id_does_not_end_its_next_requ
 
 
 @pytest.fixture
-def core_address(tiny_model_dir: Any, tmp_path: Path) -> Any:
+def core_address(tiny_model_dir: Any, tmp_path: Path, core_in_thread: Any) -> Any:
     address = f"ipc://{tmp_path}/core"
     config = EngineConfig(model=tiny_model_dir("llama-gqa"), device="cpu", dtype="float32",
                           max_model_len=128, num_kv_blocks=64, seed=0)  # fmt: skip
-    core = EngineCoreProc(config, address)
-    thread = threading.Thread(target=core.run, name="test-core", daemon=True)
-    thread.start()
-    yield address
-    core.stop.set()
-    thread.join(30)
+    with core_in_thread(config, address):
+        yield address
 
 
 async def test_core_client_an_abandoned_id_reused_at_once_runs_to_its_end(core_address: str) -> None:
