@@ -241,18 +241,19 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join('"' + "".join(map(char, c)) + '"' for c in choices)
 
 
+def tag_token_id(tokenizer: Any, tag: str) -> int | None:
+    """``tag``'s token id where it is one token of this tokenizer, else None."""
+    ids = tokenizer.encode(tag, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
 def reasoning_token_ids(tokenizer: Any, style: str) -> tuple[int | None, int] | None:
     """The reasoning block's (start, end) token ids for a structured output that follows it:
     ``qwen3`` gives both (the model opens the block itself), ``deepseek_r1`` only the end (the
     prompt is left inside it). None where a tag is not one token of this tokenizer: the
     constraint then applies from the first token."""
-
-    def single(tag: str) -> int | None:
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
-
-    end = single(THINK_END)
-    start = single(THINK_START) if style == "qwen3" else None
+    end = tag_token_id(tokenizer, THINK_END)
+    start = tag_token_id(tokenizer, THINK_START) if style == "qwen3" else None
     if end is None or (style == "qwen3" and start is None):
         return None
     return start, end
@@ -267,12 +268,10 @@ def prompt_reasoning_style(tokenizer: Any, style: str | None, prompt_ids: list[i
     several tokens leave ``style`` as it is."""
     if style is None:
         return None
-    tags: dict[int, str] = {}
-    for tag in (THINK_START, THINK_END):
-        ids = tokenizer.encode(tag, add_special_tokens=False)
-        if len(ids) != 1:
-            return style
-        tags[ids[0]] = tag
+    start, end = tag_token_id(tokenizer, THINK_START), tag_token_id(tokenizer, THINK_END)
+    if start is None or end is None:
+        return style
+    tags = {start: THINK_START, end: THINK_END}
     for i in range(len(prompt_ids) - 1, max(len(prompt_ids) - 9, -1), -1):
         if (tag := tags.get(prompt_ids[i])) is not None:
             if tokenizer.decode(prompt_ids[i + 1 :]).strip():
