@@ -22,14 +22,23 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "Logprob",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
 ]
 
 if TYPE_CHECKING:
     from lorastar.config import EngineConfig
     from lorastar.engine.async_engine import AsyncLLM
     from lorastar.engine.llm import LLM
-    from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+    from lorastar.engine.outputs import (
+        BeamSearchOutput,
+        BeamSearchSequence,
+        CompletionOutput,
+        Logprob,
+        RequestOutput,
+    )
+    from lorastar.engine.sampling import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _LAZY = {
     "LLM": "lorastar.engine.llm",
@@ -40,6 +49,9 @@ _LAZY = {
     "CompletionOutput": "lorastar.engine.outputs",
     "Logprob": "lorastar.engine.outputs",
     "EngineConfig": "lorastar.config",
+    "BeamSearchParams": "lorastar.engine.sampling",
+    "BeamSearchOutput": "lorastar.engine.outputs",
+    "BeamSearchSequence": "lorastar.engine.outputs",
 }
 
 

@@ -6,6 +6,10 @@ plus the beam's running sum). Over all proposals, best first: an EOS continuatio
 a stop token id ends one as EOS does, HF's ``eos_token_id`` list);
 other continuations fill the ``width`` new beams. The request is done when ``width`` hypotheses
 are finished and no running beam can beat the worst of them, or at ``max_tokens``.
+
+With ``logprobs`` asked for, each beam's step keeps its top entries (``step_logprobs``) and every
+generated token of a hypothesis gets one list of them (the token first, then the top
+``logprobs``), as a sampled token does; their logprobs sum to the hypothesis's ``sum_logprob``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ class Hypothesis:
     token_ids: list[int]  # generated tokens (prompt excluded), EOS included when it ended on one
     sum_logprob: float
     score: float
+    source: int = -1  # the seq_id it came from (its parent, when it ended on a proposal)
+    logprobs: list[list[tuple[int, float, int]]] | None = None  # per token, when asked for
 
 
 @dataclass
@@ -29,6 +35,10 @@ class BeamState:
     stop_token_ids: tuple[int, ...] = ()  # end a hypothesis as EOS does (ignore_eos or not)
     # seq_id -> that beam's proposals this step: [(sum_logprob, token)], best first
     pending: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+    # logprobs asked for: seq_id -> that beam's top (token, logprob) this step, best first (at least
+    # its proposals and the top ``num_logprobs``)
+    num_logprobs: int | None = None
+    step_logprobs: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
     done: bool = False
 
@@ -62,7 +72,7 @@ class BeamState:
             if tok in ends:
                 if rank < self.width:
                     toks = [*gen, tok]
-                    self.add_finished(Hypothesis(toks, s, self.normalized(s, len(toks))))
+                    self.add_finished(Hypothesis(toks, s, self.normalized(s, len(toks)), sid))
                 continue
             chosen.append((sid, tok, s))
             if len(chosen) == self.width:
@@ -79,6 +89,18 @@ class BeamState:
 
     def finish_all(self, beams: list[tuple[int, list[int], float]]) -> None:
         """Length limit: every live beam becomes a hypothesis."""
-        for _, gen, s in beams:
-            self.add_finished(Hypothesis(list(gen), s, self.normalized(s, len(gen))))
+        for sid, gen, s in beams:
+            self.add_finished(Hypothesis(list(gen), s, self.normalized(s, len(gen)), sid))
         self.done = True
+
+    def token_logprobs(self, seq_id: int, token: int) -> list[tuple[int, float, int]]:
+        """The raw logprobs entry of ``token`` proposed by beam ``seq_id`` this step: ``(token,
+        logprob, rank)`` first (rank: how many of the beam's top logprobs are >= it, as the sampler
+        counts a tie), then the top ``num_logprobs`` with ranks 1, 2, ..."""
+        top = self.step_logprobs[seq_id]
+        v = next(lp for t, lp in top if t == token)
+        rank = sum(1 for _, lp in top if lp >= v)
+        return [
+            (token, v, rank),
+            *((t, lp, i + 1) for i, (t, lp) in enumerate(top[: self.num_logprobs or 0])),
+        ]

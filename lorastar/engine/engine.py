@@ -609,7 +609,7 @@ class LLMEngine(PromptInputs):
             self._num_adapter_requests += entry is not None
             if params.use_beam_search:
                 req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos,
-                                     tuple(params.stop_token_ids or ()))  # fmt: skip
+                                     tuple(params.stop_token_ids or ()), num_logprobs=params.logprobs)  # fmt: skip
             seq = req.sequences[0]
             self._init_seq(seq)
             if _frontend:
@@ -1030,14 +1030,19 @@ class LLMEngine(PromptInputs):
                 ends = [t for t in seq.request.beam.end_ids if t < lp.shape[-1]]
                 if ends:
                     lp[i, ends] = float("-inf")
-        k = min(2 * max(seq.request.beam.width for seq, _ in rows), lp.shape[-1])
+        k = min(
+            max(max(2 * s.request.beam.width, s.request.beam.num_logprobs or 0) for s, _ in rows),
+            lp.shape[-1],
+        )
         vals, toks = lp.topk(k, dim=-1)
         vals, toks = vals.tolist(), toks.tolist()
         for (seq, _), v, t in zip(rows, vals, toks):
-            w = 2 * seq.request.beam.width
-            seq.request.beam.pending[seq.seq_id] = [
-                (seq.cumulative_logprob + a, b) for a, b in zip(v[:w], t[:w])
-            ]
+            beam = seq.request.beam
+            w = 2 * beam.width
+            beam.pending[seq.seq_id] = [(seq.cumulative_logprob + a, b) for a, b in zip(v[:w], t[:w])]
+            if beam.num_logprobs is not None:
+                top = max(w, beam.num_logprobs)
+                beam.step_logprobs[seq.seq_id] = list(zip(t[:top], v[:top]))
             touched[seq.request.request_id] = seq.request
         for req in {seq.request.request_id: seq.request for seq, _ in rows}.values():
             live = [s for s in req.sequences if not s.is_finished]
@@ -1050,18 +1055,28 @@ class LLMEngine(PromptInputs):
         beams = [(s.seq_id, s.output_token_ids, s.cumulative_logprob) for s in live]
         chosen = st.select(beams)
         by_id = {s.seq_id: s for s in live}
+        want_lp = st.num_logprobs is not None
+        if want_lp:  # hypotheses that ended on this step's proposals: their parent's logprobs + the end
+            for h in st.finished:
+                if h.logprobs is None:
+                    h.logprobs = [*by_id[h.source].logprobs, st.token_logprobs(h.source, h.token_ids[-1])]
         used: set[int] = set()
         targets: list[tuple[Sequence, int, float]] = []
+        entries: list[list[tuple[int, float, int]] | None] = []  # each target's new logprobs entry
         for sid, tok, score in chosen:  # fork extra uses of a parent before any append
             parent = by_id[sid]
+            entries.append(st.token_logprobs(sid, tok) if want_lp else None)
             if sid in used:
                 child = Sequence(req, 0, list(parent.token_ids), parent.num_prompt_tokens)
+                if want_lp:
+                    child.logprobs = list(parent.logprobs)
                 self.scheduler.add_forked(parent, child)
                 req.sequences.append(child)
                 targets.append((child, tok, score))
             else:
                 used.add(sid)
                 targets.append((parent, tok, score))
+        st.step_logprobs.clear()
         for s in live:
             if s.seq_id not in used:  # pruned beam: its blocks go back now
                 self.scheduler.finish(s, "stop")
@@ -1071,9 +1086,11 @@ class LLMEngine(PromptInputs):
             req.first_token_time = now
             self.prompt_tokens_total += req.num_prompt_tokens  # its prefill is done (vLLM's count)
         req.last_token_time = now
-        for seq, tok, score in targets:
+        for (seq, tok, score), entry in zip(targets, entries):
             seq.token_ids.append(tok)
             seq.cumulative_logprob = score
+            if entry is not None:
+                seq.logprobs.append(entry)
             self.generation_tokens_total += 1
         if req.adapter_name and targets:  # as _append counts a sampled token
             name = req.adapter_name
@@ -1084,6 +1101,11 @@ class LLMEngine(PromptInputs):
             head = targets[0][0]
             if head.num_output_tokens >= req.params.max_tokens or head.num_tokens >= self.max_model_len:
                 st.finish_all([(s.seq_id, s.output_token_ids, s.cumulative_logprob) for s, _, _ in targets])
+                if want_lp:
+                    by_seq = {s.seq_id: s for s, _, _ in targets}
+                    for h in st.finished:
+                        if h.logprobs is None:
+                            h.logprobs = list(by_seq[h.source].logprobs)
         if st.done:
             for s in list(req.sequences):
                 self.scheduler.finish(s, "length")
@@ -1137,13 +1159,13 @@ class LLMEngine(PromptInputs):
                 last = h.token_ids[-1] if h.token_ids else None
                 if last is not None and last in beam.end_ids:
                     eos = not params.ignore_eos and last in self.eos_token_ids
-                    samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob, "stop",
+                    samples.append(SampleDelta(i, list(h.token_ids), h.logprobs, h.sum_logprob, "stop",
                                                None if eos else last))  # fmt: skip
                 else:
-                    samples.append(SampleDelta(i, list(h.token_ids), None, h.sum_logprob, "length"))
+                    samples.append(SampleDelta(i, list(h.token_ids), h.logprobs, h.sum_logprob, "length"))
         else:
             for seq in req.sequences:
-                samples.append(SampleDelta(seq.index, seq.output_token_ids, None,
+                samples.append(SampleDelta(seq.index, seq.output_token_ids, list(seq.logprobs) if want_lp else None,
                                            seq.cumulative_logprob if want_lp else None,
                                            seq.finish_reason, seq.stop_reason))  # fmt: skip
         if finished and len(samples) < params.n:  # aborted before its samples forked: n of them
@@ -1282,8 +1304,8 @@ def aborted_samples(
     params: SamplingParams, have: set[int] | frozenset[int] = frozenset()
 ) -> list[SampleDelta]:
     """The ``n`` samples (less those in ``have``) of a request aborted before they forked or ran:
-    no tokens, finish_reason "abort" (empty logprobs where asked for; beam search has none)."""
-    lps: list[Any] | None = [] if params.logprobs is not None and not params.use_beam_search else None
+    no tokens, finish_reason "abort" (empty logprobs where asked for)."""
+    lps: list[Any] | None = [] if params.logprobs is not None else None
     return [SampleDelta(k, [], lps, None, "abort") for k in range(params.n) if k not in have]
 
 

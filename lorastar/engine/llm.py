@@ -11,8 +11,8 @@ from typing import Any
 from lorastar.adapters.registry import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
-from lorastar.engine.outputs import RequestOutput
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from lorastar.engine.sampling import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | Mapping[str, Any]  # a dict: vLLM's TextPrompt / TokensPrompt
 
@@ -117,6 +117,46 @@ class LLM:
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
         adapters = self._adapters(adapter, lora_request, n)
         return self._run(prompts, params, adapters, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: each prompt's ``beam_width`` best hypotheses, best first,
+        with per-token logprobs (the token and the top ``2 * beam_width``). The prompts run
+        batched, as ``generate`` runs them (``concurrency_limit`` is accepted for vLLM's
+        signature; the scheduler bounds what runs at once). ``lora_request`` as in ``generate``."""
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(params, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        sp = SamplingParams(
+            n=params.beam_width, use_beam_search=True, temperature=0.0, max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
+            include_stop_str_in_output=params.include_stop_str_in_output, logprobs=2 * params.beam_width,
+        )  # fmt: skip
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        reqs = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        adapters = self._adapters(None, lora_request, len(prompts))
+        outs = self._run(prompts, [sp] * len(prompts), adapters, use_tqdm)
+        tok = self.get_tokenizer()
+        results = []
+        for out, req in zip(outs, reqs):
+            seqs = []
+            for o in out.outputs:
+                tokens = [*out.prompt_token_ids, *o.token_ids]
+                seqs.append(BeamSearchSequence(tokens, o.logprobs or [], req, o.cumulative_logprob or 0.0,
+                                               tok.decode(tokens), o.finish_reason, o.stop_reason))  # fmt: skip
+            results.append(BeamSearchOutput(seqs))
+        return results
 
     def _adapters(self, adapter: Any, lora_request: Any, n: int) -> list[str | None]:
         """One adapter name (or None) per prompt, from ``adapter`` or vLLM's ``lora_request``; the

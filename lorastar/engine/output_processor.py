@@ -221,8 +221,9 @@ class OutputProcessor:
             # (as a sample's, _append).
             ids = d.token_ids[:-1] if d.finish_reason == "stop" and not keep_stop else d.token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=st.params.skip_special_tokens)
+            lps = [self._named(e) for e in d.logprobs] if d.logprobs else []
             st.samples[d.index] = _Sample(
-                d.index, None, list(d.token_ids), text, [], d.cumulative_logprob,
+                d.index, None, list(d.token_ids), text, lps, d.cumulative_logprob,
                 d.finish_reason, d.stop_reason,
             )  # fmt: skip
 
@@ -253,7 +254,7 @@ class OutputProcessor:
                     text=text,
                     token_ids=ids,
                     cumulative_logprob=s.cumulative_logprob if (want_lp or co.whole) else None,
-                    logprobs=lps if want_lp and not co.whole else None,
+                    logprobs=lps if want_lp else None,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                 )

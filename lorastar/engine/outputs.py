@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -55,6 +56,28 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One hypothesis of ``LLM.beam_search`` (vLLM's): ``tokens`` hold the prompt's and the
+    generated ids, ``logprobs`` one dict per generated token (the token and the top
+    ``2 * beam_width``), ``text`` the decoded ``tokens`` (prompt included, as vLLM's)."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    lora_request: Any = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's ``beam_width`` best hypotheses, best first (vLLM's)."""
+
+    sequences: list[BeamSearchSequence]
 
 
 # ---- core -> frontend (engine/output_processor.py turns these into RequestOutputs) ----------------

@@ -89,6 +89,20 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass
+class BeamSearchParams:
+    """vLLM's parameters of ``LLM.beam_search``. The search is the engine's (HF transformers' beam
+    search, ``engine/beam.py``) over raw log-probabilities, so ``temperature`` changes nothing, as
+    in vLLM's v1 engine, whose beam scores are raw logprobs too."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
 class SamplingParams:
     """How to sample one request. Defaults match vLLM (top_k=0 means off)."""
 

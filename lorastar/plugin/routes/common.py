@@ -92,8 +92,6 @@ def sampling_params(
     ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint)."""
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
-    if req.use_beam_search and logprobs is not None:  # beams carry no per-token logprobs to report
-        raise APIError("logprobs is not supported with use_beam_search.", param="logprobs")
     if req.stream_options is not None and not req.stream:  # vLLM's rule: usage would be silently absent
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     pl = req.prompt_logprobs  # an invalid value goes to the engine as sent: it names the field
