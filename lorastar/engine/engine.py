@@ -426,6 +426,9 @@ class LLMEngine(PromptInputs):
             if name not in self.registry:
                 raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
             self.registry.unregister(name)
+            # no series for a name gone (one per name ever served would grow without bound); its
+            # requests still in flight drop it again as they end (_finish_request)
+            self.adapter_tokens.pop(name, None)
 
     def list_adapters(self) -> list[AdapterInfo]:
         return self.registry.list()
@@ -1225,6 +1228,8 @@ class LLMEngine(PromptInputs):
             self.registry.release(req.adapter_entry)
             req.adapter_entry = None
             self._num_adapter_requests -= 1
+            if req.adapter_name not in self.registry:  # unloaded while it ran (unload_adapter)
+                self.adapter_tokens.pop(req.adapter_name, None)
         return self._core_output(req, finished=True)
 
     def close(self) -> None:

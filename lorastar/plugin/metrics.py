@@ -360,6 +360,16 @@ class PluginMetrics:
                 self.success.labels(name, reason)
             self._success_named = name
 
+    def forget_adapter(self, adapter: str) -> None:
+        """Drop an unloaded adapter's per-adapter series: one set per name ever served would grow
+        without bound (vLLM keeps no series of an unloaded adapter; loaded again, they restart at 0)."""
+        name = self._model_name()
+        for counter in (self.adapter_requests, self.adapter_prompt_tokens, self.adapter_generation_tokens):
+            try:
+                counter.remove(name, adapter)
+            except KeyError:  # none yet (never served)
+                pass
+
     # --- observations (called by the routes) ---
 
     def request_started(self, adapter: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -88,7 +89,9 @@ class LoraStarService:
         self._started = False
         self._closed = False  # after stop(): no lazy restart, requests get 503
         self._start_lock: asyncio.Lock | None = None
-        self._adapter_locks: dict[str, asyncio.Lock] = {}  # adapter_lock(name)
+        # adapter_lock(name); weak: a lock lives while a caller holds it (one per name ever
+        # loaded or tried would grow without bound)
+        self._adapter_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.created = int(time.time())
         self.adapter_created: dict[str, int] = {}
         # config.thinking_budget_message's token ids, encoded at start (None: no message)

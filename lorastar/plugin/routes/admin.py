@@ -130,6 +130,7 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
         except AdapterNotFoundError as exc:
             raise not_found(f"The lora adapter '{name}' cannot be found.", "lora_name") from exc
         service.adapter_created.pop(name, None)
+        service.metrics.forget_adapter(name)
         return _text(f"Success: LoRA adapter '{name}' removed successfully.")
 
     return [load_lora_adapter, unload_lora_adapter]
