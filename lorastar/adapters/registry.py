@@ -147,6 +147,43 @@ class AdapterRegistry:
             self._enforce_cpu_limit()
             return entry
 
+    def on_disk(self, name: str) -> bool:
+        """Whether ``name`` is registered with its weights only on disk (``acquire`` reads them)."""
+        with self._lock:
+            entry = self._names.get(name)
+            return entry is not None and entry.weights is None
+
+    def preload(self, name: str) -> bool:
+        """Read ``name``'s weights from disk into host memory if they are not there, without
+        holding the registry's lock while reading (``acquire`` reads under it, and the step loop's
+        slot calls wait on that lock: a reload of a disk-tier adapter stalled every running
+        request for the read and hash). Whether ``acquire`` will now find them in host memory.
+        A failed read is ignored: ``acquire`` tries again and raises the error."""
+        with self._lock:
+            entry = self._names.get(name)
+            if entry is None:
+                return False
+            if entry.weights is not None:
+                return True
+            paths = [entry.path, *sorted({self._paths[n] for n in entry.names} - {entry.path})]
+        for path in paths:
+            try:
+                w = self._loader(path)
+            except Exception:  # acquire names the failure
+                continue
+            if w.content_hash != entry.content_hash:
+                continue
+            with self._lock:
+                if self._by_hash.get(entry.content_hash) is not entry:  # unregistered meanwhile
+                    return False
+                if entry.weights is None:
+                    entry.path, entry.weights = path, w
+                    self._touch(entry)
+                    # the newest: dropped again only when every other identity is pinned
+                    self._enforce_cpu_limit()
+                return entry.weights is not None
+        return False
+
     def release(self, entry: AdapterEntry) -> None:
         """A request on ``entry`` ended (finished, aborted or failed)."""
         with self._lock:

@@ -273,11 +273,18 @@ class EngineCoreProc:
                 return
             self._drop_client(msg.client_id, linger=None)  # None: the socket's LINGER
 
-    def _add(self, msg: AddRequest, grammar: Any = None) -> None:
+    def _add(self, msg: AddRequest, grammar: Any = None, prepared: bool = False) -> None:
         if msg.client_id not in self.clients:  # dropped (or no Hello): its Hello again tells it
             return
-        if grammar is None and msg.params.grammar_spec is not None and self.drain_deadline is None:
-            self.compiling.append((msg, self.grammar_pool.submit(self.engine.compile_grammar, msg.params)))
+        if (
+            not prepared
+            and self.drain_deadline is None
+            and (
+                msg.params.grammar_spec is not None
+                or (msg.adapter is not None and self.engine.registry.on_disk(msg.adapter))
+            )
+        ):  # a grammar to compile or an adapter to read from disk: off the step loop, then queued
+            self.compiling.append((msg, self.grammar_pool.submit(self._prepare, msg)))
             return
         try:
             if self.drain_deadline is not None:
@@ -305,8 +312,15 @@ class EngineCoreProc:
                 rid = self._their_id(msg.request_id, done=True)
                 self._send(msg.client_id, Outputs([], [(rid, error_info(exc))]))
             else:
-                self._add(msg, fut.result())
+                self._add(msg, fut.result(), prepared=True)
         self.compiling = pending
+
+    def _prepare(self, msg: AddRequest) -> Any:
+        """On the grammar thread: read the request's adapter into host memory if it is on disk (a
+        read under the engine's lock stalls every running request), compile its grammar; the grammar."""
+        if msg.adapter is not None:
+            self.engine.preload_adapter(msg.adapter)
+        return self.engine.compile_grammar(msg.params) if msg.params.grammar_spec is not None else None
 
     def _drop_compiling(self, keep: Callable[[AddRequest], bool]) -> list[AddRequest]:
         """Forget the compiling requests ``keep`` refuses (aborted; their client left); them."""

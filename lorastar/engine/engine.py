@@ -46,6 +46,7 @@ from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_word
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.engine.structured import GrammarCompiler, GrammarRow
 from lorastar.engine.thinking_budget import ThinkingBudget
+from lorastar.engine.threads import run_in_fresh_thread
 from lorastar.errors import (
     AdapterError,
     AdapterExistsError,
@@ -565,6 +566,14 @@ class LLMEngine(PromptInputs):
             prompt, params, adapter=adapter, request_id=request_id, grammar=grammar, _frontend=True
         )
 
+    def preload_adapter(self, name: str) -> None:
+        """Read adapter ``name`` into host memory if it is only on disk, before ``add_request``
+        takes the engine's lock: ``acquire`` reads it under that lock otherwise, and every running
+        request waits for the read and hash. On a thread that exits afterwards, so no second
+        OpenMP pool stays (engine/threads.py)."""
+        if self.registry.on_disk(name):
+            run_in_fresh_thread(self.registry.preload, name, thread_name="lorastar-adapter-read")
+
     def add_core_request(
         self,
         prompt: str | list[int],
@@ -594,6 +603,8 @@ class LLMEngine(PromptInputs):
         bad_words, choices = self._bad_words(params), self._choices(params)
         if grammar is None:
             grammar = self.compile_grammar(params)
+        if adapter is not None:
+            self.preload_adapter(adapter)
         with self.lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self.requests:
