@@ -270,9 +270,14 @@ def test_streams_send_the_calls_whole_in_the_last_delta(servers: dict) -> None:
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_weather"
     assert json.loads(calls[0]["function"]["arguments"]) == WEATHER["arguments"]
+    # the calls whole in the last delta, then (as OpenAI sends it) a chunk that only ends the choice:
+    # the openai SDK's stream helper never closed a call that came in the chunk with finish_reason
     assert (
-        frames[-1]["choices"][0]["finish_reason"] == "tool_calls"
-        and "tool_calls" in frames[-1]["choices"][0]["delta"]
+        frames[-2]["choices"][0]["finish_reason"] is None
+        and "tool_calls" in frames[-2]["choices"][0]["delta"]
+    )
+    assert (
+        frames[-1]["choices"][0]["finish_reason"] == "tool_calls" and frames[-1]["choices"][0]["delta"] == {}
     )
 
 

@@ -608,17 +608,25 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                         )  # fmt: skip
                         if calls:
                             finish = "tool_calls"
+                    # Parsed calls (which come whole, with the end) go out before the chunk that ends
+                    # the choice, as OpenAI sends them: the openai SDK's stream helper reads a
+                    # chunk's finish_reason before its tool calls, and never closed the last call.
+                    split = bool(parts) and not forced and finish == "tool_calls"
                     yield chunk(
                         ChatStreamChoice(
                             index=o.index,
                             delta=delta,
                             logprobs=lp,
-                            finish_reason=finish,
-                            stop_reason=o.stop_reason,
+                            finish_reason=None if split else finish,
+                            stop_reason=None if split else o.stop_reason,
                             token_ids=[*held.pop(o.index, []), *o.token_ids] if want_ids else UNSET,
                         ),
                         d,
                     )
+                    if split:
+                        end = ChatStreamChoice(index=o.index, delta=DeltaMessage(), finish_reason=finish,
+                                               stop_reason=o.stop_reason, token_ids=[] if want_ids else UNSET)  # fmt: skip
+                        yield chunk(end, d)
                     if d.out.finished:
                         final = d
                 if include_usage:
