@@ -608,6 +608,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
         except APIError as exc:
             raise _renamed(exc) from exc
         stored = bool(data.store) and store.size > 0
+        one_call = data.parallel_tool_calls is False  # as chat's (vLLM's): only the first call is returned
         want_lp, num_top = wants_logprobs(data), data.top_logprobs or 0
         tokenizer = plan.engine.tokenizer
         response_id, created = new_id("resp"), int(time.time())
@@ -654,7 +655,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
                         reasoning_text, content_text = reasoning_text + r, content_text + c
                         for e in (ev.reasoning(r) if r else []) + (ev.content(c) if c else []):
                             yield e
-                        for call in new_calls:
+                        for call in new_calls[: 1 - len(calls)] if one_call else new_calls:
                             calls.append(call)
                             for e in ev.call(call):
                                 yield e
@@ -684,6 +685,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
         out = finals[0]
         o = out.outputs[0]
         reasoning, content, calls = plan.read(o.text)
+        calls = calls[:1] if one_call else calls
         lps = chat_logprobs(tokenizer, o, 0, num_top).content if want_lp else None
         items = output_items(o, reasoning, content, calls, lps)
         usage = usage_of(plan, out, list(o.token_ids), o.text, reasoning)
