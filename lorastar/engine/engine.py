@@ -1263,15 +1263,22 @@ class LLMEngine(PromptInputs):
             sched = self.scheduler
             bm = self.block_manager
             adapters: dict[str, dict[str, int]] = {}
+            # As vLLM counts: each of an n > 1 request's samples is a request of its own (vLLM adds
+            # n child requests to its core), so the gauges that gateways route on weigh its load;
+            # one not forked yet (waiting, prefilling) counts n. A beam is one, as vLLM's beam
+            # search runs each beam as a request.
+            counts = {"running": 0, "waiting": 0}
             for state, seqs in (("running", sched.running), ("waiting", sched.waiting)):
                 for seq in seqs:
-                    name = seq.request.adapter_name
-                    if name is not None and seq.index == 0:
-                        d = adapters.setdefault(name, {"running": 0, "waiting": 0})
-                        d[state] += 1
+                    req = seq.request
+                    k = req.params.n if req.beam is None and not req.forked else 1
+                    counts[state] += k
+                    if req.adapter_name is not None:
+                        d = adapters.setdefault(req.adapter_name, {"running": 0, "waiting": 0})
+                        d[state] += k
             return EngineStats(
-                num_running=len({s.request.request_id for s in sched.running}),
-                num_waiting=len({s.request.request_id for s in sched.waiting}),
+                num_running=counts["running"],
+                num_waiting=counts["waiting"],
                 kv_cache_usage=bm.num_used_blocks / bm.num_blocks,
                 num_blocks=bm.num_blocks,
                 num_used_blocks=bm.num_used_blocks,
