@@ -74,9 +74,19 @@ _DEPTH = (RecursionError, MemoryError)
 
 def _arguments(value: Any) -> str:
     """Arguments as OpenAI's JSON text (non-ASCII kept as written; a lone surrogate as its JSON
-    escape, which keeps the meaning inside a JSON string, the only place one can be)."""
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    escape, which keeps the meaning inside a JSON string, the only place one can be). A string is
+    passed as written where it is JSON text already, else as a JSON string (vLLM's): arguments are
+    always JSON, which clients parse and send back in the history."""
+    text = value if isinstance(value, str) and _is_json(value) else json.dumps(value, ensure_ascii=False)
     return _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, *_DEPTH):
+        return False
+    return True
 
 
 def _call(obj: Any, make_id: Any = None) -> ParsedToolCall | None:
@@ -203,7 +213,8 @@ class MistralParser:
             calls = [_call(o, _mistral_id) for o in arr] if isinstance(arr, list) else [None]
             return None if s[end:].strip() or any(c is None for c in calls) else calls  # type: ignore[return-value]
         brace = s.find("{")  # v11+: name[ARGS]{...}
-        name = s[:brace].removesuffix("[ARGS]").strip() if brace > 0 else ""
+        # v11's templates may write the call's id too: name[CALL_ID]id[ARGS]{...} (not the name's)
+        name = s[:brace].removesuffix("[ARGS]").partition("[CALL_ID]")[0].strip() if brace > 0 else ""
         if not name or any(c.isspace() for c in name):
             return None
         try:
@@ -283,7 +294,10 @@ def _typed(value: str, spec: Any) -> Any:
     """``value`` as its schema ``spec`` types it (vLLM's qwen3_coder conversion; text otherwise)."""
     if value.lower() == "null":
         return None
-    kind = str(spec.get("type", "string")).strip().lower() if isinstance(spec, dict) else "string"
+    kind = spec.get("type", "string") if isinstance(spec, dict) else "string"
+    if isinstance(kind, list):  # a union ("type": ["integer", "null"]): its first type but null
+        kind = next((k for k in kind if k != "null"), "string")
+    kind = str(kind).strip().lower()
     try:
         if kind.startswith(("int", "uint", "long", "short", "unsigned")):
             return int(value)
