@@ -124,6 +124,20 @@ class BlockManager:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         found: list[int] = []
+        if self.sliding_window > 0:
+            # Every layer slides: a hit of k blocks reads only those from _dead_hits(k) on, so only
+            # they must be cached (vLLM's SlidingWindowManager). The early blocks, released first,
+            # are the first evicted: requiring them lost every hit of a long prompt. Dead entries
+            # are NULL_BLOCK (allocate skips them).
+            bids = [self._cached.get(h) for h in self.hashes(seq, max_blocks)]
+            run = [0] * (len(bids) + 1)  # run[k]: cached blocks in a row ending at block k - 1
+            for k, bid in enumerate(bids, 1):
+                run[k] = run[k - 1] + 1 if bid is not None else 0
+            for k in range(len(bids), 0, -1):
+                dead = self._dead_hits(k)
+                if run[k] >= k - dead:
+                    return [NULL_BLOCK] * dead + bids[dead:k]  # type: ignore[list-item]
+            return found
         # (sliced: the memoised chain may already cover the whole prompt, e.g. hashed at admission
         # before a preemption mid-prefill; a hit on the last token's block would skip its logits)
         for h in self.hashes(seq, max_blocks):

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lorastar.engine.block_manager import BlockManager
+from lorastar.engine.block_manager import NULL_BLOCK, BlockManager
 from lorastar.engine.request import Request, SeqStatus, Sequence
 
 # ensure_adapter(seq, pinned_keys) -> bool: make the sequence's adapter resident in a device slot
@@ -274,6 +274,8 @@ class Scheduler:
                 # Prompt logprobs need every prompt position's: a hit counts only as far as the
                 # engine kept those positions' logprobs (see engine/prompt_logprobs.py).
                 cached = cached[: self.prompt_logprobs_hits(seq, len(cached))]
+                if NULL_BLOCK in cached[self.bm._dead_hits(len(cached)) :]:  # a window hit cut inside
+                    cached = []  # its evicted early blocks: none to take
             if seq.num_preemptions == 0 and self._waits_for_sibling(seq, len(cached), inflight):
                 j += 1
                 continue
