@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from litestar import get
+from litestar.datastructures import CacheControlHeader
 from litestar.static_files import create_static_files_router
 
 from lorastar.plugin.service import LoraStarService
@@ -78,7 +79,8 @@ def stats_snapshot(service: LoraStarService) -> dict[str, Any]:
 
 
 def build_ops_handlers(service: LoraStarService, *, guards: list[Any] | None = None) -> list[Any]:
-    @get("/lorastar/stats", sync_to_thread=False, guards=guards or [], summary="Operator page stats")
+    # In a worker thread: an in-process engine's stats() waits for its lock, held through a step
+    @get("/lorastar/stats", sync_to_thread=True, guards=guards or [], summary="Operator page stats")
     def stats() -> dict[str, Any]:
         return stats_snapshot(service)
 
@@ -87,6 +89,8 @@ def build_ops_handlers(service: LoraStarService, *, guards: list[Any] | None = N
         directories=[STATIC_DIR],
         html_mode=True,
         include_in_schema=False,
-        guards=guards or [],
+        # no guards: a browser cannot send the API key on navigation; the page holds no data and
+        # asks for the key when stats answers 401. no-cache: revalidate (ETag) after an upgrade
+        cache_control=CacheControlHeader(no_cache=True),
     )
     return [stats, page]

@@ -51,7 +51,7 @@ def build_metrics_handler(
 ) -> Any:
     @get(
         path,
-        sync_to_thread=False,
+        sync_to_thread=True,  # in a worker thread: the engine's stats() waits for its step lock
         include_in_schema=include_in_schema,
         guards=guards or [],
         summary="Prometheus metrics",

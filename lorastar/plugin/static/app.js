@@ -3,6 +3,7 @@
 const POLL_MS = 1000, HISTORY = 120;
 const history = [];  // [time, tokens/s]
 let last = null;
+let key = sessionStorage.getItem("lorastar-api-key") || "";  // servers with api_keys: the form below
 
 const $ = (id) => document.getElementById(id);
 const fmt = (v) => (v === null || v === undefined ? "–" : Number(v).toLocaleString("en-US"));
@@ -25,9 +26,10 @@ function render(s) {
   $("running").textContent = fmt(s.num_running);
   $("waiting").textContent = fmt(s.num_waiting);
   $("gen").textContent = fmt(s.generation_tokens_total);
-  if (last && s.generation_tokens_total !== undefined) {
-    const dt = s.time - last.time;
-    const tps = dt > 0 ? (s.generation_tokens_total - last.generation_tokens_total) / dt : 0;
+  // (none while the engine restarts; lower after a restart: counted from 0, as Prometheus' rate())
+  if (last && last.generation_tokens_total !== undefined && s.generation_tokens_total !== undefined) {
+    const dt = s.time - last.time, d = s.generation_tokens_total - last.generation_tokens_total;
+    const tps = dt > 0 ? (d < 0 ? s.generation_tokens_total : d) / dt : 0;
     history.push([s.time, Math.max(0, tps)]);
     if (history.length > HISTORY) history.shift();
     $("tps").textContent = tps.toFixed(1);
@@ -54,13 +56,23 @@ function render(s) {
 
 async function poll() {
   try {
-    const r = await fetch("stats", { cache: "no-store" });
+    // a server that went away without closing the connection: give up, say so, poll again
+    const ctl = new AbortController(), timer = setTimeout(() => ctl.abort(), 5 * POLL_MS);
+    const r = await fetch("stats", { cache: "no-store", signal: ctl.signal,
+      headers: key ? { Authorization: `Bearer ${key}` } : {} }).finally(() => clearTimeout(timer));
+    $("auth").hidden = r.status !== 401;
+    if (r.status === 401) throw new Error(key ? "API key refused" : "this server needs an API key");
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     render(await r.json());
     $("error").textContent = "";
   } catch (e) {
-    $("error").textContent = `stats unavailable: ${e.message}`;
+    $("error").textContent = `stats unavailable: ${e.name === "AbortError" ? "no answer" : e.message}`;
   }
   setTimeout(poll, POLL_MS);
 }
+$("auth").addEventListener("submit", (e) => {
+  e.preventDefault();
+  key = $("key").value.trim();
+  sessionStorage.setItem("lorastar-api-key", key);
+});
 poll();
