@@ -62,7 +62,8 @@ def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model") -> Path:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
         raise ValueError(
             f"{kind} {text!r} is not in the local Hugging Face cache and {why}: download it where the "
-            f"network allows (huggingface-cli download {text}), or unset HF_HUB_OFFLINE, or give a local folder"
+            f"network allows (huggingface-cli download {text}){', or unset HF_HUB_OFFLINE' if offline else ''}, "
+            "or give a local folder"
         ) from exc
     except (HfHubHTTPError, OSError) as exc:
         raise ValueError(f"{kind} {text!r}: cannot fetch it from the Hugging Face Hub ({exc})") from exc

@@ -193,10 +193,14 @@ class LLMEngine(PromptInputs):
 
             self.model_dir = resolve_folder(config.model)  # a local folder or a Hugging Face id
             self.model_name = model_folder_name(config.model)
-        if config.tokenizer is not None:  # before the model load, not minutes after it
-            from lorastar.hub import is_hub_id
+        tokenizer_dir = self.model_dir
+        if config.tokenizer:  # before the model load, not minutes after it
+            from lorastar.hub import is_hub_id, resolve_folder
 
-            if not Path(config.tokenizer).expanduser().is_dir() and not is_hub_id(str(config.tokenizer)):
+            tokenizer_dir = Path(config.tokenizer).expanduser()
+            if is_hub_id(str(config.tokenizer)):  # fetched (or found in the HF cache) as the model is
+                tokenizer_dir = resolve_folder(config.tokenizer, kind="tokenizer")
+            elif not tokenizer_dir.is_dir():
                 raise ValueError(f"tokenizer: folder {config.tokenizer!r} does not exist")
         self.hf_config = read_hf_config(self.model_dir)
         # The model creator's sampling defaults (vLLM's --generation-config auto); before the load
@@ -269,7 +273,7 @@ class LLMEngine(PromptInputs):
                 self.model.use_native_cpu_ops()
             elif config.cpu_kernels == "native":
                 raise ValueError("cpu_kernels='native': the C++ ops did not build here (needs g++ and ninja)")
-        self.tokenizer_dir = Path(config.tokenizer).expanduser() if config.tokenizer else self.model_dir
+        self.tokenizer_dir = tokenizer_dir
         self.tokenizer_loader = tokenizer or TokenizerLoader(self.tokenizer_dir, config.chat_template)
         if not lazy_tokenizer:
             self.tokenizer_loader.get()

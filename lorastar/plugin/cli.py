@@ -290,7 +290,14 @@ def engine_config(
     from lorastar.config import EngineConfig
 
     if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
-        raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
+        from lorastar.hub import is_hub_id, resolve_folder
+
+        if not is_hub_id(tokenizer):
+            raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
+        try:  # a Hugging Face id (vLLM's --tokenizer takes one): fetched now, as the model is
+            tokenizer = str(resolve_folder(tokenizer, kind="tokenizer"))
+        except ValueError as exc:
+            raise UsageProblem(f"--tokenizer: {exc}") from exc
     return EngineConfig(
         tokenizer=tokenizer,
         chat_template=_chat_template(chat_template),

@@ -20,7 +20,7 @@ import anyio
 from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.sampling import MAX_THINKING_MESSAGE, RequestOutputKind
 from lorastar.errors import AdapterError, EngineDeadError, EngineUnavailableError
-from lorastar.hub import model_folder_name, snapshot_hub_id
+from lorastar.hub import is_hub_id, model_folder_name, snapshot_hub_id
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError, forbidden, not_found
@@ -99,6 +99,12 @@ class LoraStarService:
         self.admin_token = config.resolved_admin_token()
         self.adapter_root = config.resolved_adapter_root()
         self.metrics = PluginMetrics(self._stats, lambda: self.served_model_name, self._max_loras)
+        # The base's Hugging Face id (a model given as one, or its cache snapshot), when no
+        # served_model_name replaces the default name: it selects the base too (resolve_model).
+        model = None if config.served_model_name else config.model or config.engine.model
+        self._hub_id: str | None = None
+        if model:
+            self._hub_id = str(model) if is_hub_id(str(model)) else snapshot_hub_id(model)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -256,6 +262,8 @@ class LoraStarService:
             return None
         if model in self.adapter_names():
             return model
+        if model == self._hub_id:  # vLLM serves `org/name` as `org/name`: its clients send that
+            return None
         if self.config.enable_adapter_resolver and self.adapter_root is not None:
             if await self._resolve_from_root(model):
                 return model
