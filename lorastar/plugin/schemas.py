@@ -155,6 +155,7 @@ class ChatMessageParam(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageParam]
+    n: int | None = 1  # vLLM's chat takes null (1); its completions do not
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

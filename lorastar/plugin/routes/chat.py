@@ -427,7 +427,7 @@ async def plan_chat(
     adapter = await service.resolve_adapter(data.model, data.adapter_id)
     tools = check_tools(data.tools, data.tool_choice, service.config)
     tool_parser, forced = tools.parser, tools.function
-    if data.top_logprobs is not None and not data.logprobs:
+    if data.top_logprobs and not data.logprobs:  # vLLM's rule: 0 (clients' default) asks for nothing
         raise APIError("top_logprobs requires logprobs to be true.", param="top_logprobs")
     messages, prompt_ids = await render_messages(
         engine, data.messages, data.add_generation_prompt, data.add_special_tokens,

@@ -90,11 +90,12 @@ def sampling_params(
     leaves unset (vLLM's ``default_sampling_params``).
     ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's.
     ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint)."""
-    if req.prompt_logprobs is not None and req.stream:
+    if req.prompt_logprobs and req.stream:  # vLLM's rule: 0 is let through (and asks for nothing)
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream:  # vLLM's rule: usage would be silently absent
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
-    pl = req.prompt_logprobs  # an invalid value goes to the engine as sent: it names the field
+    # an invalid value goes to the engine as sent: it names the field (a stream's is 0: none computed)
+    pl = None if req.stream else req.prompt_logprobs
     if prompt_logprobs is not None and (pl is None or 0 <= pl < prompt_logprobs):
         pl = prompt_logprobs
     kw: dict[str, Any] = {

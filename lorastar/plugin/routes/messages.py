@@ -115,8 +115,10 @@ def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
 def _tool_result(block: dict[str, Any], where: str) -> ChatMessageParam:
     if not isinstance(block.get("tool_use_id"), str):
         raise APIError(f"{where} needs 'tool_use_id' (a string).", param="messages")
-    content = block.get("content", "")
-    if isinstance(content, list):
+    content = block.get("content")
+    if content is None:  # absent or null: an empty result (vLLM's)
+        content = ""
+    elif isinstance(content, list):
         parts = []
         for k, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
