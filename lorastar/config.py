@@ -165,6 +165,10 @@ class EngineConfig:
     tokenizer: str | None = None
     """Tokenizer folder. ``None``: the model's own."""
 
+    revision: str | None = None
+    """Branch, tag or commit of a ``model`` given as a Hugging Face id (vLLM's ``--revision``): pins
+    what a production server loads. ``None``: the default branch. Ignored for a local folder."""
+
     chat_template: str | None = None
     """Jinja chat template replacing the tokenizer's. ``None``: the tokenizer's own."""
 

@@ -40,8 +40,9 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model") -> Path:
-    """The local folder for ``ref`` (a path, or a hub id fetched or found in the HF cache)."""
+def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model", revision: str | None = None) -> Path:
+    """The local folder for ``ref`` (a path, or a hub id fetched or found in the HF cache).
+    ``revision``: a hub id's branch, tag or commit (vLLM's ``--revision``; ignored for a folder)."""
     text = os.fspath(ref)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -57,11 +58,13 @@ def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model") -> Path:
         raise ValueError(f"{kind} {text!r}: loading Hugging Face ids needs huggingface_hub") from exc
     offline = _offline()
     try:
-        return Path(snapshot_download(text, allow_patterns=_PATTERNS, local_files_only=offline))
+        pinned = {"revision": revision} if revision else {}
+        return Path(snapshot_download(text, allow_patterns=_PATTERNS, local_files_only=offline, **pinned))
     except LocalEntryNotFoundError as exc:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
+        at = f" at revision {revision!r}" if revision else ""
         raise ValueError(
-            f"{kind} {text!r} is not in the local Hugging Face cache and {why}: download it where the "
+            f"{kind} {text!r}{at} is not in the local Hugging Face cache and {why}: download it where the "
             f"network allows (huggingface-cli download {text}){', or unset HF_HUB_OFFLINE' if offline else ''}, "
             "or give a local folder"
         ) from exc

@@ -191,7 +191,7 @@ class LLMEngine(PromptInputs):
         else:
             from lorastar.hub import model_folder_name, resolve_folder
 
-            self.model_dir = resolve_folder(config.model)  # a local folder or a Hugging Face id
+            self.model_dir = resolve_folder(config.model, revision=config.revision)  # a folder or a hub id
             self.model_name = model_folder_name(config.model)
         tokenizer_dir = self.model_dir
         if config.tokenizer:  # before the model load, not minutes after it

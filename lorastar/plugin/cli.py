@@ -57,14 +57,15 @@ def parse_lora_modules(values: tuple[str, ...], option: str = "--lora-modules") 
     return adapters
 
 
-def _check_model(model: str | None) -> str | None:
-    """A local folder, or a Hugging Face id fetched (or found in the HF cache) now: the local folder."""
+def _check_model(model: str | None, revision: str | None = None) -> str | None:
+    """A local folder, or a Hugging Face id fetched (or found in the HF cache) now, at ``revision``:
+    the local folder."""
     if model is None:
         return None
     from lorastar.hub import resolve_folder
 
     try:
-        p = resolve_folder(model)
+        p = resolve_folder(model, revision=revision)
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
     if not (p / "config.json").is_file():
@@ -189,6 +190,9 @@ def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
 
 _ENGINE_OPTIONS = [
     click.option("--tokenizer", default=None, help="Tokenizer folder (default: the model's)."),
+    click.option(
+        "--revision", default=None, help="Branch, tag or commit of a model given as a Hugging Face id."
+    ),
     click.option("--chat-template", default=None, help="Chat template: a file or the Jinja text itself."),
     click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
     click.option("--dtype", default="auto", show_default=True),
@@ -529,7 +533,7 @@ def serve(
     # Everything checkable is checked before anything loads: paths, flags, then the port.
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
-    model = _check_model(model or model_opt)
+    model = _check_model(model or model_opt, engine_kw.get("revision"))
     all_adapters = parse_lora_modules(lora_modules)
     for name, path in parse_lora_modules(adapters, "--adapter").items():
         if name in all_adapters:
@@ -614,7 +618,9 @@ def engine(
         _check_engine_address(address)
         try:
             config = engine_config(
-                model=_check_model(model or model_opt), max_waiting=max_waiting, **engine_kw
+                model=_check_model(model or model_opt, engine_kw.get("revision")),
+                max_waiting=max_waiting,
+                **engine_kw,
             )
         except ValueError as exc:
             raise UsageProblem(str(exc)) from exc
