@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
 import huggingface_hub
 import pytest
-from huggingface_hub import constants
+from hub_cache_support import COMMIT, cache_repo, go_offline
 from plugin_fake_engine import FakeAsyncLLM
 from plugin_support import engine_config
 
@@ -21,7 +20,6 @@ from lorastar.plugin import LoraStarConfig
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.service import LoraStarService
 
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -30,36 +28,14 @@ TOKENIZER_FILES = (
 )
 
 
-def _cache_repo(cache: Path, repo_id: str, src: Path, names: tuple[str, ...] | None = None) -> Path:
-    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/...}."""
-    base = cache / ("models--" + repo_id.replace("/", "--"))
-    (base / "refs").mkdir(parents=True)
-    (base / "refs" / "main").write_text(COMMIT)
-    snap = base / "snapshots" / COMMIT
-    snap.mkdir(parents=True)
-    for f in src.iterdir():
-        if names is None or f.name in names:
-            shutil.copy(f, snap / f.name)
-    return snap
-
-
 @pytest.fixture
 def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty HF cache, HF_HUB_OFFLINE=1, cwd an empty folder, and any network call an error."""
     cache = tmp_path / "hub"
     cache.mkdir()
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # read by huggingface_hub at import
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     work = tmp_path / "cwd"
     work.mkdir()
-    monkeypatch.chdir(work)
-
-    def no_network(*a: Any, **k: Any) -> Any:
-        raise AssertionError(f"network call in offline mode: {a}")
-
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
+    go_offline(cache, work, monkeypatch)
     return cache
 
 
@@ -94,7 +70,7 @@ def test_serve_takes_a_tokenizer_hub_id_from_the_cache_offline(
     from lorastar.plugin.cli import UsageProblem
     from lorastar.plugin.cli import engine_config as cli_engine_config
 
-    snap = _cache_repo(offline_cache, "testorg/tok", tiny_model_dir, TOKENIZER_FILES)
+    snap = cache_repo(offline_cache, "testorg/tok", tiny_model_dir, TOKENIZER_FILES)
     cfg = cli_engine_config(tokenizer="testorg/tok", chat_template=None, max_cpu_loras=None, max_loras=1)
     assert cfg.tokenizer == str(snap)
     with pytest.raises(UsageProblem) as e:  # not cached: one line naming the id and HF_HUB_OFFLINE

@@ -4,12 +4,12 @@ network: an HF cache written by hand with two snapshots, HF_HUB_OFFLINE=1 and so
 
 from __future__ import annotations
 
-import socket
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from huggingface_hub import constants
+from hub_cache_support import cache_repo, go_offline
 
 from lorastar.hub import resolve_folder
 
@@ -22,29 +22,12 @@ REPO = "testorg/tiny"
 def cache(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """``testorg/tiny`` with ``main`` at one commit and tag ``v1`` at another (the tiny model, its
     ``config.json`` marked with the commit)."""
-    import json
-    import shutil
-
     root = tmp_path / "hub"
-    base = root / "models--testorg--tiny"
-    (base / "refs").mkdir(parents=True)
-    (base / "refs" / "main").write_text(MAIN)
-    (base / "refs" / "v1").write_text(PINNED)
-    for commit in (MAIN, PINNED):
-        snap = base / "snapshots" / commit
-        shutil.copytree(tiny_model_dir, snap)
+    for commit, ref in ((MAIN, "main"), (PINNED, "v1")):
+        snap = cache_repo(root, REPO, tiny_model_dir, commit=commit, refs=(ref,))
         cfg = json.loads((snap / "config.json").read_text())
         (snap / "config.json").write_text(json.dumps({**cfg, "_commit": commit}))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
-    monkeypatch.setenv("HF_HUB_CACHE", str(root))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.chdir(tmp_path)
-
-    def no_network(*a: Any, **k: Any) -> Any:
-        raise AssertionError(f"network call in offline mode: {a}")
-
-    monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    monkeypatch.setattr(socket, "create_connection", no_network)
+    go_offline(root, tmp_path, monkeypatch)
     return root
 
 

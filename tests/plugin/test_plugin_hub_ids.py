@@ -4,23 +4,14 @@ by the test: found in the cache, or a clear error naming the id and HF_HUB_OFFLI
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hub_cache_support import COMMIT, cache_repo
 
 REPO = Path(__file__).resolve().parents[2]
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-def _cache_repo(cache: Path, repo_id: str, src: Path) -> None:
-    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/...}."""
-    base = cache / ("models--" + repo_id.replace("/", "--"))
-    (base / "refs").mkdir(parents=True)
-    (base / "refs" / "main").write_text(COMMIT)
-    shutil.copytree(src, base / "snapshots" / COMMIT)
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +19,8 @@ def hf_env(
     tiny_model_dir: Path, adapter_root: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, str]:
     cache = tmp_path_factory.mktemp("hf") / "hub"
-    _cache_repo(cache, "testorg/tiny-llama", tiny_model_dir)
-    _cache_repo(cache, "testorg/alpha-lora", adapter_root / "alpha")
+    cache_repo(cache, "testorg/tiny-llama", tiny_model_dir)
+    cache_repo(cache, "testorg/alpha-lora", adapter_root / "alpha")
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
     env.pop("HF_HOME", None)
     return env
