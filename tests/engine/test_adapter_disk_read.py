@@ -96,23 +96,14 @@ def test_preload_reads_outside_the_registry_lock(tmp_path: Path) -> None:
     reg.register("y", py, wy)
     reg.register("z", *disk.put("z"))  # max_cpu_loras=2: x (the least recent) drops to disk
     assert reg.on_disk("x") and not reg.on_disk("y") and not reg.on_disk("nope")
-    gate = threading.Event()
-    reading = threading.Event()
-
-    def slow(path: str) -> Any:
-        if path == px:
-            reading.set()
-            assert gate.wait(10)
-        return disk(path)
-
-    reg._loader = slow  # type: ignore[assignment]
+    gate = GatedLoader(reg, px)
     done: list[bool] = []
     t = threading.Thread(target=lambda: done.append(reg.preload("x")))
     t.start()
-    assert reading.wait(10)
+    assert gate.reading.wait(10)
     ey = reg.acquire("y")  # would wait on the registry's lock if the read held it
     assert reg.try_reserve(ey, set()) is not None
-    gate.set()
+    gate.release.set()
     t.join(10)
     assert done == [True] and not reg.on_disk("x")
     reads = len(disk.reads)
@@ -124,22 +115,12 @@ def test_preload_reads_outside_the_registry_lock(tmp_path: Path) -> None:
     # unloaded while being read: the read is dropped
     reg.register("w", *disk.put("w"))  # the least recent idle one drops to disk
     name = next(n for n in "xyz" if reg.on_disk(n))
-    gate.clear()
-    reading.clear()
-    path = f"/adapters/{name}"
-
-    def slow2(p: str) -> Any:
-        if p == path:
-            reading.set()
-            assert gate.wait(10)
-        return disk(p)
-
-    reg._loader = slow2  # type: ignore[assignment]
+    gate = GatedLoader(reg, f"/adapters/{name}")
     t = threading.Thread(target=lambda: done.append(reg.preload(name)))
     t.start()
-    assert reading.wait(10)
+    assert gate.reading.wait(10)
     reg.unregister(name)
-    gate.set()
+    gate.release.set()
     t.join(10)
     assert done[-1] is False and name not in reg
     reg.check_invariants()
