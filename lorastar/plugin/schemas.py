@@ -48,8 +48,14 @@ class StructuredOutputsParam(msgspec.Struct, kw_only=True, forbid_unknown_fields
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
-    include_usage: bool | None = False
-    continuous_usage_stats: bool | None = False
+    """UNSET (falsy) where the client left a field out: ``{}`` with ``stream: false`` is no error,
+    as in vLLM, whose rule reads the raw object's truthiness."""
+
+    include_usage: bool | None | msgspec.UnsetType = msgspec.UNSET
+    continuous_usage_stats: bool | None | msgspec.UnsetType = msgspec.UNSET
+
+    def is_empty(self) -> bool:
+        return self.include_usage is msgspec.UNSET and self.continuous_usage_stats is msgspec.UNSET
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):

@@ -92,7 +92,8 @@ def sampling_params(
     ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint)."""
     if req.prompt_logprobs and req.stream:  # vLLM's rule: 0 is let through (and asks for nothing)
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
-    if req.stream_options is not None and not req.stream:  # vLLM's rule: usage would be silently absent
+    if req.stream_options is not None and not req.stream_options.is_empty() and not req.stream:
+        # vLLM's rule (usage would be silently absent); an empty object passes, as there
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     # an invalid value goes to the engine as sent: it names the field (a stream's is 0: none computed)
     pl = None if req.stream else req.prompt_logprobs
