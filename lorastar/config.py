@@ -169,6 +169,10 @@ class EngineConfig:
     """Branch, tag or commit of a ``model`` given as a Hugging Face id (vLLM's ``--revision``): pins
     what a production server loads. ``None``: the default branch. Ignored for a local folder."""
 
+    tokenizer_revision: str | None = None
+    """Branch, tag or commit of a ``tokenizer`` given as a Hugging Face id (vLLM's
+    ``--tokenizer-revision``). ``None``: the default branch."""
+
     chat_template: str | None = None
     """Jinja chat template replacing the tokenizer's. ``None``: the tokenizer's own."""
 

@@ -199,7 +199,9 @@ class LLMEngine(PromptInputs):
 
             tokenizer_dir = Path(config.tokenizer).expanduser()
             if is_hub_id(str(config.tokenizer)):  # fetched (or found in the HF cache) as the model is
-                tokenizer_dir = resolve_folder(config.tokenizer, kind="tokenizer")
+                tokenizer_dir = resolve_folder(
+                    config.tokenizer, kind="tokenizer", revision=config.tokenizer_revision
+                )
             elif not tokenizer_dir.is_dir():
                 raise ValueError(f"tokenizer: folder {config.tokenizer!r} does not exist")
         self.hf_config = read_hf_config(self.model_dir)

@@ -193,6 +193,11 @@ _ENGINE_OPTIONS = [
     click.option(
         "--revision", default=None, help="Branch, tag or commit of a model given as a Hugging Face id."
     ),
+    click.option(
+        "--tokenizer-revision",
+        default=None,
+        help="Branch, tag or commit of a --tokenizer given as a Hugging Face id.",
+    ),
     click.option("--chat-template", default=None, help="Chat template: a file or the Jinja text itself."),
     click.option("--device", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cuda"])),
     click.option("--dtype", default="auto", show_default=True),
@@ -299,7 +304,9 @@ def engine_config(
         if not is_hub_id(tokenizer):
             raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
         try:  # a Hugging Face id (vLLM's --tokenizer takes one): fetched now, as the model is
-            tokenizer = str(resolve_folder(tokenizer, kind="tokenizer"))
+            tokenizer = str(
+                resolve_folder(tokenizer, kind="tokenizer", revision=kw.get("tokenizer_revision"))
+            )
         except ValueError as exc:
             raise UsageProblem(f"--tokenizer: {exc}") from exc
     return EngineConfig(

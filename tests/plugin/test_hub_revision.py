@@ -52,3 +52,38 @@ def test_engine_and_serve_take_the_revision(cache: Path) -> None:
     res = CliRunner().invoke(cli.main, ["serve", REPO, "--revision", "v2", "--port", "1"])
     assert res.exit_code == 2 and "at revision 'v2'" in res.output and "Traceback" not in res.output
     assert cli._check_model(REPO, "v1") == str(cache / "models--testorg--tiny" / "snapshots" / PINNED)
+
+
+def test_tokenizer_revision_picks_the_tokenizer_snapshot(cache: Path, tiny_model_dir: Path) -> None:
+    """vLLM's ``--tokenizer-revision``: a tokenizer given as a Hub id loads at the revision asked for
+    (the model's ``--revision`` does not apply to it), in-process and from the CLI."""
+    from hub_cache_support import cache_repo
+
+    from lorastar import LLM
+    from lorastar.plugin.cli import UsageProblem, engine_config
+
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    for commit, ref in ((MAIN, "main"), (PINNED, "v1")):
+        cache_repo(cache, "testorg/tok", tiny_model_dir, names, commit=commit, refs=(ref,))
+    kw: dict[str, Any] = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 16, "max_model_len": 64}
+    snaps = cache / "models--testorg--tok" / "snapshots"
+    for rev, want in ((None, MAIN), ("v1", PINNED)):
+        eng = LLM(REPO, tokenizer="testorg/tok", tokenizer_revision=rev, revision="v1", **kw).engine
+        assert eng.model_dir.name == PINNED
+        assert eng.tokenizer_dir == snaps / want
+        cfg = engine_config(
+            tokenizer="testorg/tok",
+            tokenizer_revision=rev,
+            chat_template=None,
+            max_cpu_loras=None,
+            max_loras=1,
+        )
+        assert cfg.tokenizer == str(snaps / want) and cfg.tokenizer_revision == rev
+    with pytest.raises(UsageProblem, match="at revision 'v2'"):
+        engine_config(
+            tokenizer="testorg/tok",
+            tokenizer_revision="v2",
+            chat_template=None,
+            max_cpu_loras=None,
+            max_loras=1,
+        )
