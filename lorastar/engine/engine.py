@@ -150,7 +150,7 @@ def resolve_dtype(dtype: Any, device: torch.device, cfg: dict[str, Any]) -> torc
 
 
 def rope_scaled_max_len(cfg: dict[str, Any]) -> int:
-    """The context a scaled RoPE (linear, yarn) extends to, as vLLM derives it: ``factor``
+    """The context a scaled RoPE (linear, dynamic, yarn) extends to, as vLLM derives it: ``factor``
     times ``max_position_embeddings`` (yarn: times its ``original_max_position_embeddings``); 0 where
     none. Gemma 3's ``max_position_embeddings`` already counts its scaling (vLLM skips it too)."""
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
@@ -162,7 +162,7 @@ def rope_scaled_max_len(cfg: dict[str, Any]) -> int:
     for p in params.values() if nested else [params]:
         kind = p.get("rope_type", p.get("type", "default"))
         factor = p.get("factor")
-        if kind not in ("linear", "yarn") or "short_factor" in p or not factor:
+        if kind not in ("linear", "dynamic", "yarn") or "short_factor" in p or not factor:
             continue  # llama3 and longrope: max_position_embeddings is already the scaled length
         base = max_pos
         if kind == "yarn":
@@ -233,6 +233,18 @@ class LLMEngine(PromptInputs):
                 f"max_model_len ({max_len}) exceeds the model's max_position_embeddings ({max_pos})"
                 + (f" and its RoPE-scaled length ({scaled})" if scaled > max_pos else "")
             )
+        if max_len > max_pos:
+            from lorastar.layers.rotary import dynamic_ntk_past_context
+
+            if dynamic_ntk_past_context(cfg, max_len):
+                logger.warning(
+                    "dynamic NTK RoPE past max_position_embeddings (%d): its base is fixed for %d positions, "
+                    "as vLLM does; transformers recomputes it for each length, so logits differ from "
+                    "transformers' on sequences of other lengths (max_model_len <= %d serves exactly)",
+                    max_pos,
+                    scaled,
+                    max_pos,
+                )
 
         from lorastar.quant import get_quant_config
         from lorastar.quant.embedding_int8 import embedding_method

@@ -1,11 +1,17 @@
-"""Rotary position embedding (default, linear, llama3, YaRN and longrope scaling; partial rotary),
-exactly as transformers computes it.
+"""Rotary position embedding (default, linear, dynamic NTK, llama3, YaRN and longrope scaling; partial
+rotary), exactly as transformers computes it.
 
 LongRoPE (Phi-3 / Phi-4-mini): transformers switches between the short and the long factors on the
 length of the whole forward, so one sequence's cached keys can carry the short factors and its later
 ones the long. A paged cache cannot recompute old keys, so the choice is made once per engine, as vLLM
 does: the long factors when the engine's ``max_model_len`` exceeds ``original_max_position_embeddings``,
 else the short ones. Both match transformers on any sequence that stays on one side of that length.
+
+Dynamic NTK: transformers recomputes the base from each forward's length once it passes
+``max_position_embeddings`` (below it, plain RoPE). With ``max_model_len`` within the original context
+(the default) it is plain RoPE, exactly; past it, the base is fixed for ``factor`` times the original
+context, as vLLM does (``DynamicNTKScalingRotaryEmbedding``): transformers' forward agrees at that
+length only, so the engine warns (``dynamic_ntk_past_context``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from torch import nn
 from lorastar.forward_context import ForwardContext
 from lorastar.kernels import cpu_native
 
-SUPPORTED_ROPE = ("default", "llama3", "linear", "longrope", "yarn")
+SUPPORTED_ROPE = ("default", "dynamic", "llama3", "linear", "longrope", "yarn")
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +62,17 @@ def rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
     return int(head_dim * factor)
 
 
+def dynamic_ntk_past_context(cfg: dict[str, Any], max_positions: int | None) -> bool:
+    """A dynamic-NTK RoPE served past ``max_position_embeddings``: its base is fixed for ``factor``
+    times that context (vLLM's form), where transformers would recompute it for each length."""
+    p = _rope_parameters(cfg)
+    return (
+        p["rope_type"] == "dynamic"
+        and max_positions is not None
+        and max_positions > int(cfg["max_position_embeddings"])
+    )
+
+
 def rope_inv_freq(
     cfg: dict[str, Any], head_dim: int, max_positions: int | None = None
 ) -> tuple[torch.Tensor, float]:
@@ -78,6 +95,11 @@ def rope_inv_freq(
         inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     elif p["rope_type"] == "linear":
         inv_freq = inv_freq / float(p["factor"])
+    elif p["rope_type"] == "dynamic" and dynamic_ntk_past_context(cfg, max_positions):
+        orig, factor = int(cfg["max_position_embeddings"]), float(p["factor"])
+        seq_len = orig * factor  # vLLM's fixed length; transformers' base formula at that length
+        base = base * ((factor * seq_len / orig) - (factor - 1)) ** (dim / (dim - 2))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     elif p["rope_type"] == "yarn":
         inv_freq, scaling = _yarn(p, cfg, inv_freq, dim, base)
     elif p["rope_type"] == "llama3":

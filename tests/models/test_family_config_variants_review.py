@@ -148,8 +148,8 @@ def test_config_variant_logits_equal_transformers(tmp_path: Path, variant: str) 
 @pytest.mark.parametrize(
     ("family", "kwargs", "message"),
     [
-        ("Llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
-         "unsupported rope scaling type 'dynamic'"),
+        ("Llama", {"rope_parameters": {"rope_type": "proportional", "factor": 2.0, "rope_theta": 10000.0}},
+         "unsupported rope scaling type 'proportional'"),
         ("Llama", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
         ("Gemma2", {"head_dim": 16, "hidden_activation": "gelu"}, "unsupported hidden_act 'gelu'"),
     ],

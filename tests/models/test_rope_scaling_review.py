@@ -32,3 +32,64 @@ def test_phi3_legacy_su_longrope_loads_as_longrope(tmp_path: Path, spelling: dic
         want = hf(input_ids=torch.tensor([ids])).logits[0].float()  # read before the edit: "longrope"
     got = _lorastar_logits(tmp_path, ids, 128)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize(("length", "max_positions"), [(30, 32), (32, 32), (64, 64)])
+def test_dynamic_ntk_equals_transformers(tmp_path: Path, length: int, max_positions: int) -> None:
+    """Dynamic NTK (``rope_type: dynamic``, older Llama fine-tunes): it was refused at load. Within
+    ``max_position_embeddings`` (32 here) transformers' RoPE is plain, and so is lorastar's when the
+    engine stays within it. Past it the base is fixed for ``factor`` times the context, as vLLM does,
+    which is transformers' base for a forward of exactly that length (64)."""
+    hf = _save(tmp_path, "Llama", {"max_position_embeddings": 32, "rope_parameters": DYNAMIC}, None)
+    ids = torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids])).logits[0].float()
+    got = _lorastar_logits(tmp_path, ids, max_positions)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+def test_dynamic_ntk_extends_max_model_len_by_its_factor(tmp_path: Path) -> None:
+    """vLLM's derived context for dynamic NTK: ``factor`` times ``max_position_embeddings``; and the
+    fixed base is used only past the original context."""
+    from lorastar.engine.engine import rope_scaled_max_len
+    from lorastar.layers.rotary import dynamic_ntk_past_context, rope_inv_freq
+
+    cfg = {
+        "max_position_embeddings": 32,
+        "rope_scaling": {"type": "dynamic", "factor": 2.0},
+        "rope_theta": 1e4,
+    }
+    assert rope_scaled_max_len(cfg) == 64
+    assert not dynamic_ntk_past_context(cfg, 32) and dynamic_ntk_past_context(cfg, 33)
+    plain, _ = rope_inv_freq({"max_position_embeddings": 32, "rope_theta": 1e4}, 16)
+    assert torch.equal(rope_inv_freq(cfg, 16, 32)[0], plain)
+    assert (rope_inv_freq(cfg, 16, 64)[0][1:] < plain[1:]).all()  # a larger base: lower frequencies
+
+
+def test_an_engine_past_the_dynamic_context_warns_and_one_past_the_factor_is_refused(
+    tiny_model_dir, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # noqa: ANN001
+    import logging
+    import shutil
+
+    from lorastar import LLM
+
+    folder = tmp_path / "dyn"
+    shutil.copytree(tiny_model_dir("llama-gqa"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw.update(
+        max_position_embeddings=64, rope_theta=10000.0, rope_scaling={"type": "dynamic", "factor": 2.0}
+    )
+    (folder / "config.json").write_text(json.dumps(raw))
+    kw: dict[str, Any] = {"num_kv_blocks": 32}
+    with caplog.at_level(logging.WARNING, logger="lorastar"):
+        LLM(str(folder), max_model_len=64, **kw)
+        assert "dynamic NTK" not in caplog.text
+        LLM(str(folder), max_model_len=128, **kw)
+        assert "dynamic NTK RoPE past max_position_embeddings (64)" in caplog.text
+    with pytest.raises(ValueError, match=r"RoPE-scaled length \(128\)"):
+        LLM(str(folder), max_model_len=129, **kw)
