@@ -346,6 +346,12 @@ class LLMEngine(PromptInputs):
         self.max_model_len = (
             max_len if held <= spec.num_blocks else min(max_len, spec.num_blocks * spec.block_size)
         )
+        if self.max_model_len < max_len:  # longrope's factors, dynamic NTK's base: for the new length
+            from lorastar.layers.rotary import RotaryEmbedding
+
+            for m in self.model.modules():
+                if isinstance(m, RotaryEmbedding):
+                    m.fit_to(self.max_model_len)
         if config.max_model_len and self.max_model_len < config.max_model_len:
             # vLLM refuses this; we keep serving what fits, and say so once (the summary repeats it)
             logger.warning(

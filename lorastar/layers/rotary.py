@@ -160,16 +160,34 @@ def _yarn(
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: dict[str, Any], head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(cfg, head_dim, max_positions)  # [rotary_dim / 2]
-        self.rotary_dim = 2 * inv_freq.shape[0]  # < head_dim: partial rotary (the rest passes through)
-        pos = torch.arange(max_positions, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)  # [max_pos, rotary_dim]
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self._cfg, self._head_dim = cfg, head_dim
+        self._inv_freq, cos, sin = self._tables(max_positions, max_positions)
+        self.rotary_dim = cos.shape[1]  # < head_dim: partial rotary (the rest passes through)
+        self.register_buffer("cos", cos, persistent=False)  # [max_pos, rotary_dim]
+        self.register_buffer("sin", sin, persistent=False)
         # fp32 / bf16 CPU heads through the C++ op (kernels/cpu_native.py), set by use_native_cpu_ops: one
         # pass where the torch form is five ops, 8.7 vs 75 us for SmolLM2's 12 heads at 64 rows.
         self.native_cpu = False
+
+    def _tables(self, rows: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inverse frequencies for an engine of ``max_len`` positions, and ``rows`` rows of cos/sin."""
+        inv_freq, scaling = rope_inv_freq(self._cfg, self._head_dim, max_len)  # [rotary_dim / 2]
+        pos = torch.arange(rows, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [rows, rotary_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return inv_freq, emb.cos() * scaling, emb.sin() * scaling  # [rows, rotary_dim] each
+
+    def fit_to(self, max_len: int) -> bool:
+        """Re-pick what depends on the engine's length (longrope's factors, dynamic NTK's base) once
+        the engine's ``max_model_len`` ended below the length the model was built for (a KV cache
+        too small for it). The tables keep their size and storage. True where they changed."""
+        inv_freq, cos, sin = self._tables(self.cos.shape[0], max_len)
+        if torch.equal(inv_freq, self._inv_freq):
+            return False
+        self._inv_freq = inv_freq
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
+        return True
 
     def use_native_cpu_ops(self) -> None:
         self.native_cpu = True

@@ -93,3 +93,31 @@ def test_an_engine_past_the_dynamic_context_warns_and_one_past_the_factor_is_ref
         assert "dynamic NTK RoPE past max_position_embeddings (64)" in caplog.text
     with pytest.raises(ValueError, match=r"RoPE-scaled length \(128\)"):
         LLM(str(folder), max_model_len=129, **kw)
+
+
+def test_longrope_picks_its_factors_from_the_length_the_kv_cache_allows(tiny_model_dir) -> None:  # noqa: ANN001
+    """max_model_len 256 asks for LongRoPE's long factors (past the original 64 positions); a KV cache
+    of 64 tokens lowers it to 64, where every sequence stays within the original context and
+    transformers uses the short factors. The model was built for 256 and kept the long ones: its
+    logits differed from transformers' on every sequence. The factors now follow the lowered length."""
+    from transformers import AutoModelForCausalLM
+
+    from lorastar import LLM, SamplingParams
+    from tests.models.test_llama_vs_hf import hf_greedy, mixed_prompts
+
+    path = tiny_model_dir("phi4-mini")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, num_kv_blocks=4, block_size=16, max_model_len=256)
+    assert llm.engine.max_model_len == 64
+    prompts = mixed_prompts(8, [9, 33, 50])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 12), f"prompt of {len(p)} tokens"
+    # The last prompt's logits (the greedy tokens of this tiny model hardly feel the factors)
+    eng = llm.engine
+    eng.add_request(prompts[-1], SamplingParams(temperature=0, max_tokens=1))
+    out = eng.scheduler.schedule()
+    got = eng.runner.execute(out, None).logits[0]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([prompts[-1]])).logits[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
