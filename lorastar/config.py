@@ -51,6 +51,12 @@ class EngineConfig:
     """Bytes for the KV cache when ``num_kv_blocks`` is unset. ``None``: 1 GiB on CPU; on GPU 80% of
     the free memory, torch's cached-but-unused bytes counted as free (at most the driver's free)."""
 
+    gpu_memory_utilization: float | None = None
+    """vLLM's ``--gpu-memory-utilization``: the fraction of the GPU's total memory the device may hold
+    in all once the KV cache is allocated. The cache gets 80% of what that fraction leaves after the
+    weights (the rest: activations, as in the default), at most the driver's free bytes. ``None``:
+    ``kv_cache_memory``'s default. Ignored on CPU (with a warning: use ``kv_cache_memory``)."""
+
     kv_cache_dtype: str = "auto"
     """``"auto"`` (the model dtype), ``"fp8"`` (e4m3) or ``"fp8_e5m2"``. FP8 uses the checkpoint's
     per-layer K/V scales, else scales computed at load from one calibration forward."""
@@ -241,6 +247,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if not isinstance(self.generation_config, str) or not (
             self.generation_config in ("auto", "vllm") or Path(self.generation_config).expanduser().is_dir()
         ):

@@ -418,10 +418,22 @@ class LLMEngine(PromptInputs):
                 # tensor shares, so empty_cache cannot return them; on an H100 run of a 230 MB
                 # model ~100 MB stayed so. The runtime's activations reuse them; the cache itself
                 # is one allocation from the driver, hence at most the driver's free bytes.
-                free, _ = torch.cuda.mem_get_info(self.device)
+                free, total = torch.cuda.mem_get_info(self.device)
                 cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-                mem = min(int((free + cached) * 0.8), free)
+                util = self.config.gpu_memory_utilization
+                if util is None:
+                    mem = min(int((free + cached) * 0.8), free)
+                else:  # what the fraction of the total leaves over what the device holds now
+                    mem = min(int((total * util - (total - free - cached)) * 0.8), free)
+                    if mem < spec.bytes_per_block:
+                        raise ValueError(
+                            f"gpu_memory_utilization={util}: {total * util / 2**30:.1f} GiB of the GPU's "
+                            f"{total / 2**30:.1f} GiB leave no room for a KV cache after the "
+                            f"{(total - free - cached) / 2**30:.1f} GiB the device holds now; raise it"
+                        )
             else:
+                if self.config.gpu_memory_utilization is not None:
+                    logger.warning("gpu_memory_utilization is ignored on CPU: set kv_cache_memory (bytes)")
                 mem = 1 << 30
         return max(1, mem // spec.bytes_per_block)
 

@@ -216,6 +216,12 @@ _ENGINE_OPTIONS = [
     click.option(
         "--kv-cache-memory", default=None, type=int, help="Bytes for the KV cache (default: sized)."
     ),
+    click.option(
+        "--gpu-memory-utilization",
+        default=None,
+        type=click.FloatRange(0, 1, min_open=True),
+        help="Fraction of the GPU's memory to use in all; sizes the KV cache (vLLM's flag; CPU: ignored).",
+    ),
     click.option("--max-loras", default=8, show_default=True, type=int),
     click.option("--max-lora-rank", default=64, show_default=True, type=int),
     click.option(
