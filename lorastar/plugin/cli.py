@@ -288,7 +288,17 @@ _ENGINE_OPTIONS = [
         show_default=True,
         help="CPU: keep freed memory for reuse (glibc mallopt) instead of page-faulting big buffers each step.",
     ),
+    # vLLM flags that scripts copied from vLLM pass: accepted where they ask for what lorastar always does
+    click.option("--trust-remote-code", is_flag=True, hidden=True, help="Accepted (no model code is run)."),
+    click.option("--enable-chunked-prefill", is_flag=True, hidden=True, help="Accepted (always on)."),
+    click.option(
+        "--disable-log-requests", is_flag=True, hidden=True, help="Accepted (requests are not logged)."
+    ),
+    click.option("--disable-log-stats", is_flag=True, hidden=True, help="Accepted (no periodic stats log)."),
+    click.option("--tensor-parallel-size", "-tp", type=int, default=1, hidden=True, help="1 only."),
+    click.option("--pipeline-parallel-size", "-pp", type=int, default=1, hidden=True, help="1 only."),
 ]
+_VLLM_ACCEPTED = ("trust_remote_code", "enable_chunked_prefill", "disable_log_requests", "disable_log_stats")
 
 
 def engine_options(f: Any) -> Any:
@@ -303,6 +313,15 @@ def engine_config(
 ) -> Any:
     """The ``EngineConfig`` of the engine flags (``ValueError`` on a bad value)."""
     from lorastar.config import EngineConfig
+
+    for name in _VLLM_ACCEPTED:
+        kw.pop(name, None)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if (n := kw.pop(name, 1)) != 1:
+            raise UsageProblem(
+                f"--{name.replace('_', '-')} {n}: lorastar runs an engine on one device; scale out with "
+                "replicas (several `lorastar serve`, or Ray Serve: lorastar.ray.build_app)"
+            )
 
     if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
         from lorastar.hub import is_hub_id, resolve_folder

@@ -248,3 +248,23 @@ def test_every_served_name_selects_the_base_and_is_listed(folders: dict[str, Pat
     )
     with pytest.raises(ValueError, match="'base' is the base model's served name"):
         asyncio.run(LoraStarService(cfg).start())
+
+
+# ---- vLLM flags lorastar has no use for -------------------------------------------------------------
+
+
+def test_vllm_flags_that_ask_for_what_lorastar_does_are_accepted(served: dict[str, Any]) -> None:
+    """Scripts copied from ``vllm serve`` pass these; each was 'No such option', exit 2."""
+    r = _serve(
+        "--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats",
+        "--tensor-parallel-size", "1", "-pp", "1", "--enable-lora", "--gpu-memory-utilization", "0.9",
+    )  # fmt: skip
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert served["config"].engine.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp", "--pipeline-parallel-size"])
+def test_more_than_one_device_is_a_usage_error(served: dict[str, Any], flag: str) -> None:
+    r = _serve(flag, "2")
+    _one_line_error(r, "lorastar runs an engine on one device")
+    assert "config" not in served
