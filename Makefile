@@ -63,7 +63,7 @@ FUZZ ?= 10
 fuzz: venv
 	LORASTAR_FUZZ=$(FUZZ) $(BIN)/python -m pytest -q -x tests/engine/test_mixed_workloads.py \
 		tests/engine/test_hostile_params.py tests/engine/test_input_batch.py tests/plugin/test_fuzz_openapi.py \
-		tests/plugin/test_concurrent_chaos.py \
+		tests/plugin/test_concurrent_chaos.py tests/engine/test_engine_fuzz_review.py \
 		"tests/engine/test_async_scheduling.py::test_random_workloads_match_hf_and_leak_nothing"
 
 lint: venv
