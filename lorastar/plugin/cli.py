@@ -301,6 +301,32 @@ _ENGINE_OPTIONS = [
 _VLLM_ACCEPTED = ("trust_remote_code", "enable_chunked_prefill", "disable_log_requests", "disable_log_stats")
 
 
+def _json_list(option: str, text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise UsageProblem(f"{option} takes a JSON list of strings, e.g. '[\"*\"]'; got {text!r}")
+    return value
+
+
+def cors_config(origins: str | None, methods: str, headers: str, credentials: bool) -> Any:
+    """Litestar's ``CORSConfig`` of vLLM's CORS flags (JSON lists); None without ``--allowed-origins``:
+    vLLM allows every origin by default, lorastar none (a local server's API stays out of reach of
+    the pages its operator browses) until asked."""
+    if origins is None:
+        return None
+    from litestar.config.cors import CORSConfig
+
+    return CORSConfig(
+        allow_origins=_json_list("--allowed-origins", origins),
+        allow_methods=_json_list("--allowed-methods", methods),  # type: ignore[arg-type]
+        allow_headers=_json_list("--allowed-headers", headers),
+        allow_credentials=credentials,
+    )
+
+
 def engine_options(f: Any) -> Any:
     """The engine's flags (vLLM's names), shared by ``serve`` and ``engine``."""
     for option in reversed(_ENGINE_OPTIONS):
@@ -466,6 +492,15 @@ class _ServeCommand(click.Command):
     envvar=API_KEY_ENVS,  # vLLM's serve reads VLLM_API_KEY: a migrated deployment stays guarded
     help=f"Accepted API key (repeatable; env {' or '.join(API_KEY_ENVS)}, keys separated by spaces).",
 )
+@click.option(
+    "--allowed-origins",
+    default=None,
+    metavar="JSON",
+    help="CORS: origins browsers may call from, vLLM's JSON list ('[\"*\"]'); default: none (vLLM: all).",
+)
+@click.option("--allowed-methods", default='["*"]', show_default=True, metavar="JSON", help="CORS methods.")
+@click.option("--allowed-headers", default='["*"]', show_default=True, metavar="JSON", help="CORS headers.")
+@click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials.")
 @click.option("--no-runtime-loading", is_flag=True, help="Do not mount the adapter admin routes.")
 @click.option(
     "--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root."
@@ -544,6 +579,10 @@ def serve(
     adapter_root: str | None,
     admin_token: str | None,
     api_keys: tuple[str, ...],
+    allowed_origins: str | None,
+    allowed_methods: str,
+    allowed_headers: str,
+    allow_credentials: bool,
     no_runtime_loading: bool,
     enable_adapter_resolver: bool,
     max_waiting: int | None,
@@ -566,6 +605,7 @@ def serve(
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
     model = _check_model(model or model_opt, engine_kw.get("revision"))
+    cors = cors_config(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     all_adapters = parse_lora_modules(lora_modules)
     for name, path in parse_lora_modules(adapters, "--adapter").items():
         if name in all_adapters:
@@ -610,7 +650,7 @@ def serve(
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
     sock = _bind(host, port)
-    app = create_app(config)
+    app = create_app(config, cors_config=cors)
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}{config.path}"
     app.plugins.get(LoraStarPlugin).public_url = url

@@ -268,3 +268,43 @@ def test_more_than_one_device_is_a_usage_error(served: dict[str, Any], flag: str
     r = _serve(flag, "2")
     _one_line_error(r, "lorastar runs an engine on one device")
     assert "config" not in served
+
+
+# ---- CORS (vLLM's --allowed-origins and co.) ----------------------------------------------------------
+
+
+def test_allowed_origins_answer_browser_preflights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat page on another origin calling the API: its preflight had no CORS answer (there was no
+    way to allow it). vLLM's flags, JSON lists; without --allowed-origins no origin is allowed."""
+    from litestar.testing import TestClient
+
+    apps: list[Any] = []
+
+    def fake_run(app: Any, sock: socket.socket, log_level: str) -> None:
+        apps.append(app)
+        sock.close()
+
+    monkeypatch.setattr(cli, "run_server", fake_run)
+    assert _serve("--allowed-origins", '["https://chat.example"]').exit_code == 0
+    assert _serve().exit_code == 0
+    allowed, default = apps
+    assert allowed.cors_config.allow_origins == ["https://chat.example"] and default.cors_config is None
+    # the same CORS config on an app with a fake engine: a preflight from the allowed origin only
+    app = create_app(LoraStarConfig(async_engine=FakeAsyncLLM()), cors_config=allowed.cors_config)
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    with TestClient(app) as client:
+        r = client.options("/v1/chat/completions", headers={"Origin": "https://chat.example", **ask})
+        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "https://chat.example"
+        r = client.get("/v1/models", headers={"Origin": "https://chat.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://chat.example"
+        r = client.get("/v1/models", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--allowed-origins", "*"), ("--allowed-origins", '{"a": 1}'), ("--allowed-methods", "[1]")],
+)
+def test_cors_flags_take_json_lists(served: dict[str, Any], flag: str, value: str) -> None:
+    extra = [] if flag == "--allowed-origins" else ["--allowed-origins", '["*"]']
+    _one_line_error(_serve(*extra, flag, value), f"{flag} takes a JSON list of strings")
