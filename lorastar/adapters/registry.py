@@ -258,6 +258,11 @@ class AdapterRegistry:
                 for n, e in sorted(self._names.items())
             ]
 
+    def tiers(self) -> dict[str, str]:
+        """Each registered name's tier (``list()``'s, without building every adapter's info)."""
+        with self._lock:
+            return {n: e.tier for n, e in sorted(self._names.items())}
+
     def stats(self) -> dict[str, Any]:
         """Counters for metrics (``vllm:lora_requests_info`` and friends)."""
         with self._lock:

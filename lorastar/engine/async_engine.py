@@ -373,6 +373,10 @@ class AsyncLLM(PromptInputs):
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()
 
+    def has_adapter(self, name: str) -> bool:
+        """Whether adapter ``name`` is registered (``name in list_adapters()`` without the listing)."""
+        return name in self.engine.registry
+
     # ---- misc ------------------------------------------------------------------------------------
     @property
     def info(self) -> dict[str, Any]:

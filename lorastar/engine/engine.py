@@ -646,7 +646,12 @@ class LLMEngine(PromptInputs):
             if rid in self.requests:
                 raise ValueError(f"request_id {rid!r} is already in use")
             max_waiting = self.config.max_waiting
-            if max_waiting is not None and (queued := self.num_queued_requests()) >= max_waiting:
+            # (the queue's length bounds the count: only a queue that long is counted, not each add's)
+            if (
+                max_waiting is not None
+                and len(self.scheduler.waiting) >= max_waiting
+                and (queued := self.num_queued_requests()) >= max_waiting
+            ):
                 raise EngineOverloadedError(
                     f"{queued} requests are waiting (max_waiting={max_waiting}); retry later"
                 )
@@ -1326,7 +1331,7 @@ class LLMEngine(PromptInputs):
                 max_loras=self.config.max_loras,
                 adapters=adapters,
                 adapter_generation_tokens=dict(self.adapter_tokens),
-                adapter_tiers={a.name: a.tier for a in self.registry.list()},
+                adapter_tiers=self.registry.tiers(),
                 block_size=bm.block_size,
                 cache_dtype=self.config.kv_cache_dtype,
                 enable_prefix_caching=bm.enable_prefix_caching,

@@ -39,13 +39,19 @@ async def stream_outputs(
     try:
         while not finished:
             item = await q.get()
+            run: list[RequestOutput] = []  # DELTA: outputs to join onto item, once (not pairwise)
             while not q.empty():  # several outputs waiting: hand out one that covers them
                 nxt = q.get_nowait()
                 if isinstance(item, RequestOutput) and isinstance(nxt, RequestOutput):
-                    item = merge_deltas(item, nxt) if delta else nxt  # cumulative: the newest
+                    if delta:
+                        run.append(nxt)
+                    else:
+                        item = nxt  # cumulative: the newest
                 else:
                     item = nxt if isinstance(nxt, BaseException) else item
                     break
+            if run and isinstance(item, RequestOutput):
+                item = _merge_run(item, run)
             if isinstance(item, BaseException):
                 finished = True
                 raise item
@@ -82,6 +88,44 @@ def deliver(streams: dict[str, Stream], lock: threading.Lock, outs: list[Request
 def _put_all(items: list[tuple[Any, RequestOutput]]) -> None:
     for q, out in items:
         q.put_nowait(out)
+
+
+def _merge_run(first: RequestOutput, rest: list[RequestOutput]) -> RequestOutput:
+    """``merge_deltas`` folded over ``first`` then ``rest``, each choice's pieces joined once: a
+    stream whose reader fell k steps behind (a slow client) copied its joined text, ids and
+    logprobs k times, pairwise (quadratic in the backlog, on the event loop)."""
+    if len(rest) == 1:
+        return merge_deltas(first, rest[0])
+    pieces: dict[int, list[CompletionOutput]] = {}
+    prompt_logprobs = first.prompt_logprobs
+    for out in (first, *rest):
+        prompt_logprobs = prompt_logprobs or out.prompt_logprobs
+        for o in out.outputs:
+            pieces.setdefault(o.index, []).append(o)
+    outs = []
+    for run in pieces.values():
+        o = run[-1]
+        if len(run) > 1:
+            ids: list[int] = []
+            lps = None if run[0].logprobs is None else list(run[0].logprobs)
+            for p in run:
+                ids.extend(p.token_ids)
+                if p is not run[0]:  # merge_deltas' rule: None if the later piece has none
+                    lps = None if p.logprobs is None else (lps if lps is not None else [])
+                    if lps is not None:
+                        lps.extend(p.logprobs)  # type: ignore[arg-type]
+            text = "".join(p.text for p in run)
+            o = CompletionOutput(
+                o.index, text, ids, o.cumulative_logprob, lps, o.finish_reason, o.stop_reason
+            )
+        outs.append(o)
+    if len(outs) > 1:
+        outs.sort(key=lambda o: o.index)
+    b = rest[-1]
+    return RequestOutput(
+        b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished, b.adapter, b.num_cached_tokens,
+        prompt_logprobs, b.metrics,
+    )  # fmt: skip
 
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:

@@ -256,11 +256,17 @@ class LoraStarService:
     def adapter_names(self) -> list[str]:
         return [a.name for a in self.engine.list_adapters()] if self.engine is not None else []
 
+    def has_adapter(self, name: str) -> bool:
+        """Whether the engine holds adapter ``name``: asked directly where the engine can say
+        (listing builds every adapter's info, per request, however many are loaded)."""
+        has = getattr(self.engine, "has_adapter", None)
+        return has(name) if has is not None else name in self.adapter_names()
+
     async def resolve_model(self, model: str | None) -> str | None:
         """The adapter a request's ``model`` selects (``None``: the base). 404 when unknown."""
         if not model or model in self.served_model_names:
             return None
-        if model in self.adapter_names():
+        if self.has_adapter(model):
             return model
         if model == self._hub_id:  # vLLM serves `org/name` as `org/name`: its clients send that
             return None
@@ -303,7 +309,7 @@ class LoraStarService:
         except (OSError, RuntimeError):  # name too long for the filesystem, symlink loop
             return False
         async with self.adapter_lock(name):  # concurrent first requests load once
-            if name in self.adapter_names():
+            if self.has_adapter(name):
                 return True
             try:
                 await self.engine.load_adapter(name, str(candidate))

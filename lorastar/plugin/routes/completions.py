@@ -251,9 +251,15 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         n = params.n
         num_top = data.logprobs or 0
 
+        decoded_prompts: dict[int, str] = {}  # an ids prompt's text: decoded once, not per streamed chunk
+
         def prompt_text(out: RequestOutput, i: int) -> str:
             p = prompts[i]
-            return p if isinstance(p, str) else (out.prompt or tokenizer.decode(out.prompt_token_ids))
+            if isinstance(p, str):
+                return p
+            if i not in decoded_prompts:
+                decoded_prompts[i] = out.prompt or tokenizer.decode(out.prompt_token_ids)
+            return decoded_prompts[i]
 
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
