@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,8 @@ class EngineConfig:
     ``--tokenizer-revision``). ``None``: the default branch."""
 
     chat_template: str | None = None
-    """Jinja chat template replacing the tokenizer's. ``None``: the tokenizer's own."""
+    """Jinja chat template replacing the tokenizer's, or a file holding one (read here, as vLLM's
+    ``--chat-template``). ``None``: the tokenizer's own."""
 
     generation_config: str = "auto"
     """Sampling defaults for requests that leave them unset (vLLM's ``--generation-config``):
@@ -194,6 +196,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype in _DTYPE_ALIASES:  # vLLM's --dtype names too
             self.dtype = _DTYPE_ALIASES[self.dtype]
+        if isinstance(self.chat_template, (str, os.PathLike)) and "{" not in str(self.chat_template):
+            # vLLM's --chat-template: a file, else the template itself (a path was used as the text)
+            path = Path(self.chat_template).expanduser()
+            try:
+                is_file = path.is_file()
+            except (OSError, ValueError):  # e.g. "File name too long": validate() names it
+                is_file = False
+            if is_file:
+                try:
+                    self.chat_template = path.read_text(encoding="utf-8")
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"chat_template: cannot read {str(path)!r}: {exc}") from exc
         self.validate()
 
     def validate(self) -> None:
@@ -250,6 +264,12 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+        if self.chat_template is not None and (
+            not isinstance(self.chat_template, str) or "{" not in self.chat_template
+        ):
+            raise ValueError(
+                f"chat_template must be a Jinja template or a file holding one, got {self.chat_template!r}"
+            )
         if not isinstance(self.generation_config, str) or not (
             self.generation_config in ("auto", "vllm") or Path(self.generation_config).expanduser().is_dir()
         ):

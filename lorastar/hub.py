@@ -36,6 +36,13 @@ def model_folder_name(ref: str | os.PathLike[str]) -> str:
     return Path(snapshot_hub_id(ref) or ref).name
 
 
+def adapter_hint(folder: str | os.PathLike[str]) -> str:
+    """What to do instead, where ``folder`` given as a base model is a PEFT adapter ('' otherwise)."""
+    if (Path(folder).expanduser() / "adapter_config.json").is_file():
+        return " (it is a LoRA adapter: serve its base model and load it as an adapter, --lora-modules NAME=PATH)"
+    return ""
+
+
 def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -493,6 +493,11 @@ def run_engine_core(
         core = EngineCoreProc(config, input_address, report_to=report_to)
     except KeyboardInterrupt:  # Ctrl-C while the model loads (lorastar engine): no traceback
         raise
+    except ValueError:  # the options against the model: said in one line, not a traceback
+        if report_to is None:
+            raise  # `lorastar engine` says it
+        logger.debug("lorastar: the engine core failed to start", exc_info=True)
+        raise SystemExit(1) from None  # its client raises the error it was sent
     except BaseException:
         logger.exception("lorastar: the engine core failed to start")
         raise SystemExit(1) from None

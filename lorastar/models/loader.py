@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from lorastar.checkpoint_keys import KeyMap
+from lorastar.hub import adapter_hint
 from lorastar.layers.embedding import EmbeddingMethod, VocabEmbedding
 from lorastar.layers.linear import Linear, load_shard
 from lorastar.models.llama import LlamaForCausalLM
@@ -31,7 +32,7 @@ _IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"model folder {str(model_dir)!r} has no config.json")
+        raise ValueError(f"model folder {str(model_dir)!r} has no config.json{adapter_hint(model_dir)}")
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:

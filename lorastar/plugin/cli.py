@@ -62,14 +62,15 @@ def _check_model(model: str | None, revision: str | None = None) -> str | None:
     the local folder."""
     if model is None:
         return None
-    from lorastar.hub import resolve_folder
+    from lorastar.hub import adapter_hint, resolve_folder
 
     try:
         p = resolve_folder(model, revision=revision)
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
     if not (p / "config.json").is_file():
-        raise UsageProblem(f"model folder {model!r} has no config.json (not a Hugging Face model folder)")
+        why = adapter_hint(p) or " (not a Hugging Face model folder)"
+        raise UsageProblem(f"model folder {model!r} has no config.json{why}")
     return model if Path(model).expanduser().is_dir() else str(p)
 
 
@@ -180,12 +181,43 @@ def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
                 client.cancel_startup()
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, log_level=log_level))
+    # A startup that fails on a ValueError (the options against the model: --max-model-len past its
+    # positions, a --quantization the checkpoint lacks, an unsupported architecture, a bad adapter)
+    # is one `Error:` line, exit 2, as the checks before it; it was a 60-line traceback, exit 3.
+    failed: list[BaseException] = []
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        async def send_startup(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed":
+                error = _config_error(sys.exc_info()[1])  # sent from the app's except block
+                if error is not None:
+                    logging.getLogger("lorastar").debug("%s", message.get("message"))
+                    failed.append(error)
+                    message = {**message, "message": ""}  # uvicorn logs a non-empty one
+            await send(message)
+
+        await app(scope, receive, send_startup if scope["type"] == "lifespan" else send)
+
+    server = Server(uvicorn.Config(asgi, log_level=log_level))
     # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in
     # place (it restores them first) a Ctrl-C ends the process with exit code 0, no traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:
+        if failed:
+            raise UsageProblem(f"cannot start: {failed[0]}") from None
+        raise
+    finally:
+        sock.close()
+
+
+def _config_error(exc: BaseException | None) -> ValueError | None:
+    """The one ValueError ``exc`` is or holds (exception groups unwrapped), else None."""
+    while exc is not None and len(getattr(exc, "exceptions", ())) == 1:
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc if isinstance(exc, ValueError) else None
 
 
 _ENGINE_OPTIONS = [
@@ -704,6 +736,8 @@ def engine(
             run_engine_core(config, address, on_ready=lambda core: _log_engine_ready(core, address))
         except KeyboardInterrupt:
             pass
+        except ValueError as exc:  # the options against the model (--max-model-len, -q, ...)
+            raise UsageProblem(f"cannot start: {exc}") from None
         finally:
             signal.signal(signal.SIGTERM, previous)
     finally:
