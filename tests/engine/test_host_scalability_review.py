@@ -26,6 +26,20 @@ class _CountingDeque(deque):  # type: ignore[type-arg]
             yield x
 
 
+def _count_adapter_infos(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], Any]:
+    """Count the ``AdapterInfo``s built from now on (``[count]``), and the real class to put back."""
+    import lorastar.adapters.registry as registry_mod
+
+    built, real = [0], registry_mod.AdapterInfo
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(registry_mod, "AdapterInfo", counting)
+    return built, real
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Any) -> LLMEngine:
     from lorastar.config import EngineConfig
@@ -79,22 +93,14 @@ def _infos_per_resolve(engine: LLMEngine, num_adapters: int, monkeypatch: pytest
     llm = AsyncLLM.__new__(AsyncLLM)  # the client over this engine, without building another
     llm.engine = engine
     service = LoraStarService(LoraStarConfig(async_engine=llm, served_model_name="base"))
-    built = 0
-    real = registry_mod.AdapterInfo
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal built
-        built += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(registry_mod, "AdapterInfo", counting)
+    built, real = _count_adapter_infos(monkeypatch)
     try:
         assert asyncio.run(service.resolve_model(names[-1])) == names[-1]
     finally:
         monkeypatch.setattr(registry_mod, "AdapterInfo", real)
         for name in names:
             reg.unregister(name)
-    return built
+    return built[0]
 
 
 def test_resolving_an_adapter_does_not_list_every_adapter(
@@ -243,21 +249,13 @@ def test_engine_stats_do_not_build_every_adapters_info(
             f"/a/{name}",
             LoRAWeights(f"/a/{name}", 8, 16.0, False, frozenset({"q_proj"}), f"s{name}", {}),
         )
-    built = 0
-    real = registry_mod.AdapterInfo
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal built
-        built += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(registry_mod, "AdapterInfo", counting)
+    built, real = _count_adapter_infos(monkeypatch)
     try:
         tiers = engine.stats().adapter_tiers
     finally:
         monkeypatch.setattr(registry_mod, "AdapterInfo", real)
         for name in names:
             reg.unregister(name)
-    assert built == 0
+    assert built[0] == 0
     assert tiers == {n: "cpu" for n in names}
     assert list(tiers) == sorted(tiers)
