@@ -19,6 +19,7 @@ is never handed out twice); it may call back into the registry.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -76,6 +77,14 @@ class AdapterRegistry:
         self._paths: dict[str, str] = {}  # name -> the path it was registered from
         self._slots: list[AdapterEntry | None] = [None] * max_loras
         self._clock = 0
+        # Bumped whenever ``listing()`` would change (a name, path, tier or slot; not ``in_flight``,
+        # which moves with every request and is reported apart, by ``in_flight_by_name``). An engine
+        # core sends its clients the listing only when this moved: rebuilding and encoding 1,000
+        # adapters' rows took 3 ms, on each step that finished a request.
+        self.listing_version = 0
+        self._listing: tuple[int, list[AdapterInfo]] | None = None  # (version, rows) of listing()
+        self._tiers: tuple[int, dict[str, str]] | None = None  # (version, name -> tier) of tiers()
+        self._busy: set[AdapterEntry] = set()  # the identities with in_flight > 0
 
     # ---- names ----------------------------------------------------------------------------------
 
@@ -92,6 +101,7 @@ class AdapterRegistry:
                 # Same content from (maybe) another folder: that one was just read, so reloads
                 # and listings use it (the old folder may be gone).
                 self._paths[name] = old.path = path
+                self.listing_version += 1
                 return old
             entry = self._by_hash.get(weights.content_hash)
             if entry is None:
@@ -110,6 +120,7 @@ class AdapterRegistry:
             entry.names.add(name)
             self._names[name] = entry
             self._paths[name] = path
+            self.listing_version += 1
             self._touch(entry)
             self._enforce_cpu_limit()
             return entry
@@ -143,6 +154,7 @@ class AdapterRegistry:
                 raise self._not_found(name)
             self._ensure_loaded(entry)
             entry.in_flight += 1
+            self._busy.add(entry)
             self._touch(entry)
             self._enforce_cpu_limit()
             return entry
@@ -178,6 +190,7 @@ class AdapterRegistry:
                     return False
                 if entry.weights is None:
                     entry.path, entry.weights = path, w
+                    self.listing_version += 1
                     self._touch(entry)
                     # the newest: dropped again only when every other identity is pinned
                     self._enforce_cpu_limit()
@@ -194,6 +207,8 @@ class AdapterRegistry:
             if entry.in_flight <= 0:
                 raise ValueError(f"release without acquire on adapter {entry.content_hash[:12]}")
             entry.in_flight -= 1
+            if entry.in_flight == 0:
+                self._busy.discard(entry)
             if not self._maybe_free(entry):
                 self._enforce_cpu_limit()
 
@@ -236,6 +251,7 @@ class AdapterRegistry:
                 entry.slot = free
                 self._touch(entry)
             finally:
+                self.listing_version += 1  # (a victim lost its slot even if the upload failed)
                 self._enforce_cpu_limit()
             return free, victim
 
@@ -244,7 +260,33 @@ class AdapterRegistry:
     def list(self) -> list[AdapterInfo]:
         """One row per registered name, sorted by name."""
         with self._lock:
-            return [
+            rows = self._cached_listing()[1]
+            busy = self.in_flight_by_name()
+            if not busy:
+                return list(rows)
+            return [dataclasses.replace(r, in_flight=busy[r.name]) if r.name in busy else r for r in rows]
+
+    def listing(self) -> tuple[int, list[AdapterInfo]]:
+        """``(listing_version, rows)``: ``list()`` with ``in_flight`` 0 in every row, rebuilt only
+        when ``listing_version`` moved (the list is shared: do not mutate it)."""
+        with self._lock:
+            return self._cached_listing()
+
+    def in_flight_by_name(self) -> dict[str, int]:
+        """The registered names whose identity has requests in flight, and how many."""
+        with self._lock:
+            return {n: e.in_flight for e in self._busy for n in e.names}
+
+    def tiers(self) -> dict[str, str]:
+        """Each registered name's tier (``list()``'s, without building every adapter's info)."""
+        with self._lock:
+            if self._tiers is None or self._tiers[0] != self.listing_version:
+                self._tiers = (self.listing_version, {n: e.tier for n, e in sorted(self._names.items())})
+            return dict(self._tiers[1])
+
+    def _cached_listing(self) -> tuple[int, list[AdapterInfo]]:
+        if self._listing is None or self._listing[0] != self.listing_version:
+            rows = [
                 AdapterInfo(
                     name=n,
                     path=self._paths[n],
@@ -253,15 +295,12 @@ class AdapterRegistry:
                     target_modules=tuple(sorted(e.target_modules)),
                     tier=e.tier,
                     slot=e.slot,
-                    in_flight=e.in_flight,
+                    in_flight=0,
                 )
                 for n, e in sorted(self._names.items())
             ]
-
-    def tiers(self) -> dict[str, str]:
-        """Each registered name's tier (``list()``'s, without building every adapter's info)."""
-        with self._lock:
-            return {n: e.tier for n, e in sorted(self._names.items())}
+            self._listing = (self.listing_version, rows)
+        return self._listing
 
     def stats(self) -> dict[str, Any]:
         """Counters for metrics (``vllm:lora_requests_info`` and friends)."""
@@ -295,6 +334,8 @@ class AdapterRegistry:
                     raise ValueError(f"slot {i} holds {e.content_hash[:12]} whose slot is {e.slot}")
             if set(self._names) != set(self._paths):
                 raise ValueError("name and path tables differ")
+            if any(self._by_hash.get(e.content_hash) is not e for e in self._busy):
+                raise ValueError("an identity the registry no longer holds is counted as busy")
             for n, e in self._names.items():
                 if self._by_hash.get(e.content_hash) is not e or n not in e.names:
                     raise ValueError(f"name {n!r} points at an inconsistent identity {e.content_hash[:12]}")
@@ -305,6 +346,8 @@ class AdapterRegistry:
                     raise ValueError(f"identity {h[:12]} lists names {sorted(e.names)} that point elsewhere")
                 if e.in_flight < 0:
                     raise ValueError(f"identity {h[:12]} has in_flight={e.in_flight}")
+                if (e in self._busy) != (e.in_flight > 0):
+                    raise ValueError(f"identity {h[:12]} with in_flight={e.in_flight} is misfiled as busy")
                 if not e.names and e.in_flight == 0:
                     raise ValueError(f"identity {h[:12]} has no name and no request but was not freed")
                 if e.slot is not None and (not 0 <= e.slot < self.max_loras or self._slots[e.slot] is not e):
@@ -330,6 +373,7 @@ class AdapterRegistry:
         return AdapterNotFoundError(f"adapter {name!r} is not loaded; known adapters: {known}")
 
     def _detach_name(self, name: str, entry: AdapterEntry) -> None:
+        self.listing_version += 1
         del self._names[name]
         gone_path = self._paths.pop(name)
         entry.names.discard(name)
@@ -376,6 +420,7 @@ class AdapterRegistry:
             # No CPU-limit enforcement here: the caller pins the entry (in flight / slot) first.
             entry.path = path
             entry.weights = w
+            self.listing_version += 1
             self._touch(entry)
             return w
         assert first is not None
@@ -392,3 +437,4 @@ class AdapterRegistry:
         # Soft limit: identities on a slot or with requests in flight keep their tensors.
         for e in sorted((e for e in loaded if self._cpu_evictable(e)), key=lambda e: e.last_used)[:excess]:
             e.weights = None
+            self.listing_version += 1

@@ -175,6 +175,11 @@ class AsyncCoreClient(PromptInputs):
         # name -> path of the adapters the core held, as last heard (loaded through any client: a
         # shared core that restarts gets them again from the workers that remain)
         self._adapters: dict[str, str] = {}
+        # The core's adapter listing as last sent (a State sends it only when it changed), the names
+        # in it, and whether _adapters was taken from it since.
+        self._rows: list[AdapterInfo] = []
+        self._row_names: frozenset[str] = frozenset()
+        self._rows_synced = True
         self._retry_after = RESPAWN_BACKOFF[0]
         self._respawns = 0
         self._core_id = ""
@@ -322,7 +327,7 @@ class AsyncCoreClient(PromptInputs):
         """The spawned core exited: fail what was open, start a new one, load its adapters again."""
         logger.error("lorastar: the engine core process exited with code %s; starting a new one", code)
         self._respawning = True
-        adapters = [(a.name, a.path) for a in (self._state.adapters if self._state else [])]
+        adapters = [(a.name, a.path) for a in self._rows]
         self._fail_all(
             RequestFailedError(f"The engine core process exited (code {code}); retry the request.")
         )
@@ -415,9 +420,14 @@ class AsyncCoreClient(PromptInputs):
             self._on_ready(msg)
 
     def _set_state(self, state: State) -> None:
+        if state.adapters is not None:
+            self._rows, self._rows_synced = state.adapters, False
+            self._row_names = frozenset(a.name for a in state.adapters)
         self._state = state
-        if not state.restarting and not self._reloading:  # (a core rebuilding or reloading lists fewer)
-            self._adapters = {a.name: a.path for a in state.adapters}
+        # (a core rebuilding or reloading lists fewer)
+        if not self._rows_synced and not state.restarting and not self._reloading:
+            self._adapters = {a.name: a.path for a in self._rows}
+            self._rows_synced = True
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
         with self._outputs_lock:
@@ -719,7 +729,12 @@ class AsyncCoreClient(PromptInputs):
         self._adapters.pop(name, None)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return list(self._state.adapters) if self._state is not None else []
+        busy = self._state.adapters_in_flight if self._state is not None else {}
+        return [dataclasses.replace(a, in_flight=busy[a.name]) if a.name in busy else a for a in self._rows]
+
+    def has_adapter(self, name: str) -> bool:
+        """Whether the core lists adapter ``name`` (``name in list_adapters()`` without the listing)."""
+        return name in self._row_names
 
     def stats(self) -> EngineStats | None:
         """The counters the core sent last (at most ``STATE_EVERY_S`` old while it steps)."""

@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from lorastar.adapters.info import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.async_engine import rebuild_engine
 from lorastar.engine.engine import LLMEngine, aborted_samples
@@ -68,6 +69,8 @@ logger = logging.getLogger("lorastar")
 
 IDLE_POLL_S = 0.05  # how long an idle core blocks on its input before checking jobs and heartbeats
 STATE_EVERY_S = 0.1  # State is sent at most this often while stepping (counters for /metrics)
+# The state without the adapter listing, the listing's key (None while restarting) and its rows.
+_Current = tuple[State, tuple[int, int] | None, list[AdapterInfo]]
 HEARTBEAT_S = 1.0  # and at least this often while idle (clients judge the core alive by it)
 RESTART_BACKOFF = (0.5, 30.0)
 CLIENT_HWM = 1000  # messages queued for a client that does not read before it counts as gone
@@ -105,6 +108,8 @@ class EngineCoreProc:
         self.retry_after = 0.0
         self.num_restarts = 0
         self._state_sent = 0.0
+        # client -> (num_restarts, registry.listing_version) of the adapter listing it was last sent
+        self._listing_sent: dict[str, tuple[int, int]] = {}
         try:
             # Its frontends tokenize: a spawned core loads the tokenizer while it already serves
             # (TokenizerLoader); a shared one (`lorastar engine`) loads it first, so a folder without
@@ -162,6 +167,7 @@ class EngineCoreProc:
             self.engine.abort_core_request(rid)
             del self.owner[rid]
         self._drop_compiling(lambda m: m.client_id != client_id)
+        self._listing_sent.pop(client_id, None)
         for key in [k for k in self.alias if k[0] == client_id]:
             self.client_rid.pop(self.alias.pop(key), None)
         if (sock := self.clients.pop(client_id, None)) is not None:
@@ -171,27 +177,51 @@ class EngineCoreProc:
         self._state_sent = time.monotonic()
         if not self.clients:
             return
-        data = self.enc.encode(self.state())
+        current = self._current_state()
+        encoded: dict[bool, Any] = {}  # with the adapter listing or without: two encodings at most
         for client_id in list(self.clients):  # _push may drop one
-            self._push(client_id, data)
+            state = self._state_for(client_id, current)
+            full = state.adapters is not None
+            if full not in encoded:
+                encoded[full] = self.enc.encode(state)
+            self._push(client_id, encoded[full])
 
-    def state(self) -> State:
-        eng = self.engine
-        return State(
-            self.core_id,
-            None if self.restarting else eng.stats(),
-            [] if self.restarting else eng.list_adapters(),
-            self.restarting,
-            self.retry_after,
-            self.num_restarts,
-        )
+    def state(self, client_id: str | None = None) -> State:
+        """The state as ``client_id`` gets it (the adapter listing only where that client does not
+        hold this version of it); ``None``: with the listing."""
+        return self._state_for(client_id, self._current_state())
 
-    def ready(self, known_client: bool = False) -> Ready:
+    def _current_state(self) -> _Current:
+        """The state without the listing, the listing's key (``None`` while restarting) and rows."""
+        if self.restarting:
+            self._listing_sent.clear()  # the rebuilt engine's listing goes to every client
+            return State(self.core_id, None, [], True, self.retry_after, self.num_restarts), None, []
         eng = self.engine
+        version, rows = eng.registry.listing()
+        state = State(
+            self.core_id, eng.stats(), None, False, self.retry_after, self.num_restarts,
+            eng.registry.in_flight_by_name(),
+        )  # fmt: skip
+        return state, (self.num_restarts, version), rows
+
+    def _state_for(self, client_id: str | None, current: _Current) -> State:
+        state, key, rows = current
+        if key is None:
+            return state
+        if client_id is not None:
+            if self._listing_sent.get(client_id) == key:
+                return state
+            # A send that fails drops the client, which starts afresh (Hello -> Ready, full listing).
+            self._listing_sent[client_id] = key
+        return msgspec.structs.replace(state, adapters=rows)
+
+    def ready(self, client_id: str | None = None, known_client: bool = False) -> Ready:
+        eng = self.engine
+        self._listing_sent.pop(client_id, None)  # type: ignore[arg-type]  # (Ready: the whole listing)
         return Ready(
             self.core_id, eng.model_name, str(eng.model_dir), str(eng.tokenizer_dir), self.config.chat_template,
             eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng),
-            self.state(), self.config.max_waiting, known_client, engine_info(eng), eng.default_sampling,
+            self.state(client_id), self.config.max_waiting, known_client, engine_info(eng), eng.default_sampling,
         )  # fmt: skip
 
     # ---- request ids ----------------------------------------------------------------------------
@@ -242,7 +272,7 @@ class EngineCoreProc:
                     out = EngineCoreOutput(
                         self._their_id(m.request_id, done=True), aborted_samples(m.params), True
                     )
-                    self._send(m.client_id, Outputs([out], state=self.state()))
+                    self._send(m.client_id, Outputs([out], state=self.state(m.client_id)))
             for rid in rids:
                 out = self.engine.abort_core_request(rid)
                 if out is not None:
@@ -266,7 +296,7 @@ class EngineCoreProc:
             self.clients[msg.client_id] = self._connect(msg.output_address)
             if self.report_to is not None and msg.output_address == self.report_to:
                 self.parent = msg.client_id
-            self._send(msg.client_id, self.ready(known_client=old is not None))
+            self._send(msg.client_id, self.ready(msg.client_id, known_client=old is not None))
         elif isinstance(msg, Goodbye):
             if msg.shutdown:  # the owner: in-flight requests drain, then the rest are aborted
                 self.drain_deadline = time.monotonic() + msg.drain_timeout
@@ -405,9 +435,9 @@ class EngineCoreProc:
                     (self._their_id(rid, done=True), info)
                 )
         if any(o.finished for o in outs) or failures:
-            state = self.state()
-            for msg in by_client.values():
-                msg.state = state
+            current = self._current_state()
+            for client, msg in by_client.items():
+                msg.state = self._state_for(client, current)
         for client, msg in by_client.items():
             self._send(client, msg)
 

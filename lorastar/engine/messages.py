@@ -94,10 +94,13 @@ CoreInput = Hello | AddRequest | Abort | FinishSamples | Call | Goodbye
 class State(msgspec.Struct, tag=True):
     core_id: str
     stats: EngineStats | None
-    adapters: list[AdapterInfo]
+    # The adapter listing (``in_flight`` 0 in each row), sent to a client only when it changed since
+    # that client's last one: None = unchanged. Rebuilding and encoding it took 3 ms at 1,000 adapters.
+    adapters: list[AdapterInfo] | None
     restarting: bool = False
     retry_after: float = 0.0
     num_restarts: int = 0
+    adapters_in_flight: dict[str, int] = {}  # the listed names with requests in flight (the rest: 0)
 
 
 class Ready(msgspec.Struct, tag=True):
