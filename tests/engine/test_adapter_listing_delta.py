@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from lorastar.adapters.registry import AdapterEntry, AdapterRegistry
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from tests.adapters.test_registry import make
 from tests.conftest import make_peft_adapter
+from tests.engine.test_core_process import _wait
 
 
 def _fresh(reg: AdapterRegistry) -> list[tuple[Any, ...]]:
@@ -140,15 +140,6 @@ def test_a_client_gets_the_rows_only_when_its_copy_is_stale(
         core.restarting = False
         for name in names[1:]:
             reg.unregister(name)
-
-
-def _wait(predicate: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 async def test_through_a_core_process_the_listing_and_in_flight_stay_live(
