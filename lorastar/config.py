@@ -29,9 +29,9 @@ class EngineConfig:
     """``"auto"`` (CUDA when present, else CPU), ``"cpu"`` or ``"cuda"``."""
 
     dtype: Any = "auto"
-    """``"auto"`` (the checkpoint's dtype on GPU, float32 on CPU), ``"float32"``, ``"float16"``,
-    ``"bfloat16"`` or a ``torch.dtype``; vLLM's ``"half"`` and ``"float"`` are read as float16 and
-    float32."""
+    """``"auto"`` (the checkpoint's dtype on GPU, bfloat16 for a float32 one; float32 on CPU),
+    ``"float32"``, ``"float16"``, ``"bfloat16"`` or a ``torch.dtype``; vLLM's ``"half"`` and
+    ``"float"`` are read as float16 and float32."""
 
     block_size: int = 16
     """Tokens per KV cache block."""

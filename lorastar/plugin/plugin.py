@@ -121,7 +121,13 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
                 )
         if system:
             app_config.route_handlers.append(
-                Router(path="/", route_handlers=system, exception_handlers=own_handlers, tags=["lorastar"])
+                Router(
+                    path="/",
+                    route_handlers=system,
+                    exception_handlers=own_handlers,
+                    include_in_schema=cfg.include_in_schema,  # /tokenize, /version, ... too
+                    tags=["lorastar"],
+                )
             )
 
         def provide_engine() -> Any:
