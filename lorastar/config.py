@@ -103,8 +103,10 @@ class EngineConfig:
     max_lora_rank: int = 64
     """Largest adapter rank accepted."""
 
-    max_cpu_loras: int = 64
-    """Adapters kept in host memory (LRU beyond that, reloaded from disk on demand)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (LRU beyond that, reloaded from disk on demand). ``None`` (the
+    default): 64, or ``max_loras`` where that is more (as ``lorastar serve``; it must be at least
+    ``max_loras``)."""
 
     enable_prefix_caching: bool = True
     """Share the KV blocks of identical prompt prefixes (hash chain of tokens + adapter content)."""
@@ -233,6 +235,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if (
+            self.max_cpu_loras is None
+            and isinstance(self.max_loras, int)
+            and not isinstance(self.max_loras, bool)
+        ):
+            self.max_cpu_loras = max(64, self.max_loras)  # (max_loras=100 alone used to be refused)
         for name in (
             "block_size",
             "max_num_seqs",

@@ -396,7 +396,7 @@ def engine_config(
         tokenizer=tokenizer,
         chat_template=_chat_template(chat_template),
         max_loras=max_loras,
-        max_cpu_loras=max_cpu_loras if max_cpu_loras is not None else max(64, max_loras),
+        max_cpu_loras=max_cpu_loras,  # None: EngineConfig's max(64, max_loras)
         **kw,
     )
 

@@ -153,3 +153,13 @@ def test_a_max_model_len_the_cache_cannot_hold_is_lowered_with_a_warning(
 def test_vllms_dtype_aliases_are_taken(alias: str, dtype: str) -> None:
     # `vllm serve --dtype half` is common in deployment scripts; lorastar refused it.
     assert EngineConfig(dtype=alias).dtype == dtype
+
+
+def test_max_loras_past_64_alone_keeps_them_all_in_host_memory() -> None:
+    # max_cpu_loras defaulted to 64 in Python (max(64, max_loras) in `lorastar serve`, max_loras in
+    # vLLM): EngineConfig(max_loras=100) was refused, naming an option its user never set.
+    assert EngineConfig(max_loras=100).max_cpu_loras == 100
+    assert EngineConfig().max_cpu_loras == 64
+    assert EngineConfig(max_loras=2, max_cpu_loras=3).max_cpu_loras == 3
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(4\) must be >= max_loras \(8\)"):
+        EngineConfig(max_cpu_loras=4)
