@@ -326,7 +326,11 @@ _ENGINE_OPTIONS = [
     click.option(
         "--disable-log-requests", is_flag=True, hidden=True, help="Accepted (requests are not logged)."
     ),
-    click.option("--disable-log-stats", is_flag=True, hidden=True, help="Accepted (no periodic stats log)."),
+    click.option(
+        "--disable-log-stats",
+        is_flag=True,
+        help="serve: no stats line (tokens/s, queue, KV cache) every 10 s.",
+    ),
     click.option("--tensor-parallel-size", "-tp", type=int, default=1, hidden=True, help="1 only."),
     click.option("--pipeline-parallel-size", "-pp", type=int, default=1, hidden=True, help="1 only."),
 ]
@@ -676,6 +680,7 @@ def serve(
             responses_store_size=responses_store_size,
             thinking_budget_message=thinking_budget_message,
             shutdown_drain_timeout=shutdown_drain_timeout,
+            log_stats_interval=None if engine_kw.get("disable_log_stats") else 10.0,
             engine_process=engine_process,
             engine_address=engine_address,
         )

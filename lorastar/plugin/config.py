@@ -131,6 +131,12 @@ class LoraStarConfig:
     shutdown_drain_timeout: float = 5.0
     """Seconds in-flight requests get to finish at shutdown before they are aborted."""
 
+    log_stats_interval: float | None = None
+    """Seconds between the stats lines logged on the ``lorastar`` logger (vLLM's ``Avg prompt
+    throughput: ...`` line: tokens/s, running and waiting requests, KV cache usage, prefix cache hit
+    rate, adapters; INFO while tokens flow, DEBUG while idle). ``None``: none, for an app that owns
+    its logs; ``lorastar serve`` logs one every 10 s unless ``--disable-log-stats``."""
+
     engine_dependency_key: str = "lorastar_engine"
     """Name of the app-level dependency that hands the ``AsyncLLM`` to the user's own handlers
     (not added when the app already has a dependency of that name)."""
@@ -218,6 +224,11 @@ class LoraStarConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        interval = self.log_stats_interval
+        if interval is not None and (
+            not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0
+        ):
+            raise ValueError(f"log_stats_interval must be a number > 0 or None, got {interval!r}")
 
     def engine_config(self) -> EngineConfig:
         """The engine settings with this config's overrides (``model``, ``max_waiting``) applied."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -30,6 +32,7 @@ from lorastar.plugin.routes.tokenize import build_tokenize_handlers
 from lorastar.plugin.service import LoraStarService
 from lorastar.plugin.shutdown import drain_on_signal
 from lorastar.plugin.startup_log import log_startup
+from lorastar.plugin.stats_log import log_stats_every
 
 logger = logging.getLogger("lorastar.plugin")
 
@@ -160,10 +163,18 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
                 await self.service.stop()
             return
         log_startup(self.service.engine, self.service.served_model_name, self.public_url)
+        interval = self.config.log_stats_interval
+        stats_log = None
+        if interval is not None and self.service.engine is not None:
+            stats_log = asyncio.create_task(log_stats_every(interval, self.service.engine))
         try:
             with drain_on_signal(self.service, self.config.shutdown_drain_timeout):
                 yield
         finally:
+            if stats_log is not None:
+                stats_log.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_log
             await self.service.stop()
 
     # ------------------------------------------------------------------ CLI
