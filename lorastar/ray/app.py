@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
@@ -12,10 +13,33 @@ from lorastar.plugin.service import LoraStarService
 from lorastar.ray.ingress import LoraStarIngress
 from lorastar.ray.replica import replica_class
 
+logger = logging.getLogger("lorastar")
+
 
 def default_actor_options(config: LoraStarConfig) -> dict[str, Any]:
-    """One GPU per replica when the engine runs on CUDA, else one CPU."""
-    return {"num_gpus": 1} if config.engine.device == "cuda" else {"num_cpus": 1}
+    """One GPU per replica when the engine runs on CUDA, else one CPU. ``device="auto"`` (the
+    default) takes a GPU when the Ray cluster has one (or, before ``ray.init``, this machine does):
+    Ray hides every GPU from an actor that asked for none, so an "auto" replica given one CPU ran
+    on the CPU of a GPU cluster without a word."""
+    device = config.engine.device
+    if device == "auto":
+        device = "cuda" if _gpus_visible() else "cpu"
+        logger.info(
+            "lorastar.ray: engine.device='auto': replicas take one %s each (set engine.device or "
+            "ray_actor_options to choose)", "GPU" if device == "cuda" else "CPU and no GPU",
+        )  # fmt: skip
+    return {"num_gpus": 1} if device == "cuda" else {"num_cpus": 1}
+
+
+def _gpus_visible() -> bool:
+    """Whether the Ray cluster (once started; else this machine) has a GPU."""
+    import ray
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) > 0
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def build_app(

@@ -279,3 +279,26 @@ def test_a_replica_lost_mid_stream_ends_the_stream_with_the_apis_error(
             assert event["sequence_number"] == 8
         else:
             assert "replica" in event["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("device", "cluster_gpus", "want"),
+    [("auto", 8.0, {"num_gpus": 1}), ("auto", None, {"num_cpus": 1}), ("cuda", None, {"num_gpus": 1}),
+     ("cpu", 8.0, {"num_cpus": 1})],
+)  # fmt: skip
+def test_auto_replicas_take_a_gpu_where_the_cluster_has_one(
+    device: str, cluster_gpus: float | None, want: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # device="auto" (the default) gave every replica one CPU: Ray hides the GPUs from an actor that
+    # asked for none, so on a GPU cluster each replica ran its engine on the CPU without a word.
+    import ray
+
+    from lorastar.config import EngineConfig
+    from lorastar.plugin import LoraStarConfig
+    from lorastar.ray.app import default_actor_options
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        ray, "cluster_resources", lambda: {"CPU": 16.0, **({"GPU": cluster_gpus} if cluster_gpus else {})}
+    )
+    assert default_actor_options(LoraStarConfig(engine=EngineConfig(device=device))) == want
