@@ -28,7 +28,8 @@ def build_health_handler(service: LoraStarService, path: str, include_in_schema:
             return Response(b"", status_code=HTTP_200_OK, media_type="text/plain")
         engine = service.engine
         if service.started and engine is not None and engine.restarting:
-            wait = math.ceil(max(engine.retry_after, 1.0))
+            # as every other 503 of a restart (errors.to_api_error): the larger of the two
+            wait = max(service.config.retry_after_seconds, math.ceil(max(engine.retry_after, 1.0)))
             return APIError(
                 "The engine is restarting after a failure.",
                 HTTP_503_SERVICE_UNAVAILABLE,
