@@ -12,7 +12,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's --dtype choices
 _KV_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-_QUANT = (None, "awq", "gptq", "fp8", "int8")
+_QUANT = (None, "awq", "gptq", "fp8", "int8", "compressed-tensors")
 _EMBED_QUANT = (None, "int8")
 _CPU_GEMM = ("auto", "torch", "onednn")
 _CPU_KERNELS = ("auto", "torch", "native")
@@ -63,7 +63,8 @@ class EngineConfig:
     per-layer K/V scales, else scales computed at load from one calibration forward."""
 
     quantization: str | None = None
-    """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"`` check it;
+    """``None`` reads the checkpoint's ``quantization_config``; ``"awq"``/``"gptq"``/``"compressed-tensors"``
+    (FP8 or int4/int8 weight-only, vLLM's name) check it;
     ``"fp8"`` quantizes a 16-bit checkpoint at load time (or checks an FP8 one); ``"int8"`` (CPU)
     quantizes its linears to per-channel int8 at load, activations per token at run time (W8A8:
     1.4-1.7x the fp32 GEMM, a quarter of the weight bytes; ``quant/int8.py``)."""

@@ -10,7 +10,8 @@ in its own throwaway venv under /tmp, with torch pinned to the local CPU wheel b
   awq   autoawq==0.2.9                     writes AutoAWQ GEMM checkpoints
   gptq  gptqmodel==7.6.0 + optimum          writes GPTQ checkpoints; lets transformers load AWQ and
                                             GPTQ on CPU (so every int4 reference logit comes from here)
-  llmc  llmcompressor==0.14.0.1             writes compressed-tensors FP8 (pins transformers <= 5.17)
+  llmc  llmcompressor==0.14.0.1             writes compressed-tensors FP8 and int4/int8 weight-only
+                                            (pack-quantized, RTN) checkpoints (pins transformers <= 5.17)
 None of them is a runtime or test dependency of lorastar: the outputs are committed under
 tests/fixtures/quant/<name>/ (config.json, model.safetensors, tokenizer, reference/reference.safetensors).
 
@@ -55,7 +56,7 @@ VENV_PACKAGES = {
     "llmc": ["llmcompressor==0.14.0.1", "safetensors"],
 }
 
-# name -> (venv that quantizes, settings). Logits: int4 formats in the gptq venv, FP8 in llmc.
+# name -> (venv that quantizes, settings). Logits: AWQ/GPTQ in the gptq venv, compressed-tensors in llmc.
 FIXTURES: dict[str, tuple[str, dict]] = {
     "awq_g32": ("awq", {"group_size": 32}),
     "awq_g128": ("awq", {"group_size": 128}),
@@ -66,6 +67,11 @@ FIXTURES: dict[str, tuple[str, dict]] = {
     "fp8_tensor": ("llmc", {"scheme": "FP8"}),
     "fp8_channel": ("llmc", {"scheme": "FP8_DYNAMIC"}),
     "fp8_kv": ("llmc", {"scheme": "FP8_DYNAMIC", "kv_cache": True}),  # + static per-layer K/V scales
+    # compressed-tensors pack-quantized int weights (RTN). The presets use group 128, one group on
+    # this model's hidden 128: smaller groups, and channel scales for 8 bits, cover more layouts.
+    "w4a16_g32": ("llmc", {"weights": {"num_bits": 4, "group_size": 32, "symmetric": True}}),
+    "w4a16_asym": ("llmc", {"weights": {"num_bits": 4, "group_size": 64, "symmetric": False}}),
+    "w8a16": ("llmc", {"weights": {"num_bits": 8, "strategy": "channel", "symmetric": True}}),
 }
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # SmolLM2 checkpoints for benchmarks/quant.py: generated on demand into the cache, never committed
@@ -268,7 +274,12 @@ def stage_fp8(name: str, settings: dict) -> None:
         {"input_ids": [e["input_ids"] for e in enc], "attention_mask": [e["attention_mask"] for e in enc]}
     )
     kv = {"kv_cache_scheme": KV_SCHEME} if settings.get("kv_cache") else {}
-    recipe = QuantizationModifier(targets="Linear", scheme=settings["scheme"], ignore=["lm_head"], **kv)
+    if "weights" in settings:  # int weight-only: an explicit scheme (the presets fix group 128)
+        weights = {"type": "int", "dynamic": False, "strategy": "group", **settings["weights"]}
+        groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
+        recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"], **kv)
+    else:
+        recipe = QuantizationModifier(targets="Linear", scheme=settings["scheme"], ignore=["lm_head"], **kv)
     oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=128, num_calibration_samples=len(texts))
     model.save_pretrained(str(out), save_compressed=True)
     tok.save_pretrained(str(out))
@@ -417,7 +428,8 @@ def main() -> None:
         )
     needs_base = any(n in FIXTURES for n in names)
     if needs_base and (not args.skip_base or not (WORK / "base" / "config.json").exists()):
-        run_stage("gptq", "base")
+        # Any venv has what the base needs: spare building the gptq one for llm-compressor fixtures.
+        run_stage("llmc" if all(targets[n][0] == "llmc" for n in names) else "gptq", "base")
     failed = []
     for n in names:
         venv = targets[n][0]

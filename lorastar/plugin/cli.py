@@ -275,7 +275,7 @@ _ENGINE_OPTIONS = [
         "--quantization",
         "-q",
         default=None,
-        type=click.Choice(["awq", "gptq", "fp8", "int8"]),
+        type=click.Choice(["awq", "gptq", "fp8", "int8", "compressed-tensors"]),
         help="Force or check the method (fp8 / int8 quantize a 16-bit checkpoint at load; int8: CPU W8A8).",
     ),
     click.option(

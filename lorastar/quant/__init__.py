@@ -1,9 +1,12 @@
-"""Quantized weights and KV cache: AWQ, GPTQ, FP8 (compressed-tensors or on the fly), int8 W8A8
-on the fly (CPU), FP8 KV.
+"""Quantized weights and KV cache: AWQ, GPTQ, FP8 (compressed-tensors or on the fly), compressed-tensors
+int4/int8 weight-only (W4A16 / W8A16, served as GPTQ), int8 W8A8 on the fly (CPU), FP8 KV.
 
 ``get_quant_config`` is the one entry point the loader uses: the method comes from the checkpoint's
 ``config.json`` (``quantization_config.quant_method``), never from file names; ``requested`` (the
 engine's ``quantization=``) forces on-the-fly FP8 or int8 for a 16-bit checkpoint or checks the checkpoint.
+A compressed-tensors checkpoint answers to ``"compressed-tensors"`` (vLLM's name) whatever its scheme;
+an FP8 one also to ``"fp8"``, an int weight-only one to nothing else (not ``"gptq"``: that checks for a
+GPTQ checkpoint).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ __all__ = [
 
 # quant_method in config.json -> the name users pass as ``quantization=``.
 _METHOD_NAMES = {"awq": "awq", "gptq": "gptq", "compressed-tensors": "fp8", "fp8": "fp8"}
-_REQUESTABLE = ("awq", "gptq", "fp8", "int8")
+_REQUESTABLE = ("awq", "gptq", "fp8", "int8", "compressed-tensors")
 
 
 def get_quant_config(
@@ -68,6 +71,11 @@ def get_quant_config(
             f"unsupported quantization_config.quant_method {method!r} (supported: {sorted(_METHOD_NAMES)})"
         )
     detected = _METHOD_NAMES[method]
+    if method == "compressed-tensors":
+        from lorastar.quant.compressed_int import is_int_weight_config
+
+        if requested == "compressed-tensors" or is_int_weight_config(qc):
+            detected = "compressed-tensors"
     if requested is not None and requested != detected:
         raise ValueError(
             f"quantization={requested!r} was requested but the checkpoint is quantized with "
@@ -84,5 +92,9 @@ def get_quant_config(
     from lorastar.quant.fp8 import CompressedTensorsFp8Config, Fp8CheckpointConfig
 
     if method == "compressed-tensors":
+        if is_int_weight_config(qc):
+            from lorastar.quant.compressed_int import CompressedTensorsWNA16Config
+
+            return CompressedTensorsWNA16Config.from_config(qc)
         return CompressedTensorsFp8Config.from_config(qc)
     return Fp8CheckpointConfig.from_config(qc)

@@ -12,6 +12,8 @@ from safetensors import safe_open
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "quant"
 INT4_NAMES = ("awq_g32", "awq_g128", "gptq_sym", "gptq_asym", "gptq_act", "gptq_8bit")
 FP8_NAMES = ("fp8_tensor", "fp8_channel")
+# compressed-tensors pack-quantized int weight-only (llm-compressor), served through the GPTQ path.
+CT_INT_NAMES = ("w4a16_g32", "w4a16_asym", "w8a16")
 ALL_NAMES = INT4_NAMES + FP8_NAMES
 
 

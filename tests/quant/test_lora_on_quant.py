@@ -95,7 +95,7 @@ def quantize_inputs_like_checkpoint(model: torch.nn.Module, name: str) -> int:
     return hooked
 
 
-@pytest.mark.parametrize("name", present(("awq_g32", "gptq_act", "fp8_channel", "fp8_tensor")))
+@pytest.mark.parametrize("name", present(("awq_g32", "gptq_act", "fp8_channel", "fp8_tensor", "w4a16_asym")))
 def test_lora_on_quantized_base_matches_peft(name: str, tmp_path: Path) -> None:
     base_dir = dequantized_hf_dir(name, tmp_path / "base")
     paths = make_adapters(base_dir, tmp_path / "adapters")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_fixtures import FP8_NAMES, INT4_NAMES, fixture_dir, present, read_config, reference
+from quant_fixtures import CT_INT_NAMES, FP8_NAMES, INT4_NAMES, fixture_dir, present, read_config, reference
 
 from tests.conftest import prefill_logits
 
@@ -75,7 +75,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", present(INT4_NAMES))
+@pytest.mark.parametrize("name", present(INT4_NAMES + CT_INT_NAMES))
 def test_int4_logits_match_transformers(name: str, device: str) -> None:
     """On CUDA this runs the Triton GEMM (fp32 activations: exact IEEE dot) inside the model."""
     err, bad, checked = _compare(name, device=device)
@@ -88,7 +88,9 @@ def test_int4_logits_match_transformers(name: str, device: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", present(("awq_g32", "gptq_act", "gptq_8bit", "fp8_channel", "fp8_tensor")))
+@pytest.mark.parametrize(
+    "name", present(("awq_g32", "gptq_act", "gptq_8bit", "fp8_channel", "fp8_tensor", "w4a16_asym"))
+)
 def test_half_precision_on_gpu(name: str, dtype: torch.dtype) -> None:
     """Serving dtypes on the GPU kernels (Triton int GEMM / _scaled_mm): close to the fp32 oracle."""
     err, bad, checked = _compare(name, device="cuda", dtype=dtype)
@@ -121,7 +123,7 @@ def test_fp8_logits_match_transformers(name: str, device: str) -> None:
     assert bad == 0 and checked > 0
 
 
-@pytest.mark.parametrize("name", present(("gptq_act", "fp8_channel")))
+@pytest.mark.parametrize("name", present(("gptq_act", "fp8_channel", "w4a16_asym")))
 def test_generate_reproduces_transformers_greedy(name: str) -> None:
     pytest.importorskip("lorastar.models.loader", reason="engine loader not available")
     from lorastar import LLM, SamplingParams

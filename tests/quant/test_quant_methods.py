@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_fixtures import INT4_NAMES, checkpoint, present, read_config, reference
+from quant_fixtures import CT_INT_NAMES, INT4_NAMES, checkpoint, present, read_config, reference
 
 from lorastar.kernels import reference as R
 from lorastar.layers.linear import Linear
@@ -163,7 +163,7 @@ def _slice_of(lin: Linear, hf_prefix: str) -> slice:
     return slice(offs[i], offs[i + 1])
 
 
-@pytest.mark.parametrize("name", present(INT4_NAMES))
+@pytest.mark.parametrize("name", present(INT4_NAMES + CT_INT_NAMES))
 def test_int4_fixture_layers_match_transformers(name: str) -> None:
     ref = reference(name)
     probes = sorted({k.rsplit(".", 1)[0].removeprefix("probe.") for k in ref if k.startswith("probe.")})
