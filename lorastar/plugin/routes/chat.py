@@ -517,6 +517,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         n = params.n
         # vLLM's: with the reasoning hidden, so are logprobs (their tokens would spell it out)
         want_lp = bool(data.logprobs) and (data.include_reasoning or not reasoning_style)
+        out_ids = want_ids and (data.include_reasoning or not reasoning_style)  # the answer's ids: likewise
         one_call = data.parallel_tool_calls is False  # vLLM's: only the first call is returned
         echo_text = ""
         if data.echo and messages and messages[-1].get("role") == "assistant":
@@ -553,8 +554,8 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 for i in range(n):
                     role = ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                     yield chunk(role, prompt=list(prompt_ids) if want_ids and i == 0 else UNSET)
-                    if echo_text:
-                        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
+                for i in range(n if echo_text else 0):  # vLLM's: the echoes after every choice's role
+                    yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
                 final: ChoiceDelta | None = None
                 parts = (
                     {i: plan.parts() for i in range(n)} if reasoning_style or tool_parser or forced else {}
@@ -619,13 +620,13 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                             logprobs=lp,
                             finish_reason=None if split else finish,
                             stop_reason=None if split else o.stop_reason,
-                            token_ids=[*held.pop(o.index, []), *o.token_ids] if want_ids else UNSET,
+                            token_ids=[*held.pop(o.index, []), *o.token_ids] if out_ids else UNSET,
                         ),
                         d,
                     )
                     if split:
                         end = ChatStreamChoice(index=o.index, delta=DeltaMessage(), finish_reason=finish,
-                                               stop_reason=o.stop_reason, token_ids=[] if want_ids else UNSET)  # fmt: skip
+                                               stop_reason=o.stop_reason, token_ids=[] if out_ids else UNSET)  # fmt: skip
                         yield chunk(end, d)
                     if d.out.finished:
                         final = d
@@ -660,7 +661,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 logprobs=chat_logprobs(lp_names, o, 0, num_top) if want_lp else None,
                 finish_reason="tool_calls" if calls and not forced else o.finish_reason,  # vLLM's
                 stop_reason=o.stop_reason,
-                token_ids=list(o.token_ids) if want_ids else UNSET,
+                token_ids=list(o.token_ids) if out_ids else UNSET,
             )
 
         choices = [choice(o) for o in out.outputs]
