@@ -1,5 +1,6 @@
 #!/bin/bash
-# Everything a GPU machine should run, time-boxed, in one call:
+# Everything a GPU machine should run, time-boxed, in one call (the wheels and tokenizer it needs
+# there: benchmarks/gpu_wheels.sh, which shows the whole `run` command):
 #   benchmarks/gpu_check.sh TOKENIZER_DIR OUT_DIR [OTHER_LORASTAR_PARENT]
 # TOKENIZER_DIR: a folder with SmolLM2's tokenizer files (tokenizer.json, tokenizer_config.json);
 # OUT_DIR: logs, tables and plots; OTHER_LORASTAR_PARENT: a folder holding another checkout's
