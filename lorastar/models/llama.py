@@ -288,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
         self.checkpoint_fused = self.architectures[self.architecture] in FUSED_CHECKPOINT_FAMILIES
         if quant is not None:
             quant.packed_modules_mapping = self.packed_modules_mapping
+            quant.key_map = self.key_map
         hidden = cfg["hidden_size"]
         self.vocab_size = cfg["vocab_size"]
         self.num_layers = cfg["num_hidden_layers"]

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from lorastar.checkpoint_keys import KeyMap
 from lorastar.layers.linear import QuantMethod
 
 
@@ -20,6 +21,9 @@ class QuantConfig(ABC):
     packed_modules_mapping: Mapping[str, Sequence[str]] = MappingProxyType({})
     """Fused layer -> the checkpoint modules it is made of (``qkv_proj`` -> q/k/v): the model sets
     its class's mapping here before asking for linear methods, so skip lists name either."""
+    key_map: KeyMap = KeyMap()
+    """The model's checkpoint -> served renames (``language_model.model.`` -> ``model.``), set with
+    ``packed_modules_mapping``: layer names in a config are the checkpoint's."""
     devices: tuple[str, ...] | None = None
     """Device types the scheme runs on (``None``: any); the engine checks before loading."""
 
