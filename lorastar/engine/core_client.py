@@ -327,7 +327,8 @@ class AsyncCoreClient(PromptInputs):
         """The spawned core exited: fail what was open, start a new one, load its adapters again."""
         logger.error("lorastar: the engine core process exited with code %s; starting a new one", code)
         self._respawning = True
-        adapters = [(a.name, a.path) for a in self._rows]
+        # Not the last listing: empty while its engine rebuilt, partial while it was given them back
+        adapters = list(self._adapters.items())
         self._fail_all(
             RequestFailedError(f"The engine core process exited (code {code}); retry the request.")
         )
@@ -424,8 +425,8 @@ class AsyncCoreClient(PromptInputs):
             self._rows, self._rows_synced = state.adapters, False
             self._row_names = frozenset(a.name for a in state.adapters)
         self._state = state
-        # (a core rebuilding or reloading lists fewer)
-        if not self._rows_synced and not state.restarting and not self._reloading:
+        # (a core rebuilding, respawned or reloading lists fewer)
+        if not self._rows_synced and not state.restarting and not self._reloading and not self._respawning:
             self._adapters = {a.name: a.path for a in self._rows}
             self._rows_synced = True
 
@@ -720,13 +721,15 @@ class AsyncCoreClient(PromptInputs):
         self._check_available()
         args = [name, str(path)] + (["new"] if new else [])  # (Call.args are strings)
         info = msgspec.convert(await asyncio.wrap_future(self._start_call("load_adapter", args)), AdapterInfo)
-        self._adapters[name] = info.path or str(path)  # loaded again should a shared core restart
+        if name in self._row_names:  # (not where another client unloaded it since: the listing says)
+            self._adapters[name] = info.path or str(path)  # loaded again should a shared core restart
         return info
 
     async def unload_adapter(self, name: str) -> None:
         self._check_available()
         await asyncio.wrap_future(self._start_call("unload_adapter", [name]))
-        self._adapters.pop(name, None)
+        if name not in self._row_names:  # (not where another client loaded it again since)
+            self._adapters.pop(name, None)
 
     def list_adapters(self) -> list[AdapterInfo]:
         busy = self._state.adapters_in_flight if self._state is not None else {}

@@ -97,6 +97,7 @@ class EngineCoreProc:
         self.alias: dict[tuple[str, str], str] = {}  # (client id, its request id) -> engine id
         self.client_rid: dict[str, tuple[str, str]] = {}  # engine id -> its key in alias
         self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
+        self.loads: dict[concurrent.futures.Future[Any], tuple[LLMEngine, Call]] = {}  # job -> its engine
         # Requests whose JSON schema / regex / grammar compiles: xgrammar releases the GIL, and a
         # long maxLength alone took 1.4 s on this VM, so it compiles off the step loop (as vLLM
         # does) and only that request waits.
@@ -364,6 +365,7 @@ class EngineCoreProc:
             load = functools.partial(self.engine.load_adapter, new=msg.args[2:] == ["new"])
             fut = submit_to_fresh_thread(load, msg.args[0], msg.args[1], thread_name="lorastar-adapter-load")
             self.jobs.append((msg.client_id, msg.call_id, fut))
+            self.loads[fut] = (self.engine, msg)
             return
         reply = Reply(msg.call_id)
         try:
@@ -380,6 +382,12 @@ class EngineCoreProc:
         while self.jobs and self.jobs[0][2].done():
             client, call_id, fut = self.jobs.popleft()
             exc = fut.exception() if not fut.cancelled() else RuntimeError("cancelled")
+            eng, call = self.loads.pop(fut)
+            if exc is None and eng is not self.engine and call.args[0] not in self.engine.registry:
+                # Registered into an engine a failed step replaced, after the rebuild took its
+                # adapters: loaded again into this one (the caller hears of that load).
+                self._call(call)
+                continue
             reply = Reply(call_id, fut.result() if exc is None else None, error_info(exc) if exc else None)
             self._broadcast_state()
             self._send(client, reply)
