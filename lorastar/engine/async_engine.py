@@ -359,12 +359,21 @@ class AsyncLLM(PromptInputs):
     async def load_adapter(self, name: str, path: str, *, new: bool = False) -> AdapterInfo:
         # Reading + validating runs off the event loop and outside the step lock.
         self._check_available()
-        return await to_fresh_thread(
-            functools.partial(self.engine.load_adapter, new=new),
-            name,
-            path,
-            thread_name="lorastar-adapter-load",
-        )
+        while True:
+            engine = self.engine
+            info = await to_fresh_thread(
+                functools.partial(engine.load_adapter, new=new),
+                name,
+                path,
+                thread_name="lorastar-adapter-load",
+            )
+            # A step that failed meanwhile rebuilt the engine from the adapters the old one held
+            # before this load registered there: its success must mean the new one serves it.
+            while self._restarting and not self._stop.is_set():
+                await asyncio.sleep(0.05)
+            if self.engine is engine or name in self.engine.registry or self._stop.is_set():
+                return info
+            new = False  # (the name was free when this load began)
 
     async def unload_adapter(self, name: str) -> None:
         self._check_available()

@@ -158,3 +158,37 @@ async def test_a_load_answered_after_another_worker_unloaded_the_name_is_not_rel
             assert a._adapters == {} and b._adapters == {}
         finally:
             await asyncio.gather(a.shutdown(drain_timeout=0), b.shutdown(drain_timeout=0))
+
+
+async def test_an_in_process_load_under_way_while_the_engine_rebuilds_is_in_the_rebuilt_one(
+    tiny_model_dir: Any, tmp_path: Any, hold: Any
+) -> None:
+    """The in-process ``AsyncLLM`` had the same race as the core: the load registered into the engine
+    a failed step replaced, after the rebuild took its adapters, and still answered success."""
+    from lorastar.engine.async_engine import AsyncLLM
+
+    model = tiny_model_dir("llama-gqa")
+    adapter = make_peft_adapter(model, tmp_path / "ad", seed=1, r=4)
+    llm = AsyncLLM(EngineConfig(model=model, device="cpu", dtype="float32", num_kv_blocks=64, max_loras=2))
+    llm.restart_backoff = (0.05, 0.1)
+    await llm.start()
+    try:
+
+        def boom(*_: Any, **__: Any) -> Any:
+            raise RuntimeError("injected forward failure")
+
+        llm.engine.runner.execute = boom  # the rebuilt engine runs normally
+        entered, gate = hold(llm.engine, "_read_adapter")
+        load = asyncio.ensure_future(llm.load_adapter("ad", adapter))
+        assert await asyncio.to_thread(entered.wait, 30)
+        with pytest.raises(RequestFailedError):
+            _ = [o async for o in llm.generate("hello", SamplingParams(max_tokens=2))]
+        assert await asyncio.to_thread(_wait, lambda: llm.num_restarts == 1 and not llm.restarting, 60)
+        gate.set()
+        info = await asyncio.wait_for(load, 30)
+        assert info.name == "ad" and llm.has_adapter("ad")
+        outs = [o async for o in llm.generate("hello", SamplingParams(max_tokens=2), adapter="ad")]
+        assert outs[-1].finished
+    finally:
+        gate.set()
+        await llm.shutdown(drain_timeout=0)
