@@ -17,7 +17,7 @@ from torch import nn
 
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, set_param_meta
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked
+from lorastar.quant.utils import adopt_scales_dtype, is_skipped, matmul_dequant_chunked, served_names
 
 # Column j of a packed word sits in nibble AWQ_REVERSE_ORDER[j] (AutoAWQ's interleaved order).
 _AWQ_SHIFTS = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], dtype=torch.int32)
@@ -58,7 +58,7 @@ class AWQConfig(QuantConfig):
         return cls(bits, group_size, zero_point, skip)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip, self.packed_modules_mapping):
+        if is_skipped(prefix, served_names(self.skip, self.key_map), self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return AWQLinearMethod(self)
 

@@ -21,7 +21,6 @@ constant zero point ``2**(bits-1)``. No new kernel: ``GPTQLinearMethod`` compute
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ from torch import nn
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.gptq import GPTQConfig, GPTQLinearMethod
-from lorastar.quant.utils import fused_lookup, is_skipped, unfused_prefixes
+from lorastar.quant.utils import is_skipped, served_name, target_fused_lookup, target_lookup
 
 # actorder values that store ``weight_g_idx`` ("dynamic" is compressed-tensors' alias of "group");
 # "weight" / "static" only change the calibration order, not the format.
@@ -160,33 +159,17 @@ class CompressedTensorsWNA16Config(QuantConfig):
         # compressed-tensors' (and vLLM's) precedence, whatever the group order: a layer-name target,
         # then a "re:" one, then the class "Linear"; a target repeated in a later group is that group's.
         by_target = {self._served(t): scheme for targets, scheme in self.groups for t in targets}
-        plain = [t for t in by_target if not t.startswith("re:") and t != "Linear"]
-        for t in plain:
-            if name == t or name.endswith("." + t):
-                return by_target[t]
-        for t in by_target:
-            if t.startswith("re:") and re.match(t[3:], name):
-                return by_target[t]
-        return by_target.get("Linear") if by_class else None
+        return target_lookup(name, by_target, by_class)
 
     def _served(self, entry: str) -> str:
         """A plain layer name of the config (the checkpoint's) as the served model names it."""
-        if entry.startswith("re:") or entry == "Linear":
-            return entry
-        served = self.key_map(entry + ".")
-        return entry if served is None else served[:-1]
+        return entry if entry == "Linear" else served_name(entry, self.key_map)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
         if is_skipped(prefix, [self._served(e) for e in self.ignore], self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         mixed = "its parts {parts} use different compressed-tensors schemes"
-        parts = unfused_prefixes(prefix, self.packed_modules_mapping)
-        if parts != [prefix] and all(self._scheme_for(p, by_class=False) is None for p in parts):
-            # No target names a part: a fused checkpoint's module (Phi-3's qkv_proj) may be named itself,
-            # which wins over the class target "Linear" that every part matches.
-            scheme = self._scheme_for(prefix)
-        else:
-            scheme = fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
+        scheme = target_fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
         if scheme is None:
             return UnquantizedLinearMethod()
         return CompressedTensorsWNA16LinearMethod(scheme)

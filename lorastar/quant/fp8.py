@@ -11,7 +11,6 @@ static), so the layer computes exactly what transformers' compressed-tensors for
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from lorastar.layers.linear import (
     set_param_meta,
 )
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.utils import fused_lookup, is_skipped
+from lorastar.quant.utils import is_skipped, served_name, served_names, target_fused_lookup, target_lookup
 
 
 class Fp8LinearMethod(QuantMethod):
@@ -268,18 +267,16 @@ class CompressedTensorsFp8Config(QuantConfig):
                 )
         return cls(groups, list(config.get("ignore") or []), kv or None)
 
-    def _scheme_for(self, name: str) -> tuple[str, str] | None:
-        for targets, w, a in self.groups:
-            for t in targets:
-                if t == "Linear" or (t.startswith("re:") and re.match(t[3:], name)) or name.endswith(t):
-                    return w, a
-        return None
+    def _scheme_for(self, name: str, by_class: bool = True) -> tuple[str, str] | None:
+        # Targets name the checkpoint's layers; precedence as compressed-tensors' (utils.target_lookup).
+        by_target = {served_name(t, self.key_map): (w, a) for targets, w, a in self.groups for t in targets}
+        return target_lookup(name, by_target, by_class)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
+        if is_skipped(prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         mixed = "its parts {parts} use different compressed-tensors schemes"
-        scheme = fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
+        scheme = target_fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
         if scheme is None:
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(scheme[0], scheme[1], serialized=True)
@@ -310,7 +307,7 @@ class Fp8CheckpointConfig(QuantConfig):
         return cls(ACT_TOKEN if scheme == "dynamic" else ACT_TENSOR_STATIC, ignore)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.ignore, self.packed_modules_mapping):
+        if is_skipped(prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod("tensor", self.act, serialized=True)
 

@@ -22,7 +22,13 @@ from torch import nn
 
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, mark_loaded, set_param_meta
 from lorastar.quant.base import QuantConfig
-from lorastar.quant.utils import adopt_scales_dtype, fused_lookup, is_skipped, matmul_dequant_chunked
+from lorastar.quant.utils import (
+    adopt_scales_dtype,
+    fused_lookup,
+    is_skipped,
+    matmul_dequant_chunked,
+    served_names,
+)
 
 _ZERO_OFFSET = {"gptq": 1, "gptq_v1": 1, "gptq_v2": 0}
 # Settings a ``dynamic`` entry may override per module (gptqmodel also writes tuning-only keys).
@@ -157,9 +163,9 @@ class GPTQConfig(QuantConfig):
     def _outside_in_block(self, prefix: str) -> bool:
         """Whether ``modules_in_block_to_quantize`` leaves the layer unquantized. optimum (which
         transformers loads GPTQ with) keeps a block's linear when its name ends with a listed one."""
-        in_block = self.in_block
-        if in_block is None:
+        if self.in_block is None:
             return False
+        in_block = served_names(self.in_block, self.key_map)  # the checkpoint's names
 
         def listed(name: str) -> bool | None:
             return True if any(name.endswith(m) for m in in_block) else None
@@ -168,7 +174,8 @@ class GPTQConfig(QuantConfig):
         return fused_lookup(prefix, self.packed_modules_mapping, listed, mixed) is None
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, self.skip, self.packed_modules_mapping) or self._outside_in_block(prefix):
+        skip = served_names(self.skip, self.key_map)
+        if is_skipped(prefix, skip, self.packed_modules_mapping) or self._outside_in_block(prefix):
             return UnquantizedLinearMethod()
         if self.dynamic and (method := self._dynamic_method(prefix)) is not None:
             return method

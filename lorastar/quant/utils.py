@@ -8,6 +8,8 @@ from typing import TypeVar
 
 import torch
 
+from lorastar.checkpoint_keys import KeyMap
+
 T = TypeVar("T")
 
 # Bound on the temporary dequantized tile on the CPU path (elements): no full-precision copy of a
@@ -58,6 +60,46 @@ def is_skipped(prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]]
         return True if any(_matches(name, s) for s in skip) else None
 
     return fused_lookup(prefix, packed, listed, "the checkpoint quantizes only some of {parts}") is True
+
+
+def served_name(entry: str, key_map: KeyMap) -> str:
+    """A plain layer name of a config (the checkpoint's: ``language_model.model.layers.0.mlp``) as the
+    served model names it; ``re:`` patterns and names of unserved parts unchanged (vLLM's
+    ``apply_vllm_mapper``)."""
+    if entry.startswith("re:"):
+        return entry
+    served = key_map(entry + ".")
+    return entry if served is None else served[:-1]
+
+
+def served_names(entries: Sequence[str], key_map: KeyMap) -> list[str]:
+    """``served_name`` of each entry of a skip / ignore list."""
+    return [served_name(e, key_map) for e in entries]
+
+
+def target_lookup(name: str, by_target: Mapping[str, T], by_class: bool = True) -> T | None:
+    """compressed-tensors' (and vLLM's) target precedence, whatever the group order: a layer-name
+    target (served names), then a ``re:`` one, then the class ``Linear`` (unless not ``by_class``).
+    ``by_target``: target -> value, a target repeated in a later group being that group's."""
+    for t in by_target:
+        if not t.startswith("re:") and t != "Linear" and (name == t or name.endswith("." + t)):
+            return by_target[t]
+    for t in by_target:
+        if t.startswith("re:") and re.match(t[3:], name):
+            return by_target[t]
+    return by_target.get("Linear") if by_class else None
+
+
+def target_fused_lookup(
+    prefix: str, packed: Mapping[str, Sequence[str]], lookup: Callable[[str, bool], T | None], mixed: str
+) -> T | None:
+    """``fused_lookup`` of a ``target_lookup`` (``lookup(name, by_class)``): when no target names a
+    part, a fused checkpoint's module (Phi-3's ``qkv_proj``) may be named itself, which wins over
+    the class target ``Linear`` that every part matches."""
+    parts = unfused_prefixes(prefix, packed)
+    if parts != [prefix] and all(lookup(p, False) is None for p in parts):
+        return lookup(prefix, True)
+    return fused_lookup(prefix, packed, lambda name: lookup(name, True), mixed)
 
 
 def adopt_scales_dtype(param: torch.Tensor, loaded: torch.Tensor) -> None:
