@@ -54,6 +54,7 @@ class FakeStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     adapters: dict[str, dict[str, int]] = field(default_factory=dict)
+    adapter_tiers: dict[str, str] = field(default_factory=dict)
 
 
 class FakeAsyncLLM:

@@ -5,32 +5,19 @@ unless ``--disable-log-stats``; an app that mounts the plugin asks for it with
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from plugin_fake_engine import FakeStats
 
 from lorastar.plugin import LoraStarConfig
 from lorastar.plugin.stats_log import StatsLine
 
 
-@dataclass
-class Snap:
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    adapters: dict[str, dict[str, int]] = field(default_factory=dict)
-    adapter_tiers: dict[str, str] = field(default_factory=dict)
-
-
 def test_the_line_reports_the_interval_as_vllm_and_goes_quiet_when_idle() -> None:
     line = StatsLine()
-    assert line.update(Snap(), 100.0) is None  # no interval yet
-    busy = Snap(
+    assert line.update(FakeStats(), 100.0) is None  # no interval yet
+    busy = FakeStats(
         prompt_tokens_total=1000, generation_tokens_total=200, prefix_cache_queries=800,
         prefix_cache_hits=300, num_running=16, num_waiting=2, kv_cache_usage=0.412,
         adapters={"a": {"running": 3, "waiting": 0}, "b": {"running": 0, "waiting": 1}},
@@ -43,13 +30,13 @@ def test_the_line_reports_the_interval_as_vllm_and_goes_quiet_when_idle() -> Non
         "Running: 16 reqs, Waiting: 2 reqs, KV cache usage: 41.2%, Prefix cache hit rate: 37.5%, "
         "Adapters: 1 running / 3 loaded"
     )
-    idle = Snap(prompt_tokens_total=1000, generation_tokens_total=200, prefix_cache_queries=800)
+    idle = FakeStats(prompt_tokens_total=1000, generation_tokens_total=200, prefix_cache_queries=800)
     level, msg = line.update(idle, 120.0)  # type: ignore[misc]
     # the first idle interval still at INFO (the throughput fell to 0), then DEBUG
     assert level == logging.INFO and "Avg generation throughput: 0.0 tokens/s" in msg
     assert "Prefix cache hit rate: 0.0%" in msg and "Adapters" not in msg
     assert line.update(idle, 130.0)[0] == logging.DEBUG  # type: ignore[index]
-    assert line.update(Snap(generation_tokens_total=5), 131.0) is None  # counters restarted
+    assert line.update(FakeStats(generation_tokens_total=5), 131.0) is None  # counters restarted
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, "10"])
