@@ -39,6 +39,7 @@ _MM_PREFIX = "model.language_model."
 # Phi-3 checkpoints store q/k/v and gate/up fused: the fixture's tensors are concatenated along their
 # output dimension (dim 1 for AWQ/GPTQ's packed qweight/qzeros/scales, 0 for FP8 weight and scales).
 # GPTQ with act-order has one g_idx per module, which a fused module cannot hold: gptq_sym instead.
+# compressed-tensors' pack-quantized tensors are [out, ...] (zero points packed along out): dim 0.
 _FUSE = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -57,6 +58,18 @@ def _fuse(tensors: dict[str, torch.Tensor], int4: bool) -> dict[str, torch.Tenso
             if rest == "g_idx":
                 assert all(torch.equal(pieces[0], x) for x in pieces)
                 out[new] = pieces[0]
+            elif rest == "weight_shape":  # compressed-tensors: the fused [out, in]
+                assert all(x[1] == pieces[0][1] for x in pieces)
+                out[new] = torch.stack([sum(x[0] for x in pieces), pieces[0][1]])
+            elif rest in ("weight_packed", "weight_scale", "weight_zero_point"):
+                # compressed-tensors' [out, ...] tensors (zero points packed 8 or 4 rows a word: each
+                # part's out a multiple of it)
+                if rest == "weight_zero_point":
+                    for part, z in zip(parts, pieces):
+                        shape = tensors[f"{block}.{part}.weight_shape"]
+                        per_word = int(shape[1]) // tensors[f"{block}.{part}.weight_packed"].shape[1]
+                        assert int(shape[0]) == z.shape[0] * per_word
+                out[new] = torch.cat(pieces, dim=0)
             else:
                 out[new] = torch.cat(pieces, dim=1 if int4 else 0)
     return out
@@ -145,11 +158,9 @@ def _dequantized(name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-CASES = [
-    (f, n)
-    for f in FAMILIES
-    for n in present(("awq_g32", "gptq_sym" if f == "phi3" else "gptq_act", "fp8_channel"))
-]
+_NAMES = ("awq_g32", "gptq_act", "fp8_channel", "w4a16_g32", "w4a16_asym", "w8a16")
+CASES = [(f, n) for f in FAMILIES for n in present(_NAMES) if f != "phi3" or n != "gptq_act"]
+CASES += [("phi3", n) for n in present(("gptq_sym",))]
 
 
 @pytest.mark.parametrize(("family", "name"), CASES, ids=[f"{f}-{n}" for f, n in CASES])
