@@ -8,7 +8,8 @@ reasoning and tool-call parsers into ``thinking``, ``text`` and ``tool_use`` blo
 Anthropic's events (``message_start`` ... ``message_stop``); errors, streamed or not, are
 Anthropic's ``{"type": "error", "error": {"type", "message"}}``.
 
-Served: text, tools (``input_schema``) with every ``tool_choice``, ``stop_sequences``,
+Served: text, tools (``input_schema``) with every ``tool_choice`` (and its
+``disable_parallel_tool_use``), a last assistant turn as a prefill (continued), ``stop_sequences``,
 ``output_config.format`` (json_schema), ``thinking`` on or off (the template's ``enable_thinking``;
 ``budget_tokens`` caps the thinking where the reasoning parser's tags are one token each),
 ``/messages/count_tokens``. Refused with a 400 naming the
@@ -135,7 +136,7 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[ChatMessage
     (before its text, as Anthropic orders them); an assistant turn's ``thinking``, ``text`` and
     ``tool_use`` blocks one assistant message with ``reasoning_content`` and ``tool_calls``."""
     out: list[ChatMessageParam] = []
-    if (system := system_text(req.system)) is not None:
+    if system := system_text(req.system):  # an empty one is no system prompt (vLLM's)
         out.append(ChatMessageParam(role="system", content=system))
     if not req.messages:
         raise APIError("messages must not be empty.", param="messages")
@@ -190,6 +191,13 @@ def chat_messages(req: MessagesRequest | CountTokensRequest) -> list[ChatMessage
                 reasoning_content="\n".join(thinking) if thinking else None,
             ))  # fmt: skip
     return out
+
+
+def prefilled(messages: list[ChatMessageParam]) -> bool:
+    """Anthropic's prefill: a last assistant turn of text (no tool calls) is continued, not
+    answered (the chat route's continue_final_message); the answer is the continuation."""
+    last = messages[-1]
+    return last.role == "assistant" and bool(last.content) and not last.tool_calls
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -267,9 +275,13 @@ def template_kwargs(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]
 
 
 def chat_request(req: MessagesRequest) -> ChatCompletionRequest:
+    messages = chat_messages(req)
+    prefill = prefilled(messages)
     return chat_request_of(
         req,
-        messages=chat_messages(req),
+        messages=messages,
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
         max_tokens=req.max_tokens,
         stop=req.stop_sequences,
         chat_template_kwargs=template_kwargs(req),
@@ -329,6 +341,8 @@ def content_blocks(
     if content:
         blocks.append(TextBlock(text=content))
     for call in calls:
+        if not call.arguments.strip():  # a forced call cut before its input began: nothing written
+            continue
         args = tool_input(call.arguments)
         if args is None:
             blocks.append(TextBlock(text=call.arguments))
@@ -437,6 +451,9 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
             raise _renamed(exc) from exc
         message_id = new_id("msg")
         model = data.model or service.served_model_name
+        # Anthropic's disable_parallel_tool_use: at most one tool_use (the chat route's
+        # parallel_tool_calls false: the answer's first call only, as vLLM's)
+        one_call = bool((data.tool_choice or {}).get("disable_parallel_tool_use"))
         stream = service.generate(plan.prompt_ids, plan.params, plan.adapter, message_id)
 
         if data.stream:
@@ -450,6 +467,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
                 parts = plan.parts()
                 started = False
                 used_tools = False
+                n_calls = 0  # the parser's calls so far (disable_parallel_tool_use keeps the first)
                 generated = 0
                 last = None
                 async for d in choice_deltas(primed):
@@ -465,7 +483,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
                         reasoning, arguments, _ = parts.feed(d.text, final=o.finish_reason is not None)
                         for e in blocks.thinking(reasoning) if reasoning else []:
                             yield e
-                        if arguments or (not used_tools and o.finish_reason is not None):
+                        if arguments:  # none yet at the end (cut in the thinking): no call
                             for e in (
                                 blocks.tool_input(arguments)
                                 if used_tools
@@ -480,6 +498,9 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
                         ):
                             yield e
                         for call in calls:
+                            n_calls += 1
+                            if one_call and n_calls > 1:
+                                continue
                             if tool_input(call.arguments) is None:
                                 evs = blocks.text(call.arguments)
                             else:
@@ -510,7 +531,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
         out = finals[0]
         o = out.outputs[0]
         reasoning, content, calls = plan.read(o.text)
-        blocks = content_blocks(reasoning, content, calls)
+        blocks = content_blocks(reasoning, content, calls[:1] if one_call else calls)
         stop_reason, stop_sequence = stop_of(o, any(isinstance(b, ToolUseBlock) for b in blocks))
         message = MessagesResponse(
             id=message_id, model=model, content=blocks, stop_reason=stop_reason, stop_sequence=stop_sequence,
@@ -531,9 +552,12 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
         await service.resolve_adapter(data.model, data.adapter_id)  # an unknown model is a 404
         chat_tool_choice(data.tool_choice)  # checked as /messages checks it
         tools = chat_tools(data.tools)
+        messages = chat_messages(data)
+        prefill = prefilled(messages)
         _, ids = await render_messages(
-            engine, chat_messages(data), True, chat_template_kwargs=template_kwargs(data), tools=tools
-        )
+            engine, messages, not prefill, continue_final_message=prefill,
+            chat_template_kwargs=template_kwargs(data), tools=tools,
+        )  # fmt: skip
         return CountTokensResponse(input_tokens=len(ids))
 
     return [create_message, count_tokens]
