@@ -199,6 +199,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype in _DTYPE_ALIASES:  # vLLM's --dtype names too
             self.dtype = _DTYPE_ALIASES[self.dtype]
+        if (
+            self.max_cpu_loras is None
+            and isinstance(self.max_loras, int)
+            and not isinstance(self.max_loras, bool)
+        ):
+            self.max_cpu_loras = max(64, self.max_loras)  # (max_loras=100 alone used to be refused)
         if isinstance(self.chat_template, (str, os.PathLike)) and "{" not in str(self.chat_template):
             # vLLM's --chat-template: a file, else the template itself (a path was used as the text)
             path = Path(self.chat_template).expanduser()
@@ -236,12 +242,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
-        if (
-            self.max_cpu_loras is None
-            and isinstance(self.max_loras, int)
-            and not isinstance(self.max_loras, bool)
-        ):
-            self.max_cpu_loras = max(64, self.max_loras)  # (max_loras=100 alone used to be refused)
         for name in (
             "block_size",
             "max_num_seqs",

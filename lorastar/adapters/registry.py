@@ -80,7 +80,7 @@ class AdapterRegistry:
         # Bumped whenever ``listing()`` would change (a name, path, tier or slot; not ``in_flight``,
         # which moves with every request and is reported apart, by ``in_flight_by_name``). An engine
         # core sends its clients the listing only when this moved: rebuilding and encoding 1,000
-        # adapters' rows took 3 ms, on each step that finished a request.
+        # adapters' rows took 2.5 ms, on each step that finished a request.
         self.listing_version = 0
         self._listing: tuple[int, list[AdapterInfo]] | None = None  # (version, rows) of listing()
         self._tiers: tuple[int, dict[str, str]] | None = None  # (version, name -> tier) of tiers()

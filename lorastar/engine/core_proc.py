@@ -96,8 +96,8 @@ class EngineCoreProc:
         # engine id of its own (as vLLM's internal request ids), mapped back in what it is sent.
         self.alias: dict[tuple[str, str], str] = {}  # (client id, its request id) -> engine id
         self.client_rid: dict[str, tuple[str, str]] = {}  # engine id -> its key in alias
-        self.jobs: deque[tuple[str, int, concurrent.futures.Future[Any]]] = deque()
-        self.loads: dict[concurrent.futures.Future[Any], tuple[LLMEngine, Call]] = {}  # job -> its engine
+        # adapter loads under way: the call, the engine it loads into, its thread's future
+        self.jobs: deque[tuple[Call, LLMEngine, concurrent.futures.Future[Any]]] = deque()
         # Requests whose JSON schema / regex / grammar compiles: xgrammar releases the GIL, and a
         # long maxLength alone took 1.4 s on this VM, so it compiles off the step loop (as vLLM
         # does) and only that request waits.
@@ -364,8 +364,7 @@ class EngineCoreProc:
             # A thread that exits with the load: no second OpenMP pool stays (engine/threads.py).
             load = functools.partial(self.engine.load_adapter, new=msg.args[2:] == ["new"])
             fut = submit_to_fresh_thread(load, msg.args[0], msg.args[1], thread_name="lorastar-adapter-load")
-            self.jobs.append((msg.client_id, msg.call_id, fut))
-            self.loads[fut] = (self.engine, msg)
+            self.jobs.append((msg, self.engine, fut))
             return
         reply = Reply(msg.call_id)
         try:
@@ -380,17 +379,18 @@ class EngineCoreProc:
 
     def _finish_jobs(self) -> None:
         while self.jobs and self.jobs[0][2].done():
-            client, call_id, fut = self.jobs.popleft()
+            call, eng, fut = self.jobs.popleft()
             exc = fut.exception() if not fut.cancelled() else RuntimeError("cancelled")
-            eng, call = self.loads.pop(fut)
             if exc is None and eng is not self.engine and call.args[0] not in self.engine.registry:
                 # Registered into an engine a failed step replaced, after the rebuild took its
                 # adapters: loaded again into this one (the caller hears of that load).
                 self._call(call)
                 continue
-            reply = Reply(call_id, fut.result() if exc is None else None, error_info(exc) if exc else None)
+            reply = Reply(
+                call.call_id, fut.result() if exc is None else None, error_info(exc) if exc else None
+            )
             self._broadcast_state()
-            self._send(client, reply)
+            self._send(call.client_id, reply)
 
     def _drain_inputs(self, timeout_ms: int) -> None:
         if not self.input.poll(timeout_ms):

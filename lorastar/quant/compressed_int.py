@@ -30,7 +30,7 @@ from torch import nn
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.gptq import GPTQConfig, GPTQLinearMethod
-from lorastar.quant.utils import is_skipped, served_name, target_fused_lookup, target_lookup
+from lorastar.quant.utils import is_skipped, served_name, served_names, target_fused_lookup, target_lookup
 
 # actorder values that store ``weight_g_idx`` ("dynamic" is compressed-tensors' alias of "group");
 # "weight" / "static" only change the calibration order, not the format.
@@ -158,15 +158,11 @@ class CompressedTensorsWNA16Config(QuantConfig):
     def _scheme_for(self, name: str, by_class: bool = True) -> IntWeightScheme | None:
         # compressed-tensors' (and vLLM's) precedence, whatever the group order: a layer-name target,
         # then a "re:" one, then the class "Linear"; a target repeated in a later group is that group's.
-        by_target = {self._served(t): scheme for targets, scheme in self.groups for t in targets}
+        by_target = {served_name(t, self.key_map): scheme for targets, scheme in self.groups for t in targets}
         return target_lookup(name, by_target, by_class)
 
-    def _served(self, entry: str) -> str:
-        """A plain layer name of the config (the checkpoint's) as the served model names it."""
-        return entry if entry == "Linear" else served_name(entry, self.key_map)
-
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, [self._served(e) for e in self.ignore], self.packed_modules_mapping):
+        if is_skipped(prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping):
             return UnquantizedLinearMethod()
         mixed = "its parts {parts} use different compressed-tensors schemes"
         scheme = target_fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)

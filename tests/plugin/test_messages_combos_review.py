@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from plugin_fake_engine import ScriptedLLM, say
 from plugin_support import ServerThread
+from test_messages import blocks_of
 
 from lorastar.plugin import LoraStarConfig, create_app
 
@@ -21,18 +22,6 @@ TOOLS = [{"name": "get_weather", "description": "Weather now.", "input_schema": 
 
 def call(city: str) -> str:
     return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
-
-
-def blocks_of(message: Any) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = []
-    for block in message.content:
-        if block.type == "text":
-            out.append(("text", block.text))
-        elif block.type == "thinking":
-            out.append(("thinking", block.thinking))
-        else:
-            out.append(("tool_use", block.name, block.input))
-    return out
 
 
 class FlagLLM(ScriptedLLM):
