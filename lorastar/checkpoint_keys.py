@@ -29,6 +29,17 @@ class KeyMap:
                 return new + name[len(old) :]
         return name
 
+    def sources(self, served: str) -> tuple[str, ...]:
+        """The names a checkpoint may give what the served model calls ``served`` (a prefix ending in
+        ``.``): ``served`` itself, then each rename undone that maps back to it."""
+        out = [served]
+        for old, new in self.renames:
+            if served.startswith(new):
+                stored = old + served[len(new) :]
+                if stored not in out and self(stored) == served:
+                    out.append(stored)
+        return tuple(out)
+
 
 # transformers' LLaVA-style layout of a text-and-image model (Gemma 3, Mistral 3): the language model
 # under ``language_model.model.*`` + ``language_model.lm_head`` (the released checkpoints' tensor names,

@@ -58,7 +58,9 @@ class AWQConfig(QuantConfig):
         return cls(bits, group_size, zero_point, skip)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, served_names(self.skip, self.key_map), self.packed_modules_mapping):
+        if is_skipped(
+            prefix, served_names(self.skip, self.key_map), self.packed_modules_mapping, self.key_map
+        ):
             return UnquantizedLinearMethod()
         return AWQLinearMethod(self)
 

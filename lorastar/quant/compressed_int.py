@@ -159,10 +159,12 @@ class CompressedTensorsWNA16Config(QuantConfig):
         # compressed-tensors' (and vLLM's) precedence, whatever the group order: a layer-name target,
         # then a "re:" one, then the class "Linear"; a target repeated in a later group is that group's.
         by_target = {served_name(t, self.key_map): scheme for targets, scheme in self.groups for t in targets}
-        return target_lookup(name, by_target, by_class)
+        return target_lookup(name, by_target, by_class, self.key_map)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping):
+        if is_skipped(
+            prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping, self.key_map
+        ):
             return UnquantizedLinearMethod()
         mixed = "its parts {parts} use different compressed-tensors schemes"
         scheme = target_fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)

@@ -270,10 +270,12 @@ class CompressedTensorsFp8Config(QuantConfig):
     def _scheme_for(self, name: str, by_class: bool = True) -> tuple[str, str] | None:
         # Targets name the checkpoint's layers; precedence as compressed-tensors' (utils.target_lookup).
         by_target = {served_name(t, self.key_map): (w, a) for targets, w, a in self.groups for t in targets}
-        return target_lookup(name, by_target, by_class)
+        return target_lookup(name, by_target, by_class, self.key_map)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping):
+        if is_skipped(
+            prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping, self.key_map
+        ):
             return UnquantizedLinearMethod()
         mixed = "its parts {parts} use different compressed-tensors schemes"
         scheme = target_fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
@@ -307,7 +309,9 @@ class Fp8CheckpointConfig(QuantConfig):
         return cls(ACT_TOKEN if scheme == "dynamic" else ACT_TENSOR_STATIC, ignore)
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
-        if is_skipped(prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping):
+        if is_skipped(
+            prefix, served_names(self.ignore, self.key_map), self.packed_modules_mapping, self.key_map
+        ):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod("tensor", self.act, serialized=True)
 

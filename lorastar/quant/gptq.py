@@ -27,6 +27,7 @@ from lorastar.quant.utils import (
     fused_lookup,
     is_skipped,
     matmul_dequant_chunked,
+    regex_names,
     served_names,
 )
 
@@ -137,12 +138,14 @@ class GPTQConfig(QuantConfig):
 
     def _dynamic_for(self, name: str) -> dict[str, Any] | bool | None:
         """gptqmodel's ``dynamic_get``: the first pattern that ``re.match``-es the module name; a
-        ``-:`` pattern leaves it unquantized (False), others give its settings (None: no match)."""
+        ``-:`` pattern leaves it unquantized (False), others give its settings (None: no match).
+        Served or checkpoint names of the module (``regex_names``: vLLM's keep the prefix)."""
+        names = regex_names(name, self.key_map)
         for pattern, overrides in self.dynamic.items():
             if pattern.startswith("-:"):
-                if re.match(pattern[2:], name):
+                if any(re.match(pattern[2:], n) for n in names):
                     return False
-            elif re.match(pattern.removeprefix("+:"), name):
+            elif any(re.match(pattern.removeprefix("+:"), n) for n in names):
                 return overrides
         return None
 
@@ -175,7 +178,9 @@ class GPTQConfig(QuantConfig):
 
     def get_linear_method(self, prefix: str) -> QuantMethod:
         skip = served_names(self.skip, self.key_map)
-        if is_skipped(prefix, skip, self.packed_modules_mapping) or self._outside_in_block(prefix):
+        if is_skipped(prefix, skip, self.packed_modules_mapping, self.key_map) or self._outside_in_block(
+            prefix
+        ):
             return UnquantizedLinearMethod()
         if self.dynamic and (method := self._dynamic_method(prefix)) is not None:
             return method

@@ -27,9 +27,23 @@ def unfused_prefixes(prefix: str, packed: Mapping[str, Sequence[str]]) -> list[s
     return [f"{head}.{p}" if head else p for p in parts]
 
 
-def _matches(name: str, pattern: str) -> bool:
+def regex_names(name: str, key_map: KeyMap) -> tuple[str, ...]:
+    """What a config's regex is matched against for the served layer ``name``: the name, then the
+    checkpoint's names of it (``KeyMap.sources``: ``language_model.model.layers.0.mlp``), which vLLM
+    keeps in its module names."""
+    if not key_map.renames:
+        return (name,)
+    return tuple(n[:-1] for n in key_map.sources(name + "."))
+
+
+def regex_match(pattern: str, name: str, key_map: KeyMap) -> bool:
+    """``re.match`` of ``pattern`` on the served layer ``name`` or on a checkpoint name of it."""
+    return any(re.match(pattern, n) for n in regex_names(name, key_map))
+
+
+def _matches(name: str, pattern: str, key_map: KeyMap) -> bool:
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
+        return regex_match(pattern[3:], name, key_map)
     # Plain names match a whole dotted component run (vLLM/transformers convention).
     return name == pattern or name.endswith("." + pattern) or ("." + pattern + ".") in ("." + name + ".")
 
@@ -50,14 +64,17 @@ def fused_lookup(
     return found[0]
 
 
-def is_skipped(prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]]) -> bool:
+def is_skipped(
+    prefix: str, skip: list[str], packed: Mapping[str, Sequence[str]], key_map: KeyMap = KeyMap()
+) -> bool:
     """Whether the layer at ``prefix`` is left unquantized by the checkpoint's ignore list: all of a
-    fused layer's parts or none (``fused_lookup``)."""
+    fused layer's parts or none (``fused_lookup``). ``re:`` entries also match the checkpoint's names
+    of the layer (``regex_names``)."""
     if not skip:
         return False
 
     def listed(name: str) -> bool | None:
-        return True if any(_matches(name, s) for s in skip) else None
+        return True if any(_matches(name, s, key_map) for s in skip) else None
 
     return fused_lookup(prefix, packed, listed, "the checkpoint quantizes only some of {parts}") is True
 
@@ -77,15 +94,19 @@ def served_names(entries: Sequence[str], key_map: KeyMap) -> list[str]:
     return [served_name(e, key_map) for e in entries]
 
 
-def target_lookup(name: str, by_target: Mapping[str, T], by_class: bool = True) -> T | None:
+def target_lookup(
+    name: str, by_target: Mapping[str, T], by_class: bool = True, key_map: KeyMap = KeyMap()
+) -> T | None:
     """compressed-tensors' (and vLLM's) target precedence, whatever the group order: a layer-name
-    target (served names), then a ``re:`` one, then the class ``Linear`` (unless not ``by_class``).
-    ``by_target``: target -> value, a target repeated in a later group being that group's."""
+    target (served names), then a ``re:`` one (served or checkpoint names: ``regex_names``), then
+    the class ``Linear`` (unless not ``by_class``). ``by_target``: target -> value, a target
+    repeated in a later group being that group's."""
     for t in by_target:
         if not t.startswith("re:") and t != "Linear" and (name == t or name.endswith("." + t)):
             return by_target[t]
+    names = regex_names(name, key_map)
     for t in by_target:
-        if t.startswith("re:") and re.match(t[3:], name):
+        if t.startswith("re:") and any(re.match(t[3:], n) for n in names):
             return by_target[t]
     return by_target.get("Linear") if by_class else None
 
