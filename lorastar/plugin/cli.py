@@ -329,7 +329,7 @@ _ENGINE_OPTIONS = [
     click.option(
         "--disable-log-stats",
         is_flag=True,
-        help="serve: no stats line (tokens/s, queue, KV cache) every 10 s.",
+        help="serve, engine: no stats line (tokens/s, queue, KV cache) every 10 s.",
     ),
     click.option("--tensor-parallel-size", "-tp", type=int, default=1, hidden=True, help="1 only."),
     click.option("--pipeline-parallel-size", "-pp", type=int, default=1, hidden=True, help="1 only."),
@@ -719,6 +719,7 @@ def engine(
     model: str | None, model_opt: str | None, address: str, max_waiting: int, **engine_kw: Any
 ) -> None:
     from lorastar.engine.core_proc import run_engine_core
+    from lorastar.plugin.stats_log import start_stats_thread
 
     if model is not None and model_opt is not None and model != model_opt:
         raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
@@ -737,14 +738,27 @@ def engine(
         _log_to_stderr("info")
         click.echo(f"lorastar: engine core at {address}; loading the model", err=True)
         previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        stop_stats: list[Any] = []  # the stats thread's stop, once the core is ready
+
+        def ready(core: Any) -> None:
+            _log_engine_ready(core, address)
+            if not engine_kw.get("disable_log_stats"):  # serve's stats line, of the core's engine
+                stop_stats.append(
+                    start_stats_thread(
+                        10.0, lambda: None if getattr(core, "restarting", False) else core.engine.stats()
+                    )
+                )
+
         try:
-            run_engine_core(config, address, on_ready=lambda core: _log_engine_ready(core, address))
+            run_engine_core(config, address, on_ready=ready)
         except KeyboardInterrupt:
             pass
         except ValueError as exc:  # the options against the model (--max-model-len, -q, ...)
             raise UsageProblem(f"cannot start: {exc}") from None
         finally:
             signal.signal(signal.SIGTERM, previous)
+            for stop in stop_stats:
+                stop()
     finally:
         if lock is not None:
             lock.release()

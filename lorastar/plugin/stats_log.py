@@ -1,7 +1,7 @@
 """The periodic stats line of a serving process, as vLLM's ``LoggingStatLogger`` writes it.
 
 ``lorastar serve`` logs one every ``LoraStarConfig.log_stats_interval`` seconds (10, as vLLM;
-``--disable-log-stats``: none)::
+``--disable-log-stats``: none), ``lorastar engine`` one of its core's stats (``start_stats_thread``)::
 
     Avg prompt throughput: 512.0 tokens/s, Avg generation throughput: 96.3 tokens/s,
     Running: 16 reqs, Waiting: 2 reqs, KV cache usage: 41.2%, Prefix cache hit rate: 37.5%,
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("lorastar")
@@ -76,3 +78,33 @@ async def log_stats_every(interval: float, engine: Any) -> None:
             elif (out := line.update(stats, time.monotonic())) is not None:
                 logger.log(*out)
         await asyncio.sleep(interval)
+
+
+def start_stats_thread(interval: float, stats: Callable[[], Any]) -> Callable[[], None]:
+    """``log_stats_every`` on a daemon thread, of ``stats()`` (``None``: restarting), for a process
+    whose main thread steps an engine core (``lorastar engine``); returns what stops and joins it."""
+    stop = threading.Event()
+
+    def run() -> None:
+        line = StatsLine()
+        while True:
+            try:
+                snapshot = stats()
+            except Exception:  # noqa: BLE001 - a stats failure must not end the logging
+                logger.debug("lorastar: stats for the log line failed", exc_info=True)
+            else:
+                if snapshot is None:
+                    line = StatsLine()
+                elif (out := line.update(snapshot, time.monotonic())) is not None:
+                    logger.log(*out)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=run, name="lorastar-stats-log", daemon=True)
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(timeout=5.0)  # (stats() waits for the engine lock, held through a step)
+
+    return close

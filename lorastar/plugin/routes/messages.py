@@ -29,7 +29,8 @@ from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, RequestOutput
-from lorastar.plugin.errors import APIError, handler_map, make_exception_handler
+from lorastar.errors import EngineOverloadedError
+from lorastar.plugin.errors import APIError, handler_map, make_exception_handler, to_api_error
 from lorastar.plugin.messages_schemas import (
     AnthropicErrorInfo,
     AnthropicErrorResponse,
@@ -60,6 +61,7 @@ _ERROR_TYPES = {
     413: "request_too_large",
     429: "rate_limit_error",
     503: "overloaded_error",
+    529: "overloaded_error",  # Anthropic's status for overload (its SDKs' OverloadedError)
 }
 # The chat fields an error may name, as this route's client sent them.
 _RENAMED = (
@@ -420,7 +422,17 @@ class _Blocks:
 
 def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list[Any]:
     """``POST /messages`` and ``POST /messages/count_tokens``, answering errors in Anthropic's shape."""
-    handler = make_exception_handler(service.config.retry_after_seconds, anthropic_response)
+    retry_after = service.config.retry_after_seconds
+    handle = make_exception_handler(retry_after, anthropic_response)
+
+    def handler(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+        # a full queue is Anthropic's 529 (the OpenAI routes' 503, Retry-After kept); a restart,
+        # shutdown or dead engine stays 503 (unavailable, not overloaded)
+        if isinstance(exc, EngineOverloadedError):
+            error = to_api_error(exc, retry_after=retry_after)
+            return anthropic_response(APIError(error.message, 529, headers=error.headers))
+        return handle(request, exc)  # type: ignore[no-any-return]
+
     errors = {
         s: ResponseSpec(data_container=AnthropicErrorResponse, description=_ERROR_TYPES[s])
         for s in (400, *((401,) if guards else ()), 404, 413, 503)
@@ -438,6 +450,7 @@ def build_messages_handlers(service: LoraStarService, guards: list[Any]) -> list
             ),
             STREAM_CHUNK: ResponseSpec(MessagesStreamEvent, description="stream event"),
             **errors,
+            529: ResponseSpec(data_container=AnthropicErrorResponse, description=_ERROR_TYPES[529]),
         },
         operation_class=TypedEventsOperation,
         exception_handlers=handlers,
