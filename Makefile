@@ -38,6 +38,7 @@ bench: venv
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/kv_memory.py
 	$(BIN)/python benchmarks/lora.py
+	$(BIN)/python benchmarks/spec_decode.py
 
 # Peers for benchmarks/throughput.py --vllm-python .peers/vllm/bin/python --llama-python .peers/llama/bin/python
 # (and benchmarks/lora.py --vllm-python, benchmarks/bench_serve.py --vllm-python). vLLM's CPU build in its own venv: it pins its own torch; its

@@ -16,6 +16,80 @@ _QUANT = (None, "awq", "gptq", "fp8", "int8", "compressed-tensors")
 _EMBED_QUANT = (None, "int8")
 _CPU_GEMM = ("auto", "torch", "onednn")
 _CPU_KERNELS = ("auto", "torch", "native")
+_SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``--speculative-config``): each step a sequence also runs the
+    tokens a proposer drafts, and keeps those the model would have produced itself, plus one more.
+    Outputs are the same as without it: greedy token for token (near ties excepted: a draft is
+    verified in a multi-token pass), sampled ones in distribution."""
+
+    method: str = "ngram"
+    """``"ngram"`` (prompt lookup): the tokens that followed the latest n-gram's earliest earlier
+    occurrence in the prompt and output (vLLM's rule). No draft model to load."""
+
+    num_speculative_tokens: int = 4
+    """Most tokens drafted per sequence and step."""
+
+    prompt_lookup_max: int = 5
+    """Longest n-gram matched (the longest match wins)."""
+
+    prompt_lookup_min: int = 5
+    """Shortest n-gram matched."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        """vLLM's JSON keys; a missing lookup bound takes the other's value, both missing are 5
+        (vLLM's defaults). ``ValueError`` names a bad key or value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict (vLLM's JSON), got {d!r}")
+        d = dict(d)
+        if d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
+            d.setdefault("method", "ngram")
+            del d["model"]
+        unknown = sorted(
+            set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        )
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unsupported key(s) {', '.join(unknown)} (lorastar drafts with "
+                "method 'ngram': num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)"
+            )
+        method = d.get("method", "ngram")
+        if method == "[ngram]":
+            method = "ngram"
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        return cls(method, d["num_speculative_tokens"], hi, lo)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config: method must be one of {_SPEC_METHODS} (draft models, EAGLE and "
+                f"MTP are not supported), got {self.method!r}"
+            )
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
+        if self.num_speculative_tokens > 64:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
 
 
 @dataclass
@@ -133,6 +207,13 @@ class EngineConfig:
     tokens/s of one-at-a-time steps for 1 / 16 / 64 requests, 1.26x / 1.20x / 1.32x with 16
     adapters (README, GPU)."""
 
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    """Speculative decoding, as vLLM's JSON (``{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4}``; see ``SpeculativeConfig``), read into a ``SpeculativeConfig``.
+    ``None``: off. Requests whose sampling reads their own output (penalties, ``min_tokens`` not yet
+    reached, bad words, grammars and choices, a thinking budget) and beam searches draft nothing;
+    steps run one at a time (no ``async_scheduling``)."""
+
     seed: int = 0
     """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""
 
@@ -205,6 +286,8 @@ class EngineConfig:
             and not isinstance(self.max_loras, bool)
         ):
             self.max_cpu_loras = max(64, self.max_loras)  # (max_loras=100 alone used to be refused)
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if isinstance(self.chat_template, (str, os.PathLike)) and "{" not in str(self.chat_template):
             # vLLM's --chat-template: a file, else the template itself (a path was used as the text)
             path = Path(self.chat_template).expanduser()
@@ -284,6 +367,10 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}"
+            )
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(
+                f"speculative_config must be a dict or a SpeculativeConfig, got {self.speculative_config!r}"
             )
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")

@@ -267,6 +267,19 @@ class BlockManager:
         seq.num_cached_blocks = 0
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence) -> int:
+        """Give back ``seq``'s trailing blocks past its tokens (taken for drafts that were rejected:
+        unshared, never hashed); returns how many."""
+        keep = -(-seq.num_tokens // self.block_size)
+        table = seq.block_table
+        n = len(table) - keep
+        if n <= 0:
+            return 0
+        for _ in range(n):
+            self._unref(table.pop())
+        seq.block_table_synced = min(seq.block_table_synced, keep - 1)  # the runner's row shrinks too
+        return n
+
     def _unref(self, b: int) -> None:
         rc = self.ref_counts[b] - 1
         self.ref_counts[b] = rc

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
@@ -25,7 +26,7 @@ from lorastar.engine.generation_config import generation_defaults
 from lorastar.engine.host_memory import keep_freed_memory
 from lorastar.engine.input_processor import InputProcessor, PromptInputs, TokenizerLoader
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
-from lorastar.engine.metrics import EngineStats, TokenHistogram
+from lorastar.engine.metrics import EngineStats, SpecDecodeStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import EngineCoreOutput, RawLogprobs, RequestMetrics, RequestOutput, SampleDelta
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
@@ -44,6 +45,7 @@ from lorastar.engine.sampler import (
 )
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_words_token_ids
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
+from lorastar.engine.spec_decode import accepted, propose_ngram
 from lorastar.engine.structured import GrammarCompiler, GrammarRow
 from lorastar.engine.thinking_budget import ThinkingBudget
 from lorastar.engine.threads import run_in_fresh_thread
@@ -75,6 +77,26 @@ class _InFlight:
     out: SchedulerOutput
     targets: list[tuple[Sequence, int]]
     sample: PendingSample
+
+
+def _can_draft(seq: Sequence) -> bool:
+    """Whether ``seq`` may run drafts (speculative decoding): its sampling must not read its own
+    output (the drafts sit in it while they are verified), and it must have sampled before (an
+    n > 1 request forks at its first token)."""
+    row = seq.sampling_row
+    if row is None or seq.num_placeholders or seq.request.beam is not None:
+        return False
+    p = row.params
+    return (
+        p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+        and seq.num_output_tokens >= p.min_tokens
+        and row.bad_words is None
+        and row.choices is None
+        and row.grammar is None
+        and row.thinking is None
+    )
 
 
 def _needs_sync(req: Request) -> bool:
@@ -221,6 +243,12 @@ class LLMEngine(PromptInputs):
             logger.info(
                 "async_scheduling on %s: a step runs in the calling thread, nothing overlaps", self.device
             )
+        self.speculative = config.speculative_config
+        if self.speculative is not None and self.async_scheduling:
+            if config.async_scheduling:
+                raise ValueError("speculative_config and async_scheduling cannot be combined yet")
+            self.async_scheduling = False  # the default on CUDA: drafts are verified on the host
+        self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens if self.speculative else 0)
         if self.device.type == "cpu" and config.tune_malloc:
             keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
@@ -733,7 +761,13 @@ class LLMEngine(PromptInputs):
             return self._step_sync()
 
     def _step_sync(self) -> list[EngineCoreOutput]:  # under self.lock (step_core)
+        drafted = self._propose_drafts() if self.speculative is not None else None
         out = self.scheduler.schedule()
+        if drafted:  # a drafted sequence the step does not run forgets its drafts
+            run = {x.seq.seq_id for x in out.scheduled if x.num_drafts}
+            for seq in drafted:
+                if seq.num_draft_tokens and seq.seq_id not in run:
+                    self.scheduler.drop_drafts(seq)
         self.runner.batch.remove(out.finished_seq_ids)  # their rows, before any new one
         if out.is_empty:
             return []
@@ -747,12 +781,86 @@ class LLMEngine(PromptInputs):
         prompt_logprobs = self._num_prompt_logprobs > 0
         if prompt_logprobs:
             self._seed_prompt_logprobs(out)
-        result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
-        self.iteration_tokens.observe(tokens)
-        self.scheduler.update(out)
-        if prompt_logprobs:
-            self._store_prompt_logprobs(out, result)
-        return self._process(out, result.logits)
+        try:
+            result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
+            self.iteration_tokens.observe(tokens)
+            self.scheduler.update(out)
+            if prompt_logprobs:
+                self._store_prompt_logprobs(out, result)
+            return self._process(out, result.logits)
+        except BaseException:  # a failed step's requests end with what they had: no draft goes out
+            for seq in drafted or ():
+                self.scheduler.drop_drafts(seq)
+            raise
+
+    # ---- speculative decoding (engine/spec_decode.py) -----------------------------------------
+    def _propose_drafts(self) -> list[Sequence]:
+        """Append drafted tokens to each running sequence that is about to decode and may draft;
+        returns them."""
+        spec = self.speculative
+        assert spec is not None
+        drafted: list[Sequence] = []
+        for seq in self.scheduler.running:
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not _can_draft(seq):
+                continue
+            p = seq.request.params
+            k = min(
+                spec.num_speculative_tokens,
+                p.max_tokens - seq.num_output_tokens - 1,  # the last token a step adds is not a draft
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            if k <= 0:
+                continue
+            toks = propose_ngram(
+                np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens),
+                spec.prompt_lookup_min, spec.prompt_lookup_max, k,
+            )  # fmt: skip
+            if toks:
+                seq.token_ids.extend(toks)
+                seq.num_draft_tokens = len(toks)
+                drafted.append(seq)
+        return drafted
+
+    def _verify(
+        self, seq: Sequence, d: int, rows: list[tuple[list[int], list[RowLogprobs | None] | None]]
+    ) -> tuple[list[int], list[RowLogprobs | None] | None]:
+        """The tokens ``seq``'s ``1 + d`` rows give (see engine/spec_decode.py): its drafts leave
+        ``token_ids`` and the confirmed ones come back through ``_append``."""
+        drafts = seq.token_ids[len(seq.token_ids) - d :]
+        sampled = [r[0][0] for r in rows]
+        j = accepted(drafts, sampled)
+        self.spec_stats.observe(d, j)
+        self.scheduler.drop_drafts(seq)
+        lps = None if rows[0][1] is None else [r[1][0] for r in rows[: j + 1]]  # type: ignore[index]
+        return sampled[: j + 1], lps
+
+    def _append_verified(
+        self,
+        targets: list[Sequence],
+        new_tokens: list[tuple[list[int], list[RowLogprobs | None] | None]],
+        drafted: dict[int, int],
+        now: float,
+        touched: dict[str, Request],
+    ) -> None:
+        """``_process``'s appends when some rows verify drafts: each drafted sequence keeps its
+        confirmed drafts' KV (computed this step) and gives back the blocks of the rejected ones."""
+        bm = self.block_manager
+        i = 0
+        while i < len(targets):
+            seq = targets[i]
+            d = drafted.get(i, 0)
+            toks, lps = self._verify(seq, d, new_tokens[i : i + d + 1]) if d else new_tokens[i]
+            i += d + 1
+            for k, tok in enumerate(toks):  # up to the first that finishes the sequence
+                self._append(seq, tok, lps[k] if lps is not None else None, now)
+                if seq.is_finished:
+                    break
+            touched[seq.request.request_id] = seq.request
+            if d and not seq.is_finished:
+                seq.num_computed_tokens += len(toks) - 1  # the confirmed drafts
+                bm.commit(seq)
+                bm.release_outside_window(seq)
+                bm.trim(seq)
 
     # ---- async scheduling ---------------------------------------------------------------------
     # Step N+1 is scheduled and launched before step N's sampled ids are read back: each sequence
@@ -944,12 +1052,21 @@ class LLMEngine(PromptInputs):
         forks: list[tuple[int, int, torch.Generator | None]] = []  # (row, sample index k > 0, generator)
         logit_rows: list[int] = []
         beam_rows: list[tuple[Sequence, int]] = []
+        drafted: dict[int, int] = {}  # first row of a drafted sequence -> its drafts
         r = 0
         for s in out.scheduled:
             if not s.samples:
                 continue
             seq = s.seq
             row = seq.sampling_row
+            if row is not None and s.num_drafts:  # a row per draft and one after them, in order
+                d = s.num_drafts
+                drafted[len(rows)] = d
+                rows += [row] * (d + 1)
+                seqs += [seq] * (d + 1)
+                logit_rows += range(r, r + d + 1)
+                r += d + 1
+                continue
             if row is not None:  # sampled before: no beam, no fan-out (an n > 1 request forked then)
                 rows.append(row)
                 seqs.append(seq)
@@ -1005,7 +1122,9 @@ class LLMEngine(PromptInputs):
                     self._release_sync(seq.request)
                     targets[j] = child
             append = self._append
-            for seq, (toks, lps) in zip(targets, new_tokens):
+            if drafted:
+                self._append_verified(targets, new_tokens, drafted, now, touched)
+            for seq, (toks, lps) in () if drafted else zip(targets, new_tokens):
                 if len(toks) == 1:  # the usual step: one token (no loop: per row, 256 of them a step)
                     append(seq, toks[0], None if lps is None else lps[0], now)
                 else:
@@ -1336,6 +1455,7 @@ class LLMEngine(PromptInputs):
                 cache_dtype=self.config.kv_cache_dtype,
                 enable_prefix_caching=bm.enable_prefix_caching,
                 iteration_tokens=self.iteration_tokens.snapshot(),
+                spec_decode=self.spec_stats.snapshot() if self.speculative is not None else None,
             )
 
     def check_invariants(self) -> None:
@@ -1359,6 +1479,12 @@ class LLMEngine(PromptInputs):
             if adapted != self._num_adapter_requests:
                 raise AssertionError(f"{self._num_adapter_requests} adapter requests counted, {adapted} live")
             self.block_manager.check_invariants(self.scheduler.all_sequences())
+            bs = self.block_manager.block_size
+            for seq in self.scheduler.all_sequences():
+                if seq.num_draft_tokens:
+                    raise AssertionError(f"seq {seq.seq_id} holds drafts between steps")
+                if len(seq.block_table) > -(-seq.num_tokens // bs):
+                    raise AssertionError(f"seq {seq.seq_id} holds blocks past its tokens")
             self.registry.check_invariants()
             if "runner" in self.__dict__:
                 self.runner.batch.check(self.scheduler.all_sequences())

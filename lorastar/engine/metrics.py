@@ -29,6 +29,8 @@ class EngineStats:
     enable_prefix_caching: bool = False
     # Tokens per engine step (vLLM's iteration_tokens_total): cumulative bucket counts and sum.
     iteration_tokens: TokenHistogram | None = None
+    # Speculative decoding's counters; None: off.
+    spec_decode: SpecDecodeStats | None = None
 
 
 # vLLM's buckets for tokens per step.
@@ -50,3 +52,31 @@ class TokenHistogram:
 
     def snapshot(self) -> TokenHistogram:
         return TokenHistogram(self.buckets, list(self.counts), self.total)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's cumulative counters (vLLM's ``spec_decode_*`` metrics)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0  # sequence-steps that ran drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [num_speculative_tokens]
+
+    def __post_init__(self) -> None:
+        if not self.accepted_per_pos:
+            self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(
+            self.num_speculative_tokens, self.num_drafts, self.num_draft_tokens,
+            self.num_accepted_tokens, list(self.accepted_per_pos),
+        )  # fmt: skip

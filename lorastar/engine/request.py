@@ -83,6 +83,10 @@ class Sequence:
     num_placeholders: int = 0
     placeholder_row: int = -1
     ends_pending: bool = False
+    # Speculative decoding (engine.py): trailing ``token_ids`` entries that are drafted, not yet
+    # verified. Only between the engine's proposal and its verification in the same step; a draft
+    # is never hashed, computed into ``num_computed_tokens`` or sent out.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ class KVCacheSpec:
 @dataclass
 class ModelRunnerOutput:
     """One step's results: fp32 ``logits [num_sampling, vocab]`` (one row per scheduled sequence
-    that samples this step, in schedule order) and, for sequences that asked for prompt logprobs,
+    that samples this step, in schedule order; ``1 + num_drafts`` rows for a drafted one) and, for sequences that asked for prompt logprobs,
     ``{seq_id: (first position, one entry per scored prompt position)}``."""
 
     logits: torch.Tensor
@@ -193,6 +193,13 @@ class ModelRunner:
         input_ids, positions, ctx, last_row = self.prepare(out, adapter_slot, patch)
         hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
         sampling = [last_row[i] for i, s in enumerate(out.scheduled) if s.samples]
+        if any(s.num_drafts for s in out.scheduled):  # a drafted sequence: a row per draft, then its last
+            sampling = [
+                r
+                for i, s in enumerate(out.scheduled)
+                if s.samples
+                for r in range(last_row[i] - s.num_drafts, last_row[i] + 1)
+            ]
         if len(sampling) == hidden.shape[0] and sampling == list(range(len(sampling))):
             sample_hidden = hidden  # a decode step in schedule order: every row, as it is
         else:

@@ -36,6 +36,9 @@ class ScheduledSeq:
     # Whether this step produces a token for the sequence (its last chunk). Fixed when scheduled:
     # it stays true after the sampled token is appended.
     samples: bool
+    # Drafted tokens among the new ones (the last ``num_drafts``; speculative decoding): the step
+    # produces a token for each of them too, and keeps those the drafts predicted right.
+    num_drafts: int
 
     def __init__(self, seq: Sequence, start: int, num_new_tokens: int) -> None:
         # (written out: one of these per scheduled sequence a step, and a generated __init__
@@ -44,6 +47,7 @@ class ScheduledSeq:
         self.start = start
         self.num_new_tokens = num_new_tokens
         self.samples = start + num_new_tokens == len(seq.token_ids)
+        self.num_drafts = 0
 
 
 @dataclass
@@ -172,7 +176,16 @@ class Scheduler:
         return self._blocked_steps.get(seq.seq_id, 0) >= self.starvation_steps
 
     # ---- scheduling -----------------------------------------------------------------------
+    @staticmethod
+    def drop_drafts(seq: Sequence, keep: int = 0) -> None:
+        """Forget ``seq``'s drafted tokens past its first ``keep``."""
+        drop = seq.num_draft_tokens - keep
+        if drop > 0:
+            del seq.token_ids[len(seq.token_ids) - drop :]
+            seq.num_draft_tokens = keep
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.drop_drafts(seq)
         self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SeqStatus.WAITING
@@ -195,7 +208,7 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for s in self.running:
-            left = len(s.token_ids) - s.num_computed_tokens
+            left = len(s.token_ids) - s.num_computed_tokens - s.num_draft_tokens
             if s.ends_pending:  # its last token is in flight and ends it (async scheduling)
                 continue
             if left == 1:
@@ -215,12 +228,22 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new == 0:  # a beam waiting for its siblings' proposals: nothing to compute
                 continue
+            drafts = seq.num_draft_tokens
+            if drafts and num_new <= drafts:  # the budget cuts into the drafts: run the ones that fit
+                self.drop_drafts(seq, num_new - 1)
+                drafts = num_new - 1
             nc, table = seq.num_computed_tokens, seq.block_table
             if nc + num_new <= len(table) * bs and refs[table[nc // bs]] == 1:
                 copies = []  # most decode steps: allocate's own first check, inline (256 calls a step)
             else:
                 copies = allocate(seq, num_new)
             while copies is None:
+                if drafts:  # out of blocks: run without the drafts before preempting anyone
+                    self.drop_drafts(seq)
+                    num_new -= drafts
+                    drafts = 0
+                    copies = allocate(seq, num_new)
+                    continue
                 # Out of blocks: preempt the newest running sequence not yet scheduled (possibly
                 # ``seq`` itself, which is then the newest such).
                 scheduled_ids = {x.seq.seq_id for x in out.scheduled}  # (rare: built when needed)
@@ -233,7 +256,10 @@ class Scheduler:
                 continue
             if copies:
                 out.copies.extend(copies)
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            sch = ScheduledSeq(seq, seq.num_computed_tokens, num_new)
+            if drafts:
+                sch.num_drafts = drafts
+            scheduled.append(sch)
             budget -= num_new
 
         # 2) Waiting sequences, FIFO. Blocks that don't fit stop admission (FIFO fairness);
@@ -350,7 +376,8 @@ class Scheduler:
         for s in out.scheduled:
             if s.seq.status is not SeqStatus.RUNNING:
                 continue
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            # Drafts count once verified (engine.py): a rejected one's KV is garbage to overwrite.
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens - s.num_drafts
             if commit:
                 self.bm.commit(s.seq)  # before the window releases any of its blocks
                 self.bm.release_outside_window(s.seq)

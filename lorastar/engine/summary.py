@@ -61,6 +61,11 @@ def engine_summary(core: Any) -> list[str]:
         f"LoRA: max_loras={cfg.max_loras} on the device, max_cpu_loras={cfg.max_cpu_loras}, "
         f"max_lora_rank={cfg.max_lora_rank}"
     )
+    if (spec := getattr(core, "speculative", None)) is not None:
+        lines.append(
+            f"Speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} drafted tokens per step "
+            f"(n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens); async scheduling off"
+        )
     if defaults := getattr(core, "default_sampling", None):  # vLLM warns of these too
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
         lines.append(

@@ -315,6 +315,12 @@ _ENGINE_OPTIONS = [
         "[default: on for CUDA, off elsewhere].",
     ),
     click.option(
+        "--speculative-config",
+        default=None,
+        help='Speculative decoding, as vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4}\' (prompt-lookup drafts; greedy outputs unchanged).',
+    ),
+    click.option(
         "--tune-malloc/--no-tune-malloc",
         default=True,
         show_default=True,
@@ -385,6 +391,18 @@ def engine_config(
                 "replicas (several `lorastar serve`, or Ray Serve: lorastar.ray.build_app)"
             )
 
+    spec = kw.pop("speculative_config", None)
+    if spec is not None:
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            spec = None
+        if not isinstance(spec, dict):
+            raise UsageProblem(
+                '--speculative-config takes a JSON object, e.g. \'{"method": "ngram", '
+                '"num_speculative_tokens": 4}\''
+            )
+        kw["speculative_config"] = spec
     if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
         from lorastar.hub import is_hub_id, resolve_folder
 

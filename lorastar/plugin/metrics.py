@@ -209,6 +209,23 @@ class _EngineCollector:
                 cumulative.append((bound, float(running_count)))
             h.add_metric([name], cumulative, float(hist.total))
             yield h
+        spec = _get(stats, "spec_decode", None)
+        if spec is not None:  # vLLM's speculative decoding counters
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts)
+            yield counter(
+                "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens
+            )
+            yield counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.num_accepted_tokens
+            )
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=[*labels, "position"],
+            )
+            for pos, n in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([name, str(pos)], float(n))
+            yield per_pos
         yield counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", _get(stats, "prompt_tokens_total")
         )

@@ -57,6 +57,19 @@ class StatsLine:
         if loaded := len(getattr(stats, "adapter_tiers", None) or ()):
             running = sum(1 for c in stats.adapters.values() if c.get("running"))
             parts.append(f"Adapters: {running} running / {loaded} loaded")
+        spec, was = getattr(stats, "spec_decode", None), getattr(old, "spec_decode", None)
+        if spec is not None and was is not None and (drafts := spec.num_drafts - was.num_drafts) > 0:
+            # vLLM's "SpecDecoding metrics" of the interval (it logs them on a line of their own)
+            drafted = spec.num_draft_tokens - was.num_draft_tokens
+            kept = spec.num_accepted_tokens - was.num_accepted_tokens
+            per_pos = ", ".join(
+                f"{(a - b) / drafts:.3f}" for a, b in zip(spec.accepted_per_pos, was.accepted_per_pos)
+            )
+            parts.append(
+                f"SpecDecoding: Mean acceptance length: {1 + kept / drafts:.2f}, Accepted: {kept} tokens, "
+                f"Drafted: {drafted} tokens, Per-position acceptance rate: {per_pos}, "
+                f"Avg Draft acceptance rate: {100.0 * kept / max(drafted, 1):.1f}%"
+            )
         busy = bool(prompt or generation)
         level = logging.INFO if busy or self._was_busy else logging.DEBUG
         self._was_busy = busy

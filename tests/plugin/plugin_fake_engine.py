@@ -55,6 +55,7 @@ class FakeStats:
     generation_tokens_total: int = 0
     adapters: dict[str, dict[str, int]] = field(default_factory=dict)
     adapter_tiers: dict[str, str] = field(default_factory=dict)
+    spec_decode: Any = None  # SpecDecodeStats with speculative decoding
 
 
 class FakeAsyncLLM:
