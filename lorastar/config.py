@@ -39,6 +39,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5
     """Shortest n-gram matched."""
 
+    disable_by_batch_size: int | None = None
+    """No drafts in a step that runs at least this many sequences (vLLM's v0 option): a batch large
+    enough to make a step compute-bound gains nothing from them (on 2 CPU cores, 8 sequences;
+    ``benchmarks/spec_decode.py``). ``None``: always draft."""
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         """vLLM's JSON keys; a missing lookup bound takes the other's value, both missing are 5
@@ -49,9 +54,14 @@ class SpeculativeConfig:
         if d.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of the method
             d.setdefault("method", "ngram")
             del d["model"]
-        unknown = sorted(
-            set(d) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        )
+        known = {
+            "method",
+            "num_speculative_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+            "disable_by_batch_size",
+        }
+        unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(
                 f"speculative_config: unsupported key(s) {', '.join(unknown)} (lorastar drafts with "
@@ -69,7 +79,7 @@ class SpeculativeConfig:
             lo = hi
         elif hi is None:
             hi = lo
-        return cls(method, d["num_speculative_tokens"], hi, lo)  # type: ignore[arg-type]
+        return cls(method, d["num_speculative_tokens"], hi, lo, d.get("disable_by_batch_size"))  # type: ignore[arg-type]
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -81,6 +91,11 @@ class SpeculativeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer, got {v!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(
+                f"speculative_config: disable_by_batch_size must be a positive integer, got {b!r}"
+            )
         if self.num_speculative_tokens > 64:
             raise ValueError(
                 f"speculative_config: num_speculative_tokens must be at most 64, got {self.num_speculative_tokens}"

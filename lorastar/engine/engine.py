@@ -79,6 +79,24 @@ class _InFlight:
     sample: PendingSample
 
 
+def _token_array(seq: Sequence) -> np.ndarray:
+    """``seq.token_ids`` as a ``[num_tokens]`` int64 view of its drafter buffer, topped up with the
+    tokens appended since the last call (a drafting sequence's tokens only grow: no beams, no
+    placeholders). Converting the whole list each step cost 19 ms a step at 256 sequences of 4,000
+    tokens; the search itself a fraction of that."""
+    n = seq.num_tokens
+    buf, have = seq.token_buf, seq.token_buf_len
+    if buf is None or buf.shape[0] < n:
+        grown = np.empty(max(2 * n, 64), dtype=np.int64)
+        if buf is not None:
+            grown[:have] = buf[:have]
+        buf = seq.token_buf = grown
+    if n > have:
+        buf[have:n] = seq.token_ids[have:n]
+    seq.token_buf_len = n
+    return buf[:n]
+
+
 def _can_draft(seq: Sequence) -> bool:
     """Whether ``seq`` may run drafts (speculative decoding): its sampling must not read its own
     output (the drafts sit in it while they are verified), and it must have sampled before (an
@@ -800,7 +818,10 @@ class LLMEngine(PromptInputs):
         spec = self.speculative
         assert spec is not None
         drafted: list[Sequence] = []
-        for seq in self.scheduler.running:
+        running = self.scheduler.running
+        if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
+            return drafted
+        for seq in running:
             if seq.num_tokens - seq.num_computed_tokens != 1 or not _can_draft(seq):
                 continue
             p = seq.request.params
@@ -811,10 +832,7 @@ class LLMEngine(PromptInputs):
             )
             if k <= 0:
                 continue
-            toks = propose_ngram(
-                np.fromiter(seq.token_ids, dtype=np.int64, count=seq.num_tokens),
-                spec.prompt_lookup_min, spec.prompt_lookup_max, k,
-            )  # fmt: skip
+            toks = propose_ngram(_token_array(seq), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
             if toks:
                 seq.token_ids.extend(toks)
                 seq.num_draft_tokens = len(toks)

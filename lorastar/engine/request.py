@@ -87,6 +87,10 @@ class Sequence:
     # verified. Only between the engine's proposal and its verification in the same step; a draft
     # is never hashed, computed into ``num_computed_tokens`` or sent out.
     num_draft_tokens: int = 0
+    # The drafter's copy of ``token_ids`` (a numpy buffer grown by appends; its first
+    # ``token_buf_len`` entries are current): a step copies only the new tokens, not the sequence.
+    token_buf: Any = None
+    token_buf_len: int = 0
 
     @property
     def num_tokens(self) -> int:

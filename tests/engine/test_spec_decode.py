@@ -460,3 +460,39 @@ def test_scheduler_runs_without_drafts_before_preempting_for_them() -> None:
     assert a.token_ids[-3:] == [9, 5, 6]
     sched.update(out)
     assert a.num_computed_tokens == 5  # the drafts count once verified (the engine's part)
+
+
+def test_token_array_tracks_the_growing_sequence() -> None:
+    from lorastar.engine.engine import _token_array
+    from lorastar.engine.request import Request, Sequence
+
+    req = Request("r", None, [1, 2, 3], SamplingParams(max_tokens=500))
+    seq = Sequence(req, 0, [1, 2, 3], 3)
+    rng = random.Random(1)
+    for _ in range(60):
+        seq.token_ids += [rng.randrange(100) for _ in range(rng.randrange(0, 9))]
+        got = _token_array(seq)
+        assert got.tolist() == seq.token_ids and got.dtype == np.int64
+
+
+def test_disable_by_batch_size(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """vLLM's ``disable_by_batch_size``: no drafts while at least that many sequences run."""
+    path, _, prompts, refs = tiny
+    monkeypatch.setattr(engine_mod, "propose_ngram", _oracle(refs, None))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts[:3]]
+    llm = _llm(path, num_kv_blocks=128, speculative_config={**SPEC, "disable_by_batch_size": 3})
+    outs = llm.generate(batch, params)
+    assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)][:8] for p in prompts[:3]]
+    assert llm.engine.spec_stats.num_drafts == 0  # three ran together throughout
+    llm.generate(batch[:1], params)
+    assert llm.engine.spec_stats.num_drafts > 0  # one alone drafts
+    _drained(llm)
+    assert (
+        EngineConfig(
+            speculative_config={**SPEC, "disable_by_batch_size": 4}
+        ).speculative_config.disable_by_batch_size
+        == 4
+    )  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+        EngineConfig(speculative_config={**SPEC, "disable_by_batch_size": 0})
