@@ -2,7 +2,8 @@
 seeded and unseeded sampling, ``n > 1``, beam search, penalties, logprobs, prompt logprobs, stop
 tokens and strings, ``min_tokens``, ``logit_bias``, guided choices and regexes, aborts, three adapters over two slots, prompts
 that share cached blocks; with and without async scheduling, and on a sliding-window model (blocks
-left behind the window are freed as sequences grow) with an FP8 KV cache.
+left behind the window are freed as sequences grow) with an FP8 KV cache, and drafting ngrams
+(speculative decoding).
 
 What must hold whatever the mix (token values are held to HF elsewhere): no step raises, the
 engine's invariants hold after every step, each request ends once with ``n`` completions within its
@@ -25,13 +26,24 @@ from tests.fuzzing import budget
 
 @pytest.fixture(
     scope="module",
-    params=[("llama-gqa", False, "auto"), ("llama-gqa", True, "auto"), ("mistral-window", True, "fp8")],
-    ids=["sync", "async", "window-fp8-async"],
+    params=[
+        ("llama-gqa", False, "auto", None),
+        ("llama-gqa", True, "auto", None),
+        ("mistral-window", True, "fp8", None),
+        # ngram drafts of 1-2-grams: every repeated token drafts (random outputs repeat often)
+        (
+            "mistral-window",
+            False,
+            "auto",
+            {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        ),
+    ],
+    ids=["sync", "async", "window-fp8-async", "window-spec"],
 )
 def make_engine(tiny_model_dir, tmp_path_factory, request):  # noqa: ANN001, ANN201
     """A fresh engine per example (a failing example then replays the same way), with three
     adapters of different ranks and two device slots."""
-    model, async_scheduling, kv_cache_dtype = request.param
+    model, async_scheduling, kv_cache_dtype, spec = request.param
     path = tiny_model_dir(model)
     root = tmp_path_factory.mktemp("mixed-adapters")
     adapters = {f"a{k}": make_peft_adapter(path, root / f"a{k}", k, r=4 * (k + 1)) for k in range(3)}
@@ -39,7 +51,7 @@ def make_engine(tiny_model_dir, tmp_path_factory, request):  # noqa: ANN001, ANN
     def make():  # noqa: ANN202
         llm = LLM(path, num_kv_blocks=12, block_size=4, max_num_batched_tokens=24, max_num_seqs=6,
                   max_loras=2, max_lora_rank=16, async_scheduling=async_scheduling,
-                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                  kv_cache_dtype=kv_cache_dtype, speculative_config=spec)  # fmt: skip
         for name, folder in adapters.items():
             llm.load_adapter(name, folder)
         return llm.engine
@@ -83,7 +95,7 @@ def params(draw: st.DrawFn) -> SamplingParams:
     )
 
 
-@budget(20)  # x3 engine modes; make fuzz runs LORASTAR_FUZZ times as many
+@budget(20)  # x4 engine modes; make fuzz runs LORASTAR_FUZZ times as many
 @given(
     reqs=st.lists(
         st.tuples(
