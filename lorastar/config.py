@@ -387,6 +387,9 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_config must be a dict or a SpeculativeConfig, got {self.speculative_config!r}"
             )
+        if self.speculative_config is not None and self.async_scheduling is True:
+            # refused here, as vLLM's config does (the CLI's usage error, not a failed engine start)
+            raise ValueError("speculative_config and async_scheduling cannot be combined yet")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         # torch's Generator.manual_seed takes [-2**63, 2**64): anything else failed after the model load
