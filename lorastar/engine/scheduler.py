@@ -184,6 +184,22 @@ class Scheduler:
             del seq.token_ids[len(seq.token_ids) - drop :]
             seq.num_draft_tokens = keep
 
+    def _reclaim_drafts(self, out: SchedulerOutput) -> tuple[int, bool]:
+        """Take back the drafts of sequences scheduled this step, newest first, until one gives a
+        block back: a draft is never worth another sequence's preemption. Returns the tokens taken
+        off the step and whether a block came free."""
+        back = 0
+        for sch in reversed(out.scheduled):
+            if not sch.num_drafts:
+                continue
+            back += sch.num_drafts
+            sch.num_new_tokens -= sch.num_drafts
+            sch.num_drafts = 0
+            self.drop_drafts(sch.seq)
+            if self.bm.trim(sch.seq):
+                return back, True
+        return back, False
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.drop_drafts(seq)
         self.running.remove(seq)
@@ -242,6 +258,11 @@ class Scheduler:
                     self.drop_drafts(seq)
                     num_new -= drafts
                     drafts = 0
+                    copies = allocate(seq, num_new)
+                    continue
+                back, freed = self._reclaim_drafts(out)  # then others' drafts
+                budget += back
+                if freed:
                     copies = allocate(seq, num_new)
                     continue
                 # Out of blocks: preempt the newest running sequence not yet scheduled (possibly

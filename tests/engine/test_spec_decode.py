@@ -496,3 +496,38 @@ def test_disable_by_batch_size(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  
     )  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
         EngineConfig(speculative_config={**SPEC, "disable_by_batch_size": 0})
+
+
+def test_scheduler_takes_back_anothers_drafts_before_preempting() -> None:
+    """A's drafts took the last free block; B's next token needs one: A's drafts go, their block
+    goes to B, and nobody is preempted (a draft is never worth a recompute)."""
+    from lorastar.engine.block_manager import BlockManager
+    from lorastar.engine.request import Request, Sequence
+    from lorastar.engine.scheduler import Scheduler
+
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_loras=1)
+    seqs = []
+    for i, prompt in enumerate(([1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8])):
+        req = Request(f"r{i}", None, list(prompt), SamplingParams(max_tokens=8))
+        seq = Sequence(req, 0, list(prompt), len(prompt))
+        req.sequences.append(seq)
+        sched.add(seq)
+        seqs.append(seq)
+    out = sched.schedule()
+    sched.update(out)
+    for seq in seqs:
+        seq.token_ids.append(9)
+    a, b = seqs
+    assert bm.num_free_blocks == 1
+    a.token_ids += [5, 6, 7, 8]
+    a.num_draft_tokens = 4
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens, s.num_drafts) for s in out.scheduled] == [
+        (a.seq_id, 1, 0),
+        (b.seq_id, 1, 0),
+    ]
+    assert not out.preempted and a.token_ids == [1, 2, 3, 9] and len(a.block_table) == 1
+    assert len(b.block_table) == 3 and bm.num_free_blocks == 0
+    sched.update(out)
+    bm.check_invariants(sched.all_sequences())
