@@ -225,9 +225,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     """Speculative decoding, as vLLM's JSON (``{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4}``; see ``SpeculativeConfig``), read into a ``SpeculativeConfig``.
-    ``None``: off. Requests whose sampling reads their own output (penalties, ``min_tokens`` not yet
-    reached, bad words, grammars and choices, a thinking budget) and beam searches draft nothing;
-    steps run one at a time (no ``async_scheduling``)."""
+    ``None``: off. Requests whose sampling keeps a state of their output (grammars, choices, a
+    thinking budget) and beam searches draft nothing (penalties, ``min_tokens`` and bad words do:
+    each drafted position reads the output up to itself); steps run one at a time (no
+    ``async_scheduling``)."""
 
     seed: int = 0
     """Seed of the sampler's default generator (requests with their own ``seed`` use their own)."""

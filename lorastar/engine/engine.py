@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -98,23 +99,35 @@ def _token_array(seq: Sequence) -> np.ndarray:
 
 
 def _can_draft(seq: Sequence) -> bool:
-    """Whether ``seq`` may run drafts (speculative decoding): its sampling must not read its own
-    output (the drafts sit in it while they are verified), and it must have sampled before (an
-    n > 1 request forks at its first token)."""
+    """Whether ``seq`` may run drafts (speculative decoding): it must have sampled before (an n > 1
+    request forks at its first token), and its sampling must keep no state of its own output (a
+    grammar's or choice's matcher, a thinking budget: they would have to step through drafts and
+    back). Penalties, ``min_tokens`` and bad words read the output afresh each step: each drafted
+    row reads it up to its own position (``_draft_rows``)."""
     row = seq.sampling_row
     if row is None or seq.num_placeholders or seq.request.beam is not None:
         return False
+    return row.choices is None and row.grammar is None and row.thinking is None
+
+
+def _draft_rows(seq: Sequence, row: SamplingRow, d: int) -> list[SamplingRow]:
+    """The sampling rows of a sequence with ``d`` drafts: row ``i`` samples the token after draft
+    ``i`` as if drafts ``1..i`` were its output (they are, wherever row ``i`` counts), so penalties,
+    ``min_tokens`` and bad words see exactly that output. The one row where none reads the output."""
     p = row.params
-    return (
+    n = len(seq.token_ids) - d  # the tokens before the drafts
+    if (
         p.repetition_penalty == 1.0
         and not p.frequency_penalty
         and not p.presence_penalty
-        and seq.num_output_tokens >= p.min_tokens
         and row.bad_words is None
-        and row.choices is None
-        and row.grammar is None
-        and row.thinking is None
-    )
+        and n - seq.num_prompt_tokens >= p.min_tokens
+    ):
+        return [row] * (d + 1)
+    return [
+        dataclasses.replace(row, output_token_ids=OutputIds(seq.token_ids, seq.num_prompt_tokens, n + i))
+        for i in range(d + 1)
+    ]
 
 
 def _needs_sync(req: Request) -> bool:
@@ -1080,7 +1093,7 @@ class LLMEngine(PromptInputs):
             if row is not None and s.num_drafts:  # a row per draft and one after them, in order
                 d = s.num_drafts
                 drafted[len(rows)] = d
-                rows += [row] * (d + 1)
+                rows += _draft_rows(seq, row, d)
                 seqs += [seq] * (d + 1)
                 logit_rows += range(r, r + d + 1)
                 r += d + 1

@@ -26,25 +26,26 @@ class OutputIds(Seq[int]):
     """A sequence's output token ids read in place, ``token_ids[start:]`` without the copy (a
     sampling row's view: copying every output token per row per step grows with the request)."""
 
-    __slots__ = ("_ids", "_start")
+    __slots__ = ("_end", "_ids", "_start")
 
-    def __init__(self, token_ids: list[int], start: int) -> None:
+    def __init__(self, token_ids: list[int], start: int, end: int | None = None) -> None:
         self._ids = token_ids
         self._start = start
+        self._end = end  # None: to the list's end; else ``token_ids[start:end]`` (a drafted row's)
 
     def __len__(self) -> int:
-        return len(self._ids) - self._start
+        return (len(self._ids) if self._end is None else self._end) - self._start
 
     def __getitem__(self, i):  # noqa: ANN001, ANN204 - int or slice, as list's
         if isinstance(i, slice):
-            return self._ids[self._start :][i]
+            return self._ids[self._start : self._end][i]
         n = len(self)
         if not -n <= i < n:
             raise IndexError("output index out of range")
         return self._ids[self._start + (i if i >= 0 else i + n)]
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.islice(self._ids, self._start, None)
+        return itertools.islice(self._ids, self._start, self._end)
 
 
 class SeqStatus(enum.Enum):

@@ -203,8 +203,7 @@ def test_stops_inside_the_drafts(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
         SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[stop]),
     )
     assert o.outputs[0].token_ids == ref[: first + 1] and o.outputs[0].finish_reason == "stop"
-    # min_tokens past the stop's first place: the stop is masked there (no drafts while it is)
-    drafts = llm.engine.spec_stats.num_drafts
+    # min_tokens past the stop's first place: the stop is masked there, drafts or not
     (o,) = llm.generate(
         [{"prompt_token_ids": p}],
         SamplingParams(
@@ -212,7 +211,6 @@ def test_stops_inside_the_drafts(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
         ),
     )
     assert o.outputs[0].token_ids[:first] == ref[:first] and o.outputs[0].token_ids[first] != stop
-    assert llm.engine.spec_stats.num_drafts == drafts
     _drained(llm)
 
 
@@ -276,20 +274,83 @@ def test_lora_with_drafts_equals_peft(tiny, tmp_path, monkeypatch: pytest.Monkey
     _drained(llm)
 
 
-def test_requests_that_read_their_output_draft_nothing(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_stateful_sampling_drafts_nothing(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Beam search, a choice's or grammar's matcher: no drafts (they would step through them)."""
     path, _, prompts, refs = tiny
     monkeypatch.setattr(engine_mod, "propose_ngram", _oracle(refs, None))
     llm = _llm(path, num_kv_blocks=128)
     for params in (
-        SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5),
-        SamplingParams(temperature=0, max_tokens=8, frequency_penalty=0.5),
-        SamplingParams(temperature=0, max_tokens=8, bad_words=["hello world"]),
-        SamplingParams(temperature=0, max_tokens=8, min_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, use_beam_search=True, n=2),
+        SamplingParams(temperature=0, max_tokens=8, guided_choice=["yes", "no way at all"]),
+        SamplingParams(temperature=0, max_tokens=8, guided_regex="[a-c ]{1,9}"),
     ):
         llm.generate([{"prompt_token_ids": prompts[1]}], params)
     assert llm.engine.spec_stats.num_drafts == 0
+    _drained(llm)
+
+
+def test_repetition_penalty_with_drafts_equals_hf(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Each drafted row is penalized for the output up to its own position (drafts before it
+    included): greedy with HF's repetition penalty, token for token."""
+    path, hf, prompts, _ = tiny
+    refs = {}
+    for p in prompts[:3]:
+        ids = torch.tensor([p])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                          repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        refs[tuple(p)] = out[0, len(p) :].tolist()
+    monkeypatch.setattr(engine_mod, "propose_ngram", _oracle(refs, 3))
+    llm = _llm(path, num_kv_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], params)
+    for p, o in zip(prompts[:3], outs):
+        assert o.outputs[0].token_ids == refs[tuple(p)]
+    st = llm.engine.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    _drained(llm)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"frequency_penalty": 1.0, "logit_bias": "ref"},  # a favoured token repeats until penalized
+        {"presence_penalty": 1.0, "logit_bias": "ref"},
+        {"min_tokens": 14, "stop_token_ids": "ref"},  # the stop masked until the 14th token
+        {"bad_words": "ref"},  # two-token words of the plain output: banned at their second token
+    ],
+    ids=["frequency", "presence", "min_tokens", "bad_words"],
+)
+def test_output_reading_sampling_with_drafts_equals_plain_steps(
+    tiny, monkeypatch: pytest.MonkeyPatch, kw
+) -> None:  # noqa: ANN001
+    """Penalties, ``min_tokens`` and bad words read the output: with drafts (each row reading the
+    output up to its position) the greedy tokens are those of the engine without drafting, whose
+    semantics the sampling tests hold to vLLM's."""
+    path, _, prompts, refs = tiny
+    plain = LLM(path, max_model_len=256, num_kv_blocks=128)
+    tok = plain.get_tokenizer()
+    batch = [{"prompt_token_ids": p} for p in prompts[:3]]
+    kw = dict(kw)
+    first = [
+        o.outputs[0].token_ids for o in plain.generate(batch, SamplingParams(temperature=0, max_tokens=20))
+    ]
+    if kw.get("logit_bias") == "ref":
+        kw["logit_bias"] = {first[0][2]: 4.0, first[1][2]: 3.0}
+        biased = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias=kw["logit_bias"])
+        first = [o.outputs[0].token_ids for o in plain.generate(batch, biased)]
+    if kw.get("stop_token_ids") == "ref":
+        kw["stop_token_ids"] = [first[0][12], first[1][11]]
+    if kw.get("bad_words") == "ref":
+        kw["bad_words"] = [tok.decode(first[0][3:5]), tok.decode(first[1][6:8])]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **kw)
+    want = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts[:3], plain.generate(batch, params))}
+    assert [want[tuple(p)] for p in prompts[:3]] != first  # the parameter changed something
+    monkeypatch.setattr(engine_mod, "propose_ngram", _oracle(want, 3))
+    llm = _llm(path, num_kv_blocks=128)
+    outs = llm.generate(batch, params)
+    assert [o.outputs[0].token_ids for o in outs] == [want[tuple(p)] for p in prompts[:3]]
+    st = llm.engine.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     _drained(llm)
 
 
