@@ -111,3 +111,31 @@ def test_serve_flag_reaches_the_engine_config() -> None:
     )  # fmt: skip
     spec = config.speculative_config
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == (3, 4, 4)
+
+
+def test_ops_page_shows_the_share_of_drafts_kept(server: ServerThread) -> None:
+    """/lorastar/stats carries the counters; the live page shows the share kept (headless Chromium)."""
+    import shutil
+
+    body = {"model": "smol", "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    s = httpx.get(server.url + "/lorastar/stats", timeout=10).json()["spec_decode"]
+    assert (
+        0 < s["num_accepted_tokens"] <= s["num_draft_tokens"]
+        and sum(s["accepted_per_pos"]) == s["num_accepted_tokens"]
+    )
+    kept = f"{100 * s['num_accepted_tokens'] / s['num_draft_tokens']:.1f}%"
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("no chromium on this machine")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/lorastar/")
+            page.wait_for_function("!document.getElementById('speccard').hidden", timeout=20000)
+            assert page.text_content("#spec") == kept
+            assert "tokens per drafted step" in (page.text_content("#specsub") or "")
+        finally:
+            browser.close()

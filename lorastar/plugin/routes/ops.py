@@ -53,6 +53,12 @@ def stats_snapshot(service: LoraStarService) -> dict[str, Any]:
             generation_tokens_total=stats.generation_tokens_total,
             max_loras=stats.max_loras,
         )
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:  # speculative decoding's counters (vLLM's spec_decode_*)
+            snap["spec_decode"] = dict(
+                num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                num_accepted_tokens=spec.num_accepted_tokens, accepted_per_pos=list(spec.accepted_per_pos),
+            )  # fmt: skip
     m = service.metrics
     requests = _counter_by_adapter(getattr(m, "adapter_requests", None))
     prompt = _counter_by_adapter(getattr(m, "adapter_prompt_tokens", None))

@@ -26,6 +26,13 @@ function render(s) {
   $("running").textContent = fmt(s.num_running);
   $("waiting").textContent = fmt(s.num_waiting);
   $("gen").textContent = fmt(s.generation_tokens_total);
+  const sd = s.spec_decode;  // speculative decoding: share of drafts kept, tokens a drafted step adds
+  $("speccard").hidden = !sd;
+  if (sd) {
+    $("spec").textContent = sd.num_draft_tokens ? `${((100 * sd.num_accepted_tokens) / sd.num_draft_tokens).toFixed(1)}%` : "–";
+    $("specsub").textContent = sd.num_drafts
+      ? `${(1 + sd.num_accepted_tokens / sd.num_drafts).toFixed(2)} tokens per drafted step` : "no drafts yet";
+  }
   // (none while the engine restarts; lower after a restart: counted from 0, as Prometheus' rate())
   if (last && last.generation_tokens_total !== undefined && s.generation_tokens_total !== undefined) {
     const dt = s.time - last.time, d = s.generation_tokens_total - last.generation_tokens_total;
