@@ -65,7 +65,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(
                 f"speculative_config: unsupported key(s) {', '.join(unknown)} (lorastar drafts with "
-                "method 'ngram': num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)"
+                "method 'ngram': num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, "
+                "disable_by_batch_size)"
             )
         method = d.get("method", "ngram")
         if method == "[ngram]":

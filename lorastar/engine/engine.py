@@ -130,6 +130,17 @@ def _draft_rows(seq: Sequence, row: SamplingRow, d: int) -> list[SamplingRow]:
     ]
 
 
+def _rewind_generator(gen: torch.Generator, state: torch.Tensor, kept: int) -> None:
+    """A seeded drafted sequence's generator as plain steps leave it: one draw per kept token, not
+    one per row (the sampler's draw, ``Sampler._draw``), so its tokens do not depend on how many
+    drafts the batch let it run. ``state``: before the step's draws; none drawn (greedy): as is."""
+    if torch.equal(gen.get_state(), state):
+        return
+    gen.set_state(state)
+    for _ in range(kept):
+        torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)
+
+
 def _needs_sync(req: Request) -> bool:
     """Requests whose sampling forks sequences on the host (beams; n > 1 until its samples have
     forked, after which they are n plain sequences), or whose prompt logprobs go through the host:
@@ -872,15 +883,19 @@ class LLMEngine(PromptInputs):
         drafted: dict[int, int],
         now: float,
         touched: dict[str, Request],
+        rewind: dict[int, torch.Tensor],
     ) -> None:
         """``_process``'s appends when some rows verify drafts: each drafted sequence keeps its
-        confirmed drafts' KV (computed this step) and gives back the blocks of the rejected ones."""
+        confirmed drafts' KV (computed this step) and gives back the blocks of the rejected ones;
+        ``rewind``: seeded drafted sequences' generator states before the draws (first row -> state)."""
         bm = self.block_manager
         i = 0
         while i < len(targets):
             seq = targets[i]
             d = drafted.get(i, 0)
             toks, lps = self._verify(seq, d, new_tokens[i : i + d + 1]) if d else new_tokens[i]
+            if (state := rewind.get(i)) is not None:
+                _rewind_generator(seq.sampling_row.generator, state, len(toks))
             i += d + 1
             for k, tok in enumerate(toks):  # up to the first that finishes the sequence
                 self._append(seq, tok, lps[k] if lps is not None else None, now)
@@ -1084,6 +1099,7 @@ class LLMEngine(PromptInputs):
         logit_rows: list[int] = []
         beam_rows: list[tuple[Sequence, int]] = []
         drafted: dict[int, int] = {}  # first row of a drafted sequence -> its drafts
+        rewind: dict[int, torch.Tensor] = {}  # first row of a seeded drafted one -> its generator's state
         r = 0
         for s in out.scheduled:
             if not s.samples:
@@ -1093,6 +1109,8 @@ class LLMEngine(PromptInputs):
             if row is not None and s.num_drafts:  # a row per draft and one after them, in order
                 d = s.num_drafts
                 drafted[len(rows)] = d
+                if row.generator is not None:  # seeded: rewound to one draw per kept token
+                    rewind[len(rows)] = row.generator.get_state()
                 rows += _draft_rows(seq, row, d)
                 seqs += [seq] * (d + 1)
                 logit_rows += range(r, r + d + 1)
@@ -1154,7 +1172,7 @@ class LLMEngine(PromptInputs):
                     targets[j] = child
             append = self._append
             if drafted:
-                self._append_verified(targets, new_tokens, drafted, now, touched)
+                self._append_verified(targets, new_tokens, drafted, now, touched, rewind)
             for seq, (toks, lps) in () if drafted else zip(targets, new_tokens):
                 if len(toks) == 1:  # the usual step: one token (no loop: per row, 256 of them a step)
                     append(seq, toks[0], None if lps is None else lps[0], now)
@@ -1217,10 +1235,11 @@ class LLMEngine(PromptInputs):
         self, logits: torch.Tensor, rows: list[SamplingRow], meta: SamplingMetadata | None = None
     ) -> list[tuple[list[int], list[RowLogprobs | None] | None]]:
         """Each row's new tokens in order, with their logprobs (None: not asked for). The sampler
-        gives one token a row; a verifier of drafted tokens (speculative decoding) gives several,
-        and everything after this takes any number: ``_append`` stops at the first token that
-        finishes the sequence, the scheduler computes the KV of all appended tokens in the next
-        step (as a chunk), and outputs carry every new token of the step."""
+        gives one token a row (a drafted sequence's rows are verified after this, in ``_verify``);
+        everything after this takes several tokens a row too (tests/engine/test_multi_token_steps.py
+        hands them in here): ``_append`` stops at the first token that finishes the sequence, the
+        scheduler computes the KV of appended tokens in the next step (as a chunk; kept drafts' KV
+        is this step's), and outputs carry every new token of the step."""
         sampled = self.sampler(logits, rows, meta)  # [rows] token ids
         return [([t], None if lp is None else [lp]) for t, lp in zip(sampled.token_ids, sampled.logprobs)]
 
