@@ -803,7 +803,17 @@ class LLMEngine(PromptInputs):
             return self._step_sync()
 
     def _step_sync(self) -> list[EngineCoreOutput]:  # under self.lock (step_core)
-        drafted = self._propose_drafts() if self.speculative is not None else None
+        if self.speculative is None:
+            return self._run_sync(None)
+        drafted = self._propose_drafts()
+        try:
+            return self._run_sync(drafted)
+        except BaseException:  # a failed step's requests end with what they had: no draft goes out
+            for seq in drafted:
+                self.scheduler.drop_drafts(seq)
+            raise
+
+    def _run_sync(self, drafted: list[Sequence] | None) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
         if drafted:  # a drafted sequence the step does not run forgets its drafts
             run = {x.seq.seq_id for x in out.scheduled if x.num_drafts}
@@ -823,17 +833,12 @@ class LLMEngine(PromptInputs):
         prompt_logprobs = self._num_prompt_logprobs > 0
         if prompt_logprobs:
             self._seed_prompt_logprobs(out)
-        try:
-            result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
-            self.iteration_tokens.observe(tokens)
-            self.scheduler.update(out)
-            if prompt_logprobs:
-                self._store_prompt_logprobs(out, result)
-            return self._process(out, result.logits)
-        except BaseException:  # a failed step's requests end with what they had: no draft goes out
-            for seq in drafted or ():
-                self.scheduler.drop_drafts(seq)
-            raise
+        result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
+        self.iteration_tokens.observe(tokens)
+        self.scheduler.update(out)
+        if prompt_logprobs:
+            self._store_prompt_logprobs(out, result)
+        return self._process(out, result.logits)
 
     # ---- speculative decoding (engine/spec_decode.py) -----------------------------------------
     def _propose_drafts(self) -> list[Sequence]:
