@@ -474,27 +474,35 @@ def test_families_with_windows_and_fused_layers(
     _drained(llm)
 
 
+def _decoding(num_blocks: int, prompts: list[list[int]]) -> tuple[Any, Any, list[Any]]:
+    """A torch-free scheduler (blocks of 4) whose sequences have prefilled ``prompts`` and sampled
+    one token each (token 9): every one is about to decode."""
+    from lorastar.engine.block_manager import BlockManager
+    from lorastar.engine.request import Request, Sequence
+    from lorastar.engine.scheduler import Scheduler
+
+    bm = BlockManager(num_blocks, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_loras=1)
+    seqs = []
+    for i, prompt in enumerate(prompts):
+        req = Request(f"r{i}", None, list(prompt), SamplingParams(max_tokens=8))
+        seq = Sequence(req, 0, list(prompt), len(prompt))
+        req.sequences.append(seq)
+        sched.add(seq)
+        seqs.append(seq)
+    sched.update(sched.schedule())
+    for seq in seqs:
+        seq.token_ids.append(9)
+    return bm, sched, seqs
+
+
 def test_scheduler_runs_without_drafts_before_preempting_for_them() -> None:
     """Two decoding sequences fill every block: the one whose drafts need another block drops
     them and decodes; nobody is preempted for a draft. A budget that cuts into drafts keeps the
     ones that fit."""
-    from lorastar.engine.block_manager import BlockManager
-    from lorastar.engine.request import Request, SeqStatus, Sequence
-    from lorastar.engine.scheduler import Scheduler
+    from lorastar.engine.request import SeqStatus
 
-    bm = BlockManager(2, 4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_loras=1)
-    seqs = []
-    for i in range(2):
-        req = Request(f"r{i}", None, [1, 2, 3], SamplingParams(max_tokens=8))
-        seq = Sequence(req, 0, [1, 2, 3], 3)
-        req.sequences.append(seq)
-        sched.add(seq)
-        seqs.append(seq)
-    out = sched.schedule()
-    sched.update(out)
-    for seq in seqs:
-        seq.token_ids.append(9)  # sampled: 4 tokens, 3 computed, each seq holds its one block
+    bm, sched, seqs = _decoding(2, [[1, 2, 3], [1, 2, 3]])  # 4 tokens, 3 computed, a block each
     a, b = seqs
     a.token_ids += [5, 6]  # two drafts: a second block, and none is free
     a.num_draft_tokens = 2
@@ -562,23 +570,7 @@ def test_disable_by_batch_size(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  
 def test_scheduler_takes_back_anothers_drafts_before_preempting() -> None:
     """A's drafts took the last free block; B's next token needs one: A's drafts go, their block
     goes to B, and nobody is preempted (a draft is never worth a recompute)."""
-    from lorastar.engine.block_manager import BlockManager
-    from lorastar.engine.request import Request, Sequence
-    from lorastar.engine.scheduler import Scheduler
-
-    bm = BlockManager(4, 4, enable_prefix_caching=False)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_loras=1)
-    seqs = []
-    for i, prompt in enumerate(([1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8])):
-        req = Request(f"r{i}", None, list(prompt), SamplingParams(max_tokens=8))
-        seq = Sequence(req, 0, list(prompt), len(prompt))
-        req.sequences.append(seq)
-        sched.add(seq)
-        seqs.append(seq)
-    out = sched.schedule()
-    sched.update(out)
-    for seq in seqs:
-        seq.token_ids.append(9)
+    bm, sched, seqs = _decoding(4, [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8]])
     a, b = seqs
     assert bm.num_free_blocks == 1
     a.token_ids += [5, 6, 7, 8]
