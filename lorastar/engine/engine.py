@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from lorastar.adapters.peft import LoRAWeights, ModelSpec, load_peft_adapter
@@ -46,7 +45,7 @@ from lorastar.engine.sampler import (
 )
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_words_token_ids
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
-from lorastar.engine.spec_decode import accepted, propose_ngram
+from lorastar.engine.spec_decode import accepted, propose_ngram, token_array
 from lorastar.engine.structured import GrammarCompiler, GrammarRow
 from lorastar.engine.thinking_budget import ThinkingBudget
 from lorastar.engine.threads import run_in_fresh_thread
@@ -78,24 +77,6 @@ class _InFlight:
     out: SchedulerOutput
     targets: list[tuple[Sequence, int]]
     sample: PendingSample
-
-
-def _token_array(seq: Sequence) -> np.ndarray:
-    """``seq.token_ids`` as a ``[num_tokens]`` int64 view of its drafter buffer, topped up with the
-    tokens appended since the last call (a drafting sequence's tokens only grow: no beams, no
-    placeholders). Converting the whole list each step cost 19 ms a step at 256 sequences of 4,000
-    tokens; the search itself a fraction of that."""
-    n = seq.num_tokens
-    buf, have = seq.token_buf, seq.token_buf_len
-    if buf is None or buf.shape[0] < n:
-        grown = np.empty(max(2 * n, 64), dtype=np.int64)
-        if buf is not None:
-            grown[:have] = buf[:have]
-        buf = seq.token_buf = grown
-    if n > have:
-        buf[have:n] = seq.token_ids[have:n]
-    seq.token_buf_len = n
-    return buf[:n]
 
 
 def _can_draft(seq: Sequence) -> bool:
@@ -286,9 +267,7 @@ class LLMEngine(PromptInputs):
                 "async_scheduling on %s: a step runs in the calling thread, nothing overlaps", self.device
             )
         self.speculative = config.speculative_config
-        if self.speculative is not None and self.async_scheduling:
-            if config.async_scheduling:
-                raise ValueError("speculative_config and async_scheduling cannot be combined yet")
+        if self.speculative is not None:  # (EngineConfig refuses async_scheduling=True with it)
             self.async_scheduling = False  # the default on CUDA: drafts are verified on the host
         self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens if self.speculative else 0)
         if self.device.type == "cpu" and config.tune_malloc:
@@ -804,22 +783,17 @@ class LLMEngine(PromptInputs):
 
     def _step_sync(self) -> list[EngineCoreOutput]:  # under self.lock (step_core)
         if self.speculative is None:
-            return self._run_sync(None)
+            return self._run_sync()
         drafted = self._propose_drafts()
         try:
-            return self._run_sync(drafted)
+            return self._run_sync()
         except BaseException:  # a failed step's requests end with what they had: no draft goes out
             for seq in drafted:
                 self.scheduler.drop_drafts(seq)
             raise
 
-    def _run_sync(self, drafted: list[Sequence] | None) -> list[EngineCoreOutput]:
+    def _run_sync(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        if drafted:  # a drafted sequence the step does not run forgets its drafts
-            run = {x.seq.seq_id for x in out.scheduled if x.num_drafts}
-            for seq in drafted:
-                if seq.num_draft_tokens and seq.seq_id not in run:
-                    self.scheduler.drop_drafts(seq)
         self.runner.batch.remove(out.finished_seq_ids)  # their rows, before any new one
         if out.is_empty:
             return []
@@ -861,7 +835,7 @@ class LLMEngine(PromptInputs):
             )
             if k <= 0:
                 continue
-            toks = propose_ngram(_token_array(seq), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+            toks = propose_ngram(token_array(seq), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
             if toks:
                 seq.token_ids.extend(toks)
                 seq.num_draft_tokens = len(toks)
@@ -1175,18 +1149,19 @@ class LLMEngine(PromptInputs):
                     seq.request.forked = True
                     self._release_sync(seq.request)
                     targets[j] = child
-            append = self._append
             if drafted:
                 self._append_verified(targets, new_tokens, drafted, now, touched, rewind)
-            for seq, (toks, lps) in () if drafted else zip(targets, new_tokens):
-                if len(toks) == 1:  # the usual step: one token (no loop: per row, 256 of them a step)
-                    append(seq, toks[0], None if lps is None else lps[0], now)
-                else:
-                    for i, tok in enumerate(toks):  # up to the first that finishes the sequence
-                        append(seq, tok, lps[i] if lps is not None else None, now)
-                        if seq.is_finished:
-                            break
-                touched[seq.request.request_id] = seq.request
+            else:
+                append = self._append
+                for seq, (toks, lps) in zip(targets, new_tokens):
+                    if len(toks) == 1:  # the usual step: one token (no loop: per row, 256 a step)
+                        append(seq, toks[0], None if lps is None else lps[0], now)
+                    else:
+                        for i, tok in enumerate(toks):  # up to the first that finishes the sequence
+                            append(seq, tok, lps[i] if lps is not None else None, now)
+                            if seq.is_finished:
+                                break
+                    touched[seq.request.request_id] = seq.request
         if beam_rows:
             self._beam_proposals(beam_rows, logits, touched)
         return self._outputs(touched)

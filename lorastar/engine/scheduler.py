@@ -223,12 +223,15 @@ class Scheduler:
         #    prefill chunks (oldest first), so a long prompt's chunks never starve decodes.
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
+        drafted: list[Sequence] = []  # decodes holding drafts (speculative decoding)
         for s in self.running:
             left = len(s.token_ids) - s.num_computed_tokens - s.num_draft_tokens
             if s.ends_pending:  # its last token is in flight and ends it (async scheduling)
                 continue
             if left == 1:
                 decodes.append(s)
+                if s.num_draft_tokens:
+                    drafted.append(s)
             elif left > 1:
                 prefills.append(s)
         allocate, running, scheduled = self.bm.allocate, SeqStatus.RUNNING, out.scheduled
@@ -282,6 +285,11 @@ class Scheduler:
                 sch.num_drafts = drafts
             scheduled.append(sch)
             budget -= num_new
+        if drafted:  # a sequence the step does not run forgets its drafts (a reclaimed one did)
+            run = {x.seq.seq_id for x in scheduled if x.num_drafts}
+            for s in drafted:
+                if s.seq_id not in run:
+                    self.drop_drafts(s)
 
         # 2) Waiting sequences, FIFO. Blocks that don't fit stop admission (FIFO fairness);
         #    an adapter that can't get a slot only holds up its own requests, unless one of

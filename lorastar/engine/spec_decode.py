@@ -12,8 +12,13 @@ So the outputs' distribution is the model's own."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+if TYPE_CHECKING:
+    from lorastar.engine.request import Sequence
 
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
@@ -50,3 +55,21 @@ def accepted(drafts: list[int], sampled: list[int]) -> int:
             break
         j += 1
     return j
+
+
+def token_array(seq: Sequence) -> np.ndarray:
+    """``seq.token_ids`` as a ``[num_tokens]`` int64 view of its drafter buffer, topped up with the
+    tokens appended since the last call (a drafting sequence's tokens only grow: no beams, no
+    placeholders). Converting the whole list each step cost 19 ms a step at 256 sequences of 4,000
+    tokens; the search itself a fraction of that."""
+    n = seq.num_tokens
+    buf, have = seq.token_buf, seq.token_buf_len
+    if buf is None or buf.shape[0] < n:
+        grown = np.empty(max(2 * n, 64), dtype=np.int64)
+        if buf is not None:
+            grown[:have] = buf[:have]
+        buf = seq.token_buf = grown
+    if n > have:
+        buf[have:n] = seq.token_ids[have:n]
+    seq.token_buf_len = n
+    return buf[:n]

@@ -532,15 +532,15 @@ def test_scheduler_runs_without_drafts_before_preempting_for_them() -> None:
 
 
 def test_token_array_tracks_the_growing_sequence() -> None:
-    from lorastar.engine.engine import _token_array
     from lorastar.engine.request import Request, Sequence
+    from lorastar.engine.spec_decode import token_array
 
     req = Request("r", None, [1, 2, 3], SamplingParams(max_tokens=500))
     seq = Sequence(req, 0, [1, 2, 3], 3)
     rng = random.Random(1)
     for _ in range(60):
         seq.token_ids += [rng.randrange(100) for _ in range(rng.randrange(0, 9))]
-        got = _token_array(seq)
+        got = token_array(seq)
         assert got.tolist() == seq.token_ids and got.dtype == np.int64
 
 
@@ -584,3 +584,16 @@ def test_scheduler_takes_back_anothers_drafts_before_preempting() -> None:
     assert len(b.block_table) == 3 and bm.num_free_blocks == 0
     sched.update(out)
     bm.check_invariants(sched.all_sequences())
+
+
+def test_scheduler_drops_the_drafts_of_a_sequence_it_does_not_run() -> None:
+    """The budget runs out at A (its last token and two drafts): B is not scheduled this step and
+    leaves it without its drafts (they would sit in its tokens until a later step)."""
+    bm, sched, (a, b) = _decoding(8, [[1, 2, 3], [4, 5, 6]])
+    for seq in (a, b):
+        seq.token_ids += [7, 8]
+        seq.num_draft_tokens = 2
+    sched.max_num_batched_tokens = 3
+    out = sched.schedule()
+    assert [(s.seq.seq_id, s.num_new_tokens, s.num_drafts) for s in out.scheduled] == [(a.seq_id, 3, 2)]
+    assert b.token_ids == [4, 5, 6, 9] and b.num_draft_tokens == 0
