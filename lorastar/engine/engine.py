@@ -81,20 +81,19 @@ class _InFlight:
 
 def _can_draft(seq: Sequence) -> bool:
     """Whether ``seq`` may run drafts (speculative decoding): it must have sampled before (an n > 1
-    request forks at its first token), and its sampling must keep no state of its own output (a
-    grammar's or choice's matcher, a thinking budget: they would have to step through drafts and
-    back). Penalties, ``min_tokens`` and bad words read the output afresh each step: each drafted
-    row reads it up to its own position (``_draft_rows``)."""
+    request forks at its first token) and not be a beam. Whatever reads the output (penalties,
+    ``min_tokens``, bad words, a choice, a grammar's matcher, a thinking budget) reads it at each
+    drafted row up to that row's position (``_draft_rows``); the matchers and budgets that follow
+    it step through the drafts and are taken back after sampling (``_process``)."""
     row = seq.sampling_row
-    if row is None or seq.num_placeholders or seq.request.beam is not None:
-        return False
-    return row.choices is None and row.grammar is None and row.thinking is None
+    return row is not None and not seq.num_placeholders and seq.request.beam is None
 
 
 def _draft_rows(seq: Sequence, row: SamplingRow, d: int) -> list[SamplingRow]:
     """The sampling rows of a sequence with ``d`` drafts: row ``i`` samples the token after draft
     ``i`` as if drafts ``1..i`` were its output (they are, wherever row ``i`` counts), so penalties,
-    ``min_tokens`` and bad words see exactly that output. The one row where none reads the output."""
+    ``min_tokens``, bad words, a choice, a grammar and a thinking budget see exactly that output.
+    The one row where none reads the output."""
     p = row.params
     n = len(seq.token_ids) - d  # the tokens before the drafts
     if (
@@ -102,6 +101,9 @@ def _draft_rows(seq: Sequence, row: SamplingRow, d: int) -> list[SamplingRow]:
         and not p.frequency_penalty
         and not p.presence_penalty
         and row.bad_words is None
+        and row.choices is None
+        and row.grammar is None
+        and row.thinking is None
         and n - seq.num_prompt_tokens >= p.min_tokens
     ):
         return [row] * (d + 1)
@@ -1079,6 +1081,7 @@ class LLMEngine(PromptInputs):
         beam_rows: list[tuple[Sequence, int]] = []
         drafted: dict[int, int] = {}  # first row of a drafted sequence -> its drafts
         rewind: dict[int, torch.Tensor] = {}  # first row of a seeded drafted one -> its generator's state
+        marks: list[tuple[Any, Any]] = []  # drafted rows' matchers and budgets -> their state before
         r = 0
         for s in out.scheduled:
             if not s.samples:
@@ -1090,6 +1093,8 @@ class LLMEngine(PromptInputs):
                 drafted[len(rows)] = d
                 if row.generator is not None:  # seeded: rewound to one draw per kept token
                     rewind[len(rows)] = row.generator.get_state()
+                # They step through the drafts as their rows are sampled; taken back after.
+                marks += [(x, x.checkpoint()) for x in (row.grammar, row.thinking) if x is not None]
                 rows += _draft_rows(seq, row, d)
                 seqs += [seq] * (d + 1)
                 logit_rows += range(r, r + d + 1)
@@ -1131,7 +1136,11 @@ class LLMEngine(PromptInputs):
             # fan-out's extra rows: the sizes then agree, the rows do not).
             if beam_rows or len(rows) != logits.shape[0]:
                 sample_logits = logits.index_select(0, torch.tensor(logit_rows, device=logits.device))
-            new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
+            try:
+                new_tokens = self._sample(sample_logits, rows, self.runner.batch.sampling_metadata(seqs))
+            finally:
+                for x, state in marks:
+                    x.restore(state)
             # Fork n > 1 samples first: they share the parent's blocks as they are *before* any
             # token is appended (the parent may finish on its first token and free them).
             targets = seqs

@@ -15,7 +15,10 @@ them.
 
 Invariant: the matcher of a row has accepted exactly the row's output ids up to ``accepted``
 that follow its reasoning block, if the request has one (or went off the grammar there, after
-which only EOS is allowed, as for a choice).
+which only EOS is allowed, as for a choice). Between steps, that is: a step with drafts
+(speculative decoding) fills the mask of each drafted position by stepping the matcher through the
+drafts before it, and the engine restores the row's ``checkpoint`` after sampling (xgrammar's
+``rollback``), so a draft the model refused never stays in the matcher.
 """
 
 from __future__ import annotations
@@ -309,7 +312,7 @@ class GrammarRow:
     """One sampling sequence's matcher over its compiled grammar, which applies after the
     sequence's reasoning block when the request names one (``reasoning_end_token_id``)."""
 
-    __slots__ = ("matcher", "accepted", "off", "eos", "think_start", "think_end", "reasoning")
+    __slots__ = ("matcher", "accepted", "steps", "off", "eos", "think_start", "think_end", "reasoning")
 
     def __init__(
         self,
@@ -322,6 +325,7 @@ class GrammarRow:
 
         self.matcher = xgr.GrammarMatcher(compiled)
         self.accepted = 0  # output ids seen (the matcher's, and the reasoning block's)
+        self.steps = 0  # tokens the matcher accepted since its reset (what ``restore`` rolls back)
         self.off = False  # an output id the grammar refused (a fallback row's token): EOS only
         self.eos = np.asarray(sorted(set(eos_token_ids)), dtype=np.int64)
         self.think_start, self.think_end = think_start, think_end
@@ -334,7 +338,7 @@ class GrammarRow:
         n = len(output)
         if n < self.accepted:  # an output never shrinks; a guard, not a path
             self.matcher.reset()
-            self.accepted, self.off = 0, False
+            self.accepted, self.steps, self.off = 0, 0, False
             self.reasoning = self.think_end is not None and self.think_start is None
         m = self.matcher
         for i in range(self.accepted, n):
@@ -346,6 +350,8 @@ class GrammarRow:
             elif self.off or m.is_terminated() or not m.accept_token(tok):
                 self.off = True
                 break
+            else:
+                self.steps += 1
         self.accepted = n
         if self.reasoning:
             return FREE
@@ -362,3 +368,17 @@ class GrammarRow:
             value = int(bitmask[index, word]) | (1 << bit)
             bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
         return MASKED
+
+    def checkpoint(self) -> tuple[int, int, bool, bool]:
+        """The row's state, for ``restore``: speculative decoding fills the masks of drafted
+        positions by stepping the matcher through the drafts, then takes them back."""
+        return self.accepted, self.steps, self.off, self.reasoning
+
+    def restore(self, state: tuple[int, int, bool, bool]) -> None:
+        """Back to ``state`` (a ``checkpoint`` of this row taken since its last reset): the matcher
+        rolls back the tokens it accepted since (xgrammar's rollback is unbounded), and the next
+        ``fill`` catches up over the output as it then is."""
+        accepted, steps, self.off, self.reasoning = state
+        if self.steps > steps:
+            self.matcher.rollback(self.steps - steps)
+        self.accepted, self.steps = accepted, steps

@@ -59,3 +59,11 @@ class ThinkingBudget:
         self.seen = n
         past = self.count - self.budget
         return self.forced[past] if self.inside and 0 <= past < len(self.forced) else None
+
+    def checkpoint(self) -> tuple[int, bool, int, bool]:
+        """The block's state, for ``restore`` (speculative decoding reads drafted positions, then
+        takes them back)."""
+        return self.seen, self.inside, self.count, self.done
+
+    def restore(self, state: tuple[int, bool, int, bool]) -> None:
+        self.seen, self.inside, self.count, self.done = state

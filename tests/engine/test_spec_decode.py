@@ -274,17 +274,16 @@ def test_lora_with_drafts_equals_peft(tiny, tmp_path, monkeypatch: pytest.Monkey
     _drained(llm)
 
 
-def test_stateful_sampling_drafts_nothing(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """Beam search, a choice's or grammar's matcher: no drafts (they would step through them)."""
+def test_beam_search_drafts_nothing(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Beams fork and reorder on the host each step: no drafts. (Grammars, choices and thinking
+    budgets draft: test_spec_decode_structured.py.)"""
     path, _, prompts, refs = tiny
     monkeypatch.setattr(engine_mod, "propose_ngram", _oracle(refs, None))
     llm = _llm(path, num_kv_blocks=128)
-    for params in (
+    llm.generate(
+        [{"prompt_token_ids": prompts[1]}],
         SamplingParams(temperature=0, max_tokens=8, use_beam_search=True, n=2),
-        SamplingParams(temperature=0, max_tokens=8, guided_choice=["yes", "no way at all"]),
-        SamplingParams(temperature=0, max_tokens=8, guided_regex="[a-c ]{1,9}"),
-    ):
-        llm.generate([{"prompt_token_ids": prompts[1]}], params)
+    )
     assert llm.engine.spec_stats.num_drafts == 0
     _drained(llm)
 
