@@ -4,7 +4,9 @@ SmolLM2-135M-Instruct, greedy, chat prompts of two kinds:
 
 - edit: "add docstrings to / rename a variable in this code" (the answer copies most of the prompt:
   the drafts come from it);
-- chat: open questions (little to copy: what drafting costs when it rarely pays).
+- chat: open questions (little to copy: what drafting costs when it rarely pays);
+- extract: "extract these fields as JSON" from a short record, under a JSON schema (``guided_json``:
+  the grammar's matcher steps through the drafts; the values are copied from the prompt).
 
 Each kind at ``--concurrency`` (requests in flight: 1 runs them one after another), with
 speculative decoding off and on (``num_speculative_tokens=4``, n-grams of 2-4 tokens) in the same
@@ -70,6 +72,38 @@ def chat_prompts(n: int) -> list[list[dict[str, str]]]:
     ]
 
 
+PEOPLE = (
+    ("Margaret Thompson-Whitfield", "retired marine biologist", "Saint Petersburg, Florida", 67),
+    ("Oluwaseun Adebayo-Okafor", "civil engineer", "Port Harcourt, Nigeria", 41),
+    ("Jean-Baptiste Delacroix", "pastry chef", "Clermont-Ferrand, France", 35),
+    ("Siobhan McLaughlin-Byrne", "veterinary surgeon", "Letterkenny, County Donegal", 52),
+)
+EXTRACT_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "job": {"type": "string"}, "city": {"type": "string"},
+                   "age": {"type": "integer"}},
+    "required": ["name", "job", "city", "age"],
+}  # fmt: skip
+
+
+def extract_prompts(n: int) -> list[list[dict[str, str]]]:
+    out = []
+    for i in range(n):
+        name, job, city, age = PEOPLE[i % len(PEOPLE)]
+        record = (
+            f"Record {100 + i}: {name}, a {job}, lives in {city} and is {age + i // len(PEOPLE)} years old."
+        )
+        out.append(
+            [
+                {
+                    "role": "user",
+                    "content": f"Extract name, job, city and age as JSON from this record:\n{record}",
+                }
+            ]
+        )
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=8)
@@ -86,10 +120,12 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def run(llm: Any, prompts: list[Any], conc: int, new_tokens: int) -> tuple[float, int, list[list[int]], Any]:
+def run(
+    llm: Any, prompts: list[Any], conc: int, new_tokens: int, schema: Any = None
+) -> tuple[float, int, list[list[int]], Any]:
     from lorastar import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, guided_json=schema)
     eng = llm.engine
     before = eng.stats().spec_decode
     t = time.perf_counter()
@@ -115,7 +151,11 @@ def main() -> None:
     from lorastar import LLM
 
     mon = LoadMonitor()
-    kinds = {"edit": edit_prompts(a.requests), "chat": chat_prompts(a.requests)}
+    kinds = {
+        "edit": edit_prompts(a.requests),
+        "chat": chat_prompts(a.requests),
+        "extract": extract_prompts(a.requests),
+    }
     engines = {
         "off": LLM(max_num_seqs=max(a.conc)),
         "on": LLM(max_num_seqs=max(a.conc), speculative_config=SPEC),
@@ -131,7 +171,7 @@ def main() -> None:
             best: dict[str, tuple[float, int, list[list[int]], Any]] = {}
             for _ in range(a.reps):
                 for mode, llm in engines.items():  # alternating: drift hits both alike
-                    r = run(llm, prompts, conc, a.new_tokens)
+                    r = run(llm, prompts, conc, a.new_tokens, EXTRACT_SCHEMA if kind == "extract" else None)
                     mon.sample()
                     if mode not in best or r[1] / r[0] > best[mode][1] / best[mode][0]:
                         best[mode] = r
@@ -158,7 +198,8 @@ def main() -> None:
         "spec_decode", a.out, [table], data,
         notes=[
             f"SmolLM2-135M-Instruct fp32, {a.threads} threads, {a.requests} chat requests per kind, "
-            f"{a.new_tokens} new tokens at most (greedy, EOS ends), best of {a.reps} alternating runs.",
+            f"{a.new_tokens} new tokens at most (greedy, EOS ends), best of {a.reps} alternating runs; "
+            "extract: under a JSON schema of four fields.",
             "speculative_config: " + str(SPEC),
             "mean acceptance length: tokens a drafted sequence-step adds (1 + kept drafts / drafted steps).",
         ],

@@ -4,6 +4,7 @@ stats line. The answer is transformers' greedy one (the engine tests check the r
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 
@@ -74,6 +75,55 @@ def test_chat_answer_is_transformers_greedy_and_drafts_are_counted(server: Serve
     )
     positions = {s.labels["position"] for s in fams["vllm:spec_decode_num_accepted_tokens_per_pos"].samples}
     assert positions == {"0", "1", "2", "3"}
+
+
+def _drafted(server: ServerThread) -> tuple[float, float]:
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    return tuple(  # type: ignore[return-value]
+        sum(s.value for s in fams[name].samples if s.name == name + "_total")
+        for name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+    )
+
+
+def test_json_schema_answer_is_transformers_under_xgrammar_with_drafts(server: ServerThread) -> None:
+    """response_format's schema through the core process, drafting (the values are copied from the
+    prompt): the tokens are transformers' greedy under xgrammar's own logits processor."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "city", "age"],
+    }
+    record = "Record 17: Margaret Thompson-Whitfield, a retired marine biologist, lives in Saint Petersburg, Florida, aged 67."
+    messages = [
+        {"role": "user", "content": f"Extract name, city and age as JSON from this record:\n{record}"}
+    ]
+    path = default_model_dir(progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size)
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema))
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id, logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)],
+        )[0, len(ids) :].tolist()  # fmt: skip
+    before = _drafted(server)
+    body = {
+        "model": "smol", "messages": messages, "max_tokens": 64, "temperature": 0, "return_token_ids": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    }  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    got = choice["token_ids"]
+    assert got == ref[: len(got)] and choice["finish_reason"] == "stop"
+    assert set(json.loads(choice["message"]["content"])) == {"name", "city", "age"}
+    after = _drafted(server)
+    assert after[0] > before[0] and after[1] > before[1]  # this request drafted, and kept some
 
 
 def test_stats_line_reports_the_intervals_acceptance() -> None:
