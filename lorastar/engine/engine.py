@@ -867,7 +867,9 @@ class LLMEngine(PromptInputs):
         rewind: dict[int, torch.Tensor],
     ) -> None:
         """``_process``'s appends when some rows verify drafts: each drafted sequence keeps its
-        confirmed drafts' KV (computed this step) and gives back the blocks of the rejected ones;
+        confirmed drafts' KV (computed this step; its full blocks enter the prefix cache even when
+        the sequence finishes on a later one, as plain steps leave them) and gives back the blocks
+        of the rejected ones;
         ``rewind``: seeded drafted sequences' generator states before the draws (first row -> state)."""
         bm = self.block_manager
         i = 0
@@ -879,13 +881,14 @@ class LLMEngine(PromptInputs):
                 _rewind_generator(seq.sampling_row.generator, state, len(toks))
             i += d + 1
             for k, tok in enumerate(toks):  # up to the first that finishes the sequence
+                if k:  # toks[k - 1] was a kept draft: computed this step, cached before any finish
+                    seq.num_computed_tokens += 1
+                    bm.commit(seq)
                 self._append(seq, tok, lps[k] if lps is not None else None, now)
                 if seq.is_finished:
                     break
             touched[seq.request.request_id] = seq.request
             if d and not seq.is_finished:
-                seq.num_computed_tokens += len(toks) - 1  # the confirmed drafts
-                bm.commit(seq)
                 bm.release_outside_window(seq)
                 bm.trim(seq)
 

@@ -253,6 +253,30 @@ def test_prefix_cache_holds_only_verified_tokens(tiny, monkeypatch: pytest.Monke
     _drained(llm)
 
 
+def test_a_sequence_finishing_inside_its_drafts_caches_them(tiny, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A stop token met among kept drafts: the blocks those drafts filled enter the prefix cache
+    as plain steps leave them, so the next turn (prompt + answer) hits as many tokens."""
+    path, _, prompts, refs = tiny
+    p = prompts[2]
+    ref = refs[tuple(p)]
+    # drafts of 4, all kept: a step adds outputs 1-5, the next 6-10; the stop is a draft there
+    s = next(i for i in (8, 9, 7) if ref[i] not in ref[:i])
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, stop_token_ids=[ref[s]])
+    cached = []
+    for spec in (None, SPEC):
+        monkeypatch.setattr(engine_mod, "propose_ngram", _oracle(refs, None))
+        llm = _llm(path, num_kv_blocks=128, block_size=4, speculative_config=spec)
+        (o,) = llm.generate([{"prompt_token_ids": p}], params)
+        assert o.outputs[0].token_ids == ref[: s + 1] and o.outputs[0].finish_reason == "stop"
+        (o2,) = llm.generate(
+            [{"prompt_token_ids": p + ref[: s + 1]}], SamplingParams(temperature=0, max_tokens=2)
+        )
+        cached.append(o2.num_cached_tokens)
+        _drained(llm)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert cached[1] == cached[0] >= len(p) + s - 3, cached
+
+
 def test_lora_with_drafts_equals_peft(tiny, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
     from peft import PeftModel
 
