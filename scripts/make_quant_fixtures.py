@@ -72,6 +72,9 @@ FIXTURES: dict[str, tuple[str, dict]] = {
     "w4a16_g32": ("llmc", {"weights": {"num_bits": 4, "group_size": 32, "symmetric": True}}),
     "w4a16_asym": ("llmc", {"weights": {"num_bits": 4, "group_size": 64, "symmetric": False}}),
     "w8a16": ("llmc", {"weights": {"num_bits": 8, "strategy": "channel", "symmetric": True}}),
+    # int8 weights per channel and int8 activations per token, dynamic (RedHatAI's "quantized.w8a8"
+    # layout; llm-compressor's W8A8 preset, RTN without SmoothQuant: int-quantized format).
+    "w8a8": ("llmc", {"scheme": "W8A8"}),
 }
 KV_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 # SmolLM2 checkpoints for benchmarks/quant.py: generated on demand into the cache, never committed

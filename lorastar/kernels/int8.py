@@ -18,15 +18,25 @@ import torch
 INT8_MAX = 127.0
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# compressed-tensors' symmetric int8 scale: amax over half its range (255 / 2), values clamped to
+# [-128, 127]; what a W8A8 checkpoint's own forward quantizes activations with.
+CT_INT8_HALF_RANGE = 127.5
+
+
+def quantize_per_token(x: torch.Tensor, qmax: float = INT8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row.
 
-    Semantics: ``s = amax(|x|, -1) / 127; q = round(x / s)``; ``x [M, K]`` -> (``q [M, K]`` int8,
-    ``s [M, 1]`` fp32). An all-zero row gets a tiny positive scale (and zeros).
+    Semantics: ``s = amax(|x|, -1) / qmax; q = clamp(round(x / s), -128, 127)``; ``x [M, K]`` ->
+    (``q [M, K]`` int8, ``s [M, 1]`` fp32). ``qmax`` 127 (the default, vLLM's kernels') never needs
+    the clamp; ``CT_INT8_HALF_RANGE`` is compressed-tensors'. An all-zero row gets a tiny positive
+    scale (and zeros).
     """
     xf = x.float()
-    s = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).div_(INT8_MAX)
-    return torch.round(xf / s).to(torch.int8), s
+    s = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).div_(qmax)
+    q = torch.round(xf / s)
+    if qmax > INT8_MAX:
+        q.clamp_(-128.0, INT8_MAX)
+    return q.to(torch.int8), s
 
 
 def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,14 +47,19 @@ def quantize_weight_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def int8_linear(
-    x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    qmax: float = INT8_MAX,
 ) -> torch.Tensor:
     """W8A8 linear with per-token activation and per-channel weight scales.
 
     Semantics: ``y = (Qtok(x) @ Wq.float()) * sx * sw (+ bias)``; ``x [M, K]``, ``weight_t [K, N]``
-    int8 (the weight transposed, contiguous), ``weight_scale [N]`` fp32 -> ``y [M, N]`` in ``x.dtype``.
+    int8 (the weight transposed, contiguous), ``weight_scale [N]`` fp32 -> ``y [M, N]`` in ``x.dtype``;
+    ``qmax``: as ``quantize_per_token``'s.
     """
-    xq, xs = quantize_per_token(x)  # [M, K] int8, [M, 1]
+    xq, xs = quantize_per_token(x, qmax)  # [M, K] int8, [M, 1]
     acc = torch._int_mm(xq, weight_t)  # [M, N] int32, exact
     y = torch.mul(acc, xs).mul_(weight_scale)  # fp32
     if bias is not None:

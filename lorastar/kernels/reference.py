@@ -334,15 +334,19 @@ def ref_int8_linear(
     weight: torch.Tensor,  # [N, K] int8
     weight_scale: torch.Tensor,  # [N]
     bias: torch.Tensor | None = None,
+    qmax: float = 127.0,
 ) -> torch.Tensor:
     """W8A8 int8 linear, row by row in float64: each row of ``x`` is quantized on its own
-    (``s = amax|x| / 127``, ``q = round(x / s)``), ``y = (q @ Wq.T) * s * s_w (+ b)``, in ``x.dtype``."""
+    (``s = amax|x| / qmax``, ``q = clamp(round(x / s), -128, 127)``), ``y = (q @ Wq.T) * s * s_w (+ b)``,
+    in ``x.dtype``. ``qmax`` 127.5: compressed-tensors' scale. The quantization is float32 math, as
+    the kernel's and compressed-tensors' are (a value on a rounding edge, a row's amax at -127.5
+    among them, rounds the same way); the product float64."""
     w = weight.double()
     rows = []
-    for row in x.double():
-        s = max(row.abs().max().item(), torch.finfo(torch.float32).tiny) / 127.0
-        q = torch.round(row / s).clamp(-127, 127)
-        rows.append((w @ q) * s * weight_scale.double())
+    for row in x.float():
+        s = row.abs().max().clamp(min=torch.finfo(torch.float32).tiny) / qmax  # float32
+        q = torch.round(row / s).clamp(-128, 127)
+        rows.append((w @ q.double()) * s.double() * weight_scale.double())
     y = torch.stack(rows) if rows else torch.zeros(0, weight.shape[0], dtype=torch.float64)
     if bias is not None:
         y = y + bias.double()

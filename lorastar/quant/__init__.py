@@ -1,5 +1,6 @@
 """Quantized weights and KV cache: AWQ, GPTQ, FP8 (compressed-tensors or on the fly), compressed-tensors
-int4/int8 weight-only (W4A16 / W8A16, served as GPTQ), int8 W8A8 on the fly (CPU), FP8 KV.
+int4/int8 weight-only (W4A16 / W8A16, served as GPTQ) and int8 W8A8 (CPU), int8 W8A8 on the fly (CPU),
+FP8 KV.
 
 ``get_quant_config`` is the one entry point the loader uses: the method comes from the checkpoint's
 ``config.json`` (``quantization_config.quant_method``), never from file names; ``requested`` (the

@@ -1,5 +1,8 @@
-"""compressed-tensors int weight-only checkpoints (llm-compressor's W4A16, W4A16_ASYM, W8A16:
-``format: pack-quantized``), served through the GPTQ layout and compute path.
+"""compressed-tensors int checkpoints: weight-only (llm-compressor's W4A16, W4A16_ASYM, W8A16:
+``format: pack-quantized``), served through the GPTQ layout and compute path; and W8A8 (int8
+weights per channel, int8 activations per token, dynamic and symmetric: ``format: int-quantized``,
+``weight`` int8 ``[out, in]`` and ``weight_scale`` ``[out, 1]``), served on the CPU by the int8
+W8A8 path (``quant/int8.py``) with compressed-tensors' own activation scale (amax / 127.5).
 
 Checkpoint tensors per linear (``bits`` 4 or 8, ``p = 32 / bits`` values per int32 word, ``G`` groups):
   ``weight_packed``     ``[out, in/p]`` int32  input columns packed sequentially (element ``j`` of a
@@ -27,9 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod
+from lorastar.kernels.int8 import CT_INT8_HALF_RANGE, int8_linear
+from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, load_shard
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.gptq import GPTQConfig, GPTQLinearMethod
+from lorastar.quant.int8 import Int8LinearMethod
 from lorastar.quant.utils import is_skipped, served_name, served_names, target_fused_lookup, target_lookup
 
 # actorder values that store ``weight_g_idx`` ("dynamic" is compressed-tensors' alias of "group");
@@ -46,6 +51,7 @@ class IntWeightScheme:
     group_size: int
     symmetric: bool
     g_idx: bool  # actorder "group": weight_g_idx is stored and required
+    act_per_token: bool = False  # W8A8: activations int8 per token, dynamic (format int-quantized)
 
 
 def is_int_weight_config(config: dict[str, Any]) -> bool:
@@ -58,22 +64,49 @@ def is_int_weight_config(config: dict[str, Any]) -> bool:
     )
 
 
-def _int_scheme(gname: str, group: dict[str, Any]) -> IntWeightScheme:
+def _w8a8(w: dict[str, Any], act: Any) -> bool:
+    """Whether a group is the W8A8 scheme served here (vLLM's ``CompressedTensorsW8A8Int8`` with
+    dynamic per-token activations): int8 symmetric weights per channel, int8 symmetric dynamic
+    activations per token."""
+    return (
+        isinstance(act, dict)
+        and act.get("type") == "int"
+        and int(act.get("num_bits", 0)) == 8
+        and act.get("strategy") == "token"
+        and act.get("dynamic") is True
+        and act.get("symmetric", True) is True
+        and int(w.get("num_bits", 0)) == 8
+        and w.get("strategy") == "channel"
+        and w.get("symmetric", True) is True
+    )
+
+
+def _int_scheme(gname: str, group: dict[str, Any], top_format: str | None = None) -> IntWeightScheme:
     where = f"compressed-tensors (pack-quantized int) config_groups.{gname}"
     w = group.get("weights")
     if not isinstance(w, dict) or w.get("type") != "int":
         raise ValueError(
             f"{where}.weights: mixed int and float schemes are not supported (type={None if not isinstance(w, dict) else w.get('type')!r})"
         )
-    for key in ("input_activations", "output_activations"):
-        if group.get(key):
+    if group.get("output_activations"):
+        raise ValueError(f"{where}.output_activations: output activation quantization is not supported")
+    act = group.get("input_activations")
+    fmt = group.get("format") or (top_format if top_format != "mixed-precision" else None)
+    if act:
+        where = f"compressed-tensors (int-quantized W8A8) config_groups.{gname}"
+        if not _w8a8(w, act):
             raise ValueError(
-                f"{where}.{key}: int weights with activation quantization (W8A8 / W4A8) are not "
-                "supported, only weight-only schemes (W4A16, W8A16)"
+                f"{where}.input_activations: with activation quantization only W8A8 is supported (int8 "
+                "weights per channel, int8 activations per token, dynamic and symmetric; W4A8 and "
+                f"static activation scales are not), got weights {_brief(w)} and activations {_brief(act)}"
             )
-    fmt = group.get("format")
+        if fmt is not None and fmt != "int-quantized":
+            raise ValueError(f"{where}.format {fmt!r} is not supported for W8A8 (only 'int-quantized')")
+        return IntWeightScheme(8, -1, True, False, act_per_token=True)
     if fmt is not None and fmt != "pack-quantized":
-        raise ValueError(f"{where}.format {fmt!r} is not supported for int weights (only 'pack-quantized')")
+        raise ValueError(
+            f"{where}.format {fmt!r} is not supported for weight-only int weights (only 'pack-quantized')"
+        )
     bits = int(w.get("num_bits", 0))
     if bits not in (4, 8):
         raise ValueError(f"{where}.weights.num_bits must be 4 or 8, got {w.get('num_bits')!r}")
@@ -96,6 +129,11 @@ def _int_scheme(gname: str, group: dict[str, Any]) -> IntWeightScheme:
     if order not in _GIDX_ORDERS + _NO_GIDX_ORDERS:
         raise ValueError(f"{where}.weights.actorder {order!r} is not supported")
     return IntWeightScheme(bits, group_size, bool(w.get("symmetric", True)), order in _GIDX_ORDERS)
+
+
+def _brief(scheme: dict[str, Any]) -> str:
+    keys = ("num_bits", "strategy", "dynamic", "symmetric")
+    return "{" + ", ".join(f"{k}={scheme.get(k)!r}" for k in keys) + "}"
 
 
 class CompressedTensorsWNA16Config(QuantConfig):
@@ -121,9 +159,10 @@ class CompressedTensorsWNA16Config(QuantConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CompressedTensorsWNA16Config:
         fmt = config.get("format")
-        if fmt not in (None, "pack-quantized", "mixed-precision"):
+        if fmt not in (None, "pack-quantized", "int-quantized", "mixed-precision"):
             raise ValueError(
-                f"compressed-tensors format {fmt!r} is not supported for int weights (only 'pack-quantized')"
+                f"compressed-tensors format {fmt!r} is not supported for int weights "
+                "(only 'pack-quantized', and 'int-quantized' for W8A8)"
             )
         sparsity = config.get("sparsity_config") or {}
         if sparsity and sparsity.get("format", "dense") != "dense":
@@ -139,11 +178,16 @@ class CompressedTensorsWNA16Config(QuantConfig):
         for gname, g in raw.items():
             if not isinstance(g, dict):
                 raise ValueError(f"compressed-tensors config_groups.{gname} must be an object")
-            if fmt is None and g.get("format") is None:
+            if fmt in (None, "mixed-precision") and g.get("format") is None:
                 raise ValueError(
                     f"compressed-tensors config_groups.{gname}: no format (expected 'pack-quantized')"
                 )
-            scheme = _int_scheme(gname, g)
+            if fmt not in (None, "mixed-precision") and g.get("format") not in (None, fmt):
+                raise ValueError(
+                    f"compressed-tensors config_groups.{gname}.format {g['format']!r} differs from the "
+                    f"checkpoint's format {fmt!r} (expected 'mixed-precision' there)"
+                )
+            scheme = _int_scheme(gname, g, fmt)
             targets = list(g.get("targets") or [])
             if not targets:
                 raise ValueError(f"compressed-tensors config_groups.{gname}: empty targets")
@@ -153,7 +197,10 @@ class CompressedTensorsWNA16Config(QuantConfig):
             int(kv.get("num_bits", 8)) != 8 or str(kv.get("type", "float")) != "float" or kv.get("dynamic")
         ):
             raise ValueError(f"compressed-tensors kv_cache_scheme {kv} is not supported (static FP8 only)")
-        return cls(groups, list(config.get("ignore") or []), kv or None)
+        qc = cls(groups, list(config.get("ignore") or []), kv or None)
+        if any(scheme.act_per_token for _, scheme in groups):
+            qc.devices = ("cpu",)  # torch._int_mm per-token W8A8: the CPU path only, as quantization="int8"
+        return qc
 
     def _scheme_for(self, name: str, by_class: bool = True) -> IntWeightScheme | None:
         # compressed-tensors' (and vLLM's) precedence, whatever the group order: a layer-name target,
@@ -170,6 +217,8 @@ class CompressedTensorsWNA16Config(QuantConfig):
         scheme = target_fused_lookup(prefix, self.packed_modules_mapping, self._scheme_for, mixed)
         if scheme is None:
             return UnquantizedLinearMethod()
+        if scheme.act_per_token:
+            return CompressedTensorsW8A8LinearMethod()
         return CompressedTensorsWNA16LinearMethod(scheme)
 
     def __repr__(self) -> str:
@@ -243,7 +292,50 @@ class CompressedTensorsWNA16LinearMethod(GPTQLinearMethod):
             QuantMethod.load_weight(self, layer, name, loaded, shard, source)
 
 
+class CompressedTensorsW8A8LinearMethod(Int8LinearMethod):
+    """A W8A8 group's linear: the checkpoint's int8 ``weight [out, in]`` and ``weight_scale
+    [out, 1]`` as they are (no quantization at load), the int8 path's compute with
+    compressed-tensors' activation scale, so the product is the checkpoint's own forward's
+    (``q = clamp(round(x / (amax / 127.5)), -128, 127)``); LoRA deltas stay in float."""
+
+    def expected_tensors(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale")
+
+    def load_weight(
+        self, layer: Linear, name: str, loaded: torch.Tensor, shard: int | None, source: str
+    ) -> None:
+        if name == "weight":
+            if loaded.dtype != torch.int8 or loaded.dim() != 2 or loaded.shape[1] != layer.input_size:
+                raise ValueError(
+                    f"{source}: a W8A8 weight must be int8 [*, {layer.input_size}], got {loaded.dtype} "
+                    f"{tuple(loaded.shape)}"
+                )
+            load_shard(layer.weight, layer.output_sizes, loaded, shard, source)
+        elif name == "weight_scale":
+            per_channel = loaded.dim() == 1 or (loaded.dim() == 2 and loaded.shape[1] == 1)
+            if not loaded.dtype.is_floating_point or not per_channel:
+                raise ValueError(
+                    f"{source}: weight_scale must be a per-channel float [out, 1], got {loaded.dtype} "
+                    f"{tuple(loaded.shape)}"
+                )
+            scale = loaded.reshape(-1).float()
+            load_shard(layer.weight_scale, layer.output_sizes, scale, shard, source, by_rows=True)
+        elif name == "weight_zero_point":  # symmetric: older writers stored zeros
+            if loaded.dtype.is_floating_point or bool(loaded.any()):
+                raise ValueError(f"{source}: a symmetric scheme must have zero (or no) weight_zero_point")
+        else:
+            super().load_weight(layer, name, loaded, shard, source)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = int8_linear(
+            x.reshape(-1, x.shape[-1]), layer.weight_t, layer.weight_scale, bias, CT_INT8_HALF_RANGE
+        )
+        return y.reshape(*lead, y.shape[-1])
+
+
 __all__ = [
+    "CompressedTensorsW8A8LinearMethod",
     "CompressedTensorsWNA16Config",
     "CompressedTensorsWNA16LinearMethod",
     "IntWeightScheme",
