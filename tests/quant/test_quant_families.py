@@ -143,6 +143,12 @@ def _fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).to(torch.float8_e4m3fn).to(x.dtype) * scale
 
 
+def _int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 with one scale per token, as compressed-tensors does (max |x| / 127.5)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.5
+    return torch.clamp(torch.round(x / scale), -128, 127) * scale
+
+
 def _dequantized(name: str) -> dict[str, torch.Tensor]:
     """``{checkpoint module: W [out, in]}`` as lorastar's Llama computes each quantized linear."""
     llama, _ = _load(name)
@@ -150,7 +156,10 @@ def _dequantized(name: str) -> dict[str, torch.Tensor]:
     out = {}
     with torch.inference_mode():
         for prefix, layer in llama.linears().items():
-            w = layer.quant_method.apply(layer, torch.eye(layer.input_size), None).T  # [out, in]
+            if name == "w8a8":  # its input quantization would round the identity's ones: as held
+                w = layer.quant_method.dequantized_weight(layer)
+            else:
+                w = layer.quant_method.apply(layer, torch.eye(layer.input_size), None).T  # [out, in]
             block, _, fused = prefix.rpartition(".")
             parts = mapping.get(fused, [fused])
             for part, piece in zip(parts, w.split(layer.output_sizes, dim=0)):
@@ -158,7 +167,7 @@ def _dequantized(name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-_NAMES = ("awq_g32", "gptq_act", "fp8_channel", "w4a16_g32", "w4a16_asym", "w8a16")
+_NAMES = ("awq_g32", "gptq_act", "fp8_channel", "w4a16_g32", "w4a16_asym", "w8a16", "w8a8")
 CASES = [(f, n) for f in FAMILIES for n in present(_NAMES) if f != "phi3" or n != "gptq_act"]
 CASES += [("phi3", n) for n in present(("gptq_sym",))]
 
@@ -169,7 +178,7 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
     hf = _hf_family(family, fx)
     quantized = {k: v for k, v in checkpoint(name).items() if "_proj." in k}
     if family == "phi3":
-        quantized = _fuse(quantized, int4=not name.startswith("fp8"))
+        quantized = _fuse(quantized, int4=not name.startswith("fp8") and name != "w8a8")
     mm = family.endswith("-mm")
     if mm:  # the language model's linears under its prefix; the vision tower's stay plain
         quantized = {k.replace("model.", _MM_PREFIX, 1): v for k, v in quantized.items()}
@@ -210,13 +219,14 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
     with torch.no_grad():
         for module, w in deq.items():
             hf.get_submodule(module.replace("model.", _MM_PREFIX, 1) if mm else module).weight.copy_(w)
-    if name.startswith("fp8"):
+    if name.startswith("fp8") or name == "w8a8":
         # W8A8: each linear's input is quantized per token (dynamic), as llm-compressor's FP8_DYNAMIC
-        # scheme runs it: emulate that in the reference.
+        # and W8A8 schemes run it: emulate that in the reference.
+        per_token = _fp8_per_token if name.startswith("fp8") else _int8_per_token
         for module in deq:
             hf.get_submodule(
                 module.replace("model.", _MM_PREFIX, 1) if mm else module
-            ).register_forward_pre_hook(lambda _m, args: (_fp8_per_token(args[0]),))
+            ).register_forward_pre_hook(lambda _m, args, q=per_token: (q(args[0]),))
     gen = torch.Generator().manual_seed(3)
     for length in (5, 48):  # shorter and three times longer than the sliding window
         ids = torch.randint(0, fx["vocab_size"], (length,), generator=gen).tolist()
@@ -225,7 +235,7 @@ def test_quantized_checkpoint_of_each_family(tmp_path: Path, family: str, name: 
         got = _forward_logits(model, ids)
         err = ((got - want).abs().max() / want.abs().max()).item()
         print(f"{family}/{name} ({length} tokens): max logit error {err:.2e}")
-        tol = FP8_TOL if name.startswith("fp8") else INT4_TOL
+        tol = FP8_TOL if name.startswith("fp8") or name == "w8a8" else INT4_TOL
         assert err < tol, f"{family}/{name}, {length} tokens: logits differ by {err:.2e} relative"
 
 
