@@ -113,6 +113,23 @@ def _draft_rows(seq: Sequence, row: SamplingRow, d: int) -> list[SamplingRow]:
     ]
 
 
+def _allowed_drafts(row: SamplingRow, drafts: list[int]) -> int:
+    """How many leading ``drafts`` the row's grammar or choice allows after its output: the rest are
+    not run (as vLLM's scheduler validates drafts against the grammar), since a refused draft can
+    never be kept."""
+    output = row.output_token_ids
+    k = len(drafts)
+    if row.grammar is not None:
+        k = row.grammar.valid_drafts(output, drafts[:k])
+    if row.choices is not None:
+        out = list(output)
+        j = 0
+        while j < k and drafts[j] in row.choices.allowed(out + drafts[:j]).tolist():
+            j += 1
+        k = j
+    return k
+
+
 def _rewind_generator(gen: torch.Generator, state: torch.Tensor, kept: int) -> None:
     """A seeded drafted sequence's generator as plain steps leave it: one draw per kept token, not
     one per row (the sampler's draw, ``Sampler._draw``), so its tokens do not depend on how many
@@ -838,6 +855,8 @@ class LLMEngine(PromptInputs):
             if k <= 0:
                 continue
             toks = propose_ngram(token_array(seq), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+            if toks and (seq.sampling_row.grammar is not None or seq.sampling_row.choices is not None):
+                toks = toks[: _allowed_drafts(seq.sampling_row, toks)]
             if toks:
                 seq.token_ids.extend(toks)
                 seq.num_draft_tokens = len(toks)

@@ -335,24 +335,9 @@ class GrammarRow:
     def fill(self, output: Sequence[int], bitmask: Tensor, index: int) -> int:
         """Advance over ``output``'s new ids, then, where the grammar applies, write the next
         token's mask into ``bitmask[index]``: ``FREE``, ``MASKED`` or ``ENDED`` (module constants)."""
-        n = len(output)
-        if n < self.accepted:  # an output never shrinks; a guard, not a path
-            self.matcher.reset()
-            self.accepted, self.steps, self.off = 0, 0, False
-            self.reasoning = self.think_end is not None and self.think_start is None
+        self._advance(output)
+        n = self.accepted
         m = self.matcher
-        for i in range(self.accepted, n):
-            tok = int(output[i])
-            if self.reasoning:
-                self.reasoning = tok != self.think_end
-            elif i == 0 and tok == self.think_start:
-                self.reasoning = True
-            elif self.off or m.is_terminated() or not m.accept_token(tok):
-                self.off = True
-                break
-            else:
-                self.steps += 1
-        self.accepted = n
         if self.reasoning:
             return FREE
         if self.off or m.is_terminated():
@@ -368,6 +353,46 @@ class GrammarRow:
             value = int(bitmask[index, word]) | (1 << bit)
             bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value  # as int32
         return MASKED
+
+    def _advance(self, output: Sequence[int]) -> None:
+        """Read ``output``'s ids past ``accepted``."""
+        n = len(output)
+        if n < self.accepted:  # an output never shrinks; a guard, not a path
+            self.matcher.reset()
+            self.accepted, self.steps, self.off = 0, 0, False
+            self.reasoning = self.think_end is not None and self.think_start is None
+        for i in range(self.accepted, n):
+            if not self._take(int(output[i]), i):
+                break
+        self.accepted = n
+
+    def _take(self, tok: int, i: int) -> bool:
+        """Read ``tok``, the output's id at position ``i``; False where the output leaves the
+        grammar there or had left it (``off``: EOS only from then on)."""
+        if self.reasoning:
+            self.reasoning = tok != self.think_end
+        elif i == 0 and tok == self.think_start:
+            self.reasoning = True
+        elif self.off or self.matcher.is_terminated() or not self.matcher.accept_token(tok):
+            self.off = True
+            return False
+        else:
+            self.steps += 1
+        return True
+
+    def valid_drafts(self, output: Sequence[int], drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` may follow ``output`` (vLLM's ``validate_tokens``: a draft
+        past the first one the grammar refuses is never run, it could not be kept). The row reads
+        ``output`` for good and ends as it was after it."""
+        self._advance(output)
+        state = self.checkpoint()
+        k = 0
+        for tok in drafts:
+            if not self._take(tok, self.accepted + k):
+                break
+            k += 1
+        self.restore(state)
+        return k
 
     def checkpoint(self) -> tuple[int, int, bool, bool]:
         """The row's state, for ``restore``: speculative decoding fills the masks of drafted

@@ -59,12 +59,14 @@ def _draft(
     ref: list[int],
     spoil: int | str | None,
     others: dict[int, int] | None = None,
-) -> None:
+) -> list[tuple[int, list[int]]]:
     """Drafts of ``ref`` (the reference output of ``prompt``) at every step. ``spoil``: None keeps
     them; an int k puts ``t + 1`` at every k-th position (mostly a token a grammar refuses);
     "others" puts ``others[i]`` (a token the grammar allows, the model does not) wherever there is
     one; "last" spoils only the last draft of each proposal (with ``others`` or ``t + 1``), so a
-    step keeps all but one and its matcher must give back exactly the one it stepped through."""
+    step keeps all but one and its matcher must give back exactly the one it stepped through.
+    Returns the log of proposals: (output length, drafts)."""
+    log: list[tuple[int, list[int]]] = []
 
     def propose(tokens: np.ndarray, lo: int, hi: int, k: int) -> list[int]:
         toks = tokens.tolist()
@@ -74,15 +76,27 @@ def _draft(
         out = ref[done : done + k]
         alt = others or {}
         if isinstance(spoil, int):
-            return [t + 1 if (done + i) % spoil == 0 else t for i, t in enumerate(out)]
-        if spoil == "others":
-            return [alt.get(done + i, t) for i, t in enumerate(out)]
-        if spoil == "last" and out:
+            out = [t + 1 if (done + i) % spoil == 0 else t for i, t in enumerate(out)]
+        elif spoil == "others":
+            out = [alt.get(done + i, t) for i, t in enumerate(out)]
+        elif spoil == "last" and out:
             i = done + len(out) - 1
-            return [*out[:-1], alt.get(i, out[-1] + 1)]
+            out = [*out[:-1], alt.get(i, out[-1] + 1)]
+        log.append((done, out))
         return out
 
     monkeypatch.setattr(engine_mod, "propose_ngram", propose)
+    return log
+
+
+def _grammar_allows(compiled: Any, output: list[int], drafts: list[int]) -> int:
+    """How many leading ``drafts`` a fresh matcher of ``compiled`` accepts after ``output``."""
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(t) for t in output)
+    k = 0
+    while k < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[k]):
+        k += 1
+    return k
 
 
 def _allowed_others(compiled: Any, ref: list[int]) -> dict[int, int]:
@@ -125,7 +139,8 @@ def test_greedy_structured_with_drafts_equals_transformers(
 ) -> None:
     """Every draft position kept, refused by the grammar, or allowed by it but not the model's: the
     tokens are HF's under xgrammar's processor. The reference ends with EOS, which is drafted too
-    (the matcher terminates on it, then rolls back)."""
+    (the matcher terminates on it, then rolls back). Drafts past the first the grammar refuses are
+    not run (vLLM's rule): the drafted tokens are exactly the proposals' allowed prefixes."""
     tok, _, ids, compiler = hf
     value, compile_ = CASES[field]
     compiled = compile_(compiler)
@@ -134,21 +149,27 @@ def test_greedy_structured_with_drafts_equals_transformers(
     params = SamplingParams(temperature=0, max_tokens=48, **{field: value})
     stats = llm.engine.spec_stats
     others = _allowed_others(compiled, ref)
+    refused = 0
     for spoil, alt in ((None, None), (2, None), (3, None), ("others", others), ("last", None), ("last", others)):  # fmt: skip
         kept, drafted = stats.num_accepted_tokens, stats.num_draft_tokens
-        _draft(monkeypatch, ids, ref, spoil, alt)
+        log = _draft(monkeypatch, ids, ref, spoil, alt)
         (o,) = llm.generate([ids], params)
         got = o.outputs[0]
         assert got.token_ids == ref[: len(got.token_ids)], (spoil, alt, got.text)
         assert got.finish_reason == "stop"
         assert got.text == tok.decode(ref, skip_special_tokens=True)
         assert _satisfies(field, got.text)
+        ran = stats.num_draft_tokens - drafted
+        allowed = [_grammar_allows(compiled, ref[:done], out) for done, out in log]
+        assert ran == sum(allowed)
+        refused += sum(a < len(out) for a, (_, out) in zip(allowed, log))
         assert stats.num_accepted_tokens > kept
         if spoil is None:
-            assert stats.num_accepted_tokens - kept == stats.num_draft_tokens - drafted
-        else:
-            assert stats.num_accepted_tokens - kept < stats.num_draft_tokens - drafted
+            assert stats.num_accepted_tokens - kept == ran
+        if spoil == "others":
+            assert stats.num_accepted_tokens - kept < ran
         _drained(llm)
+    assert refused, "some proposals held drafts the grammar refuses"
 
 
 def test_json_after_a_reasoning_block_with_drafts_equals_transformers(
@@ -282,3 +303,33 @@ def test_grammar_row_and_budget_restore_after_drafted_positions(hf: tuple) -> No
     assert budget.next_forced([1, 4]) == 5 and budget.next_forced([1, 4, 5]) == 9
     budget.restore(mark)
     assert budget.next_forced([1]) == 4 and budget.next_forced([1, 4, 9]) is None
+
+
+def test_drafts_are_cut_at_the_first_one_the_grammar_or_choice_refuses(hf: tuple) -> None:
+    """``valid_drafts`` reads the output for good and leaves the matcher as it was after it; a
+    choice's drafts stop where they leave every choice's path."""
+    from lorastar.engine.engine import _allowed_drafts
+    from lorastar.engine.sampler import ChoicePaths, SamplingRow
+
+    tok, _, _, compiler = hf
+    eos = tok.eos_token_id
+    compiled = compiler.compile_grammar('root ::= "yes" | "no" | "yes sir"')
+    yes = tok.encode("yes", add_special_tokens=False)
+    sir = tok.encode(" sir", add_special_tokens=False)
+    no = tok.encode("no", add_special_tokens=False)
+    mask = xgr.allocate_token_bitmask(1, VOCAB)
+    row = GrammarRow(compiled, [eos])
+    assert row.valid_drafts([], [*yes, *sir, eos, 5]) == len(yes) + len(sir) + 1  # nothing after EOS
+    assert row.valid_drafts([], [*no, *sir]) == len(no)
+    assert row.accepted == 0 and row.steps == 0
+    assert row.valid_drafts(yes, [*no]) == 0 and row.accepted == len(yes) and row.steps == len(yes)
+    assert row.fill(yes, mask, 0) == MASKED
+    want = xgr.allocate_token_bitmask(1, VOCAB)
+    GrammarRow(compiled, [eos]).fill(yes, want, 0)
+    assert torch.equal(mask, want)
+
+    choices = ChoicePaths.from_token_ids([[11, 12, 13], [11, 14]], [eos])
+    sampling = SamplingRow(SamplingParams(), [9], [11], choices=choices)
+    assert _allowed_drafts(sampling, [12, 13, eos, 17]) == 3
+    assert _allowed_drafts(sampling, [14, 12]) == 1
+    assert _allowed_drafts(sampling, [15]) == 0
