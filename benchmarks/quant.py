@@ -5,7 +5,7 @@
 
 Systems: the 16-bit model (bf16 on GPU; fp32 compute on CPU, memory counted at bf16), on-the-fly FP8
 (``quantization="fp8"``), on the CPU int8 W8A8 (``quantization="int8"``), the FP8 KV cache, and the AWQ / GPTQ / compressed-tensors FP8 SmolLM2
-checkpoints made by ``scripts/make_quant_fixtures.py --only smollm2_awq,smollm2_gptq,smollm2_fp8``
+checkpoints made by ``scripts/make_quant_fixtures.py --only smollm2_awq,smollm2_gptq,smollm2_fp8,smollm2_w8a8``
 (in ``~/.cache/lorastar/quant``; missing ones are listed and skipped), and the int4 ones again with
 the int8 embedding / lm_head (``embedding_quantization="int8"``; also on the 16-bit model, to show
 its own quality cost).
@@ -145,9 +145,12 @@ def weight_bytes(model: torch.nn.Module, as_dtype: torch.dtype | None = None) ->
 
 
 def teacher_forced_logits(llm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
-    from types import SimpleNamespace
-
+    """Logits of every position of ``ids``: one prefill through the engine's runner, on a cache of
+    its own (the engine's KV dtype and scales)."""
+    from lorastar.engine.request import Request
     from lorastar.engine.runner import KVCacheSpec, ModelRunner
+    from lorastar.engine.sampling import SamplingParams
+    from lorastar.engine.scheduler import ScheduledSeq, SchedulerOutput
 
     model = llm.engine.model
     bs = 16
@@ -158,11 +161,9 @@ def teacher_forced_logits(llm, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
     runner = ModelRunner(
         model, spec, dev, k_scales=llm.engine.runner.k_scales, v_scales=llm.engine.runner.v_scales
     )
-    seq = SimpleNamespace(token_ids=ids, block_table=list(range(nb)), adapter_key=None)
-    out = SimpleNamespace(
-        scheduled=[SimpleNamespace(seq=seq, start=0, num_new_tokens=len(ids), samples=True)], copies=[]
-    )
-    input_ids, positions, ctx, _ = runner.prepare(out)
+    seq = Request("teacher-forced", None, list(ids), SamplingParams(max_tokens=1)).sequences[0]
+    seq.block_table = list(range(nb))
+    input_ids, positions, ctx, _ = runner.prepare(SchedulerOutput([ScheduledSeq(seq, 0, len(ids))]))
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, positions, ctx)).float().cpu()
 
@@ -184,14 +185,17 @@ def run_models(args: argparse.Namespace) -> None:
     if dev == "cpu":  # W8A8 int8 is the CPU path (torch._int_mm)
         systems.insert(2, ("int8 W8A8 on the fly", {"model": base, "quantization": "int8"}))
         systems.insert(3, ("int8 W8A8 + int8 embedding", {"model": base, "quantization": "int8", **INT8_EMB}))
-    for name, label in (
+    tool_made = [
         ("smollm2_awq", "AWQ int4 g64"),
         ("smollm2_gptq", "GPTQ int4 g64"),
         ("smollm2_fp8", "CT FP8 dynamic"),
-    ):
+    ]
+    if dev == "cpu":  # compressed-tensors W8A8 runs the same int8 path
+        tool_made.append(("smollm2_w8a8", "CT int8 W8A8"))
+    for name, label in tool_made:
         if (CACHE / name / "config.json").is_file():
             path = str(CACHE / name)
-        elif name == "smollm2_fp8":
+        elif name in ("smollm2_fp8", "smollm2_w8a8"):
             print(f"skipping {label}: {CACHE / name} missing (scripts/make_quant_fixtures.py --only {name})")
             continue
         else:
@@ -200,7 +204,7 @@ def run_models(args: argparse.Namespace) -> None:
             path = str(write_rtn_checkpoint(Path(base), CACHE / f"{name}_rtn", fmt))
             label = f"{fmt.upper()}-layout int4 g64 (RTN)"
         systems.append((label, {"model": path}))
-        if name != "smollm2_fp8":
+        if name not in ("smollm2_fp8", "smollm2_w8a8"):
             systems.append((f"{label} + int8 embedding", {"model": path, **INT8_EMB}))
     if args.only:
         keep = [k.strip().lower() for k in args.only.split(",") if k.strip()]

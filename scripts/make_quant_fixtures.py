@@ -3,7 +3,7 @@
 
     python3 scripts/make_quant_fixtures.py                 # everything (creates the venvs if missing)
     python3 scripts/make_quant_fixtures.py --only awq_g32,gptq_sym
-    python3 scripts/make_quant_fixtures.py --only smollm2_gptq,smollm2_fp8   # benchmark inputs (cache)
+    python3 scripts/make_quant_fixtures.py --only smollm2_gptq,smollm2_fp8,smollm2_w8a8   # benchmark inputs (cache)
 
 The quantization tools conflict with lorastar's own environment (and with each other), so each runs
 in its own throwaway venv under /tmp, with torch pinned to the local CPU wheel by a constraints file:
@@ -83,6 +83,7 @@ SMOLLM2: dict[str, tuple[str, dict]] = {
     "smollm2_awq": ("awq", {"group_size": 64}),
     "smollm2_gptq": ("gptq", {"bits": 4, "group_size": 64, "sym": True, "desc_act": False}),
     "smollm2_fp8": ("llmc", {"scheme": "FP8_DYNAMIC"}),
+    "smollm2_w8a8": ("llmc", {"scheme": "W8A8"}),
 }
 CACHE = Path(os.environ.get("LORASTAR_CACHE", Path.home() / ".cache" / "lorastar"))
 LOGITS_VENV = {"awq": "gptq", "gptq": "gptq", "llmc": "llmc"}
