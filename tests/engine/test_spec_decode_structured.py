@@ -234,7 +234,7 @@ def test_thinking_budget_with_drafts_equals_transformers(
             temperature=0, max_tokens=new, reasoning_end_token_id=tag, thinking_token_budget=budget,
             thinking_budget_message_ids=msg or None,
         )  # fmt: skip
-        for spoil in (None, 2, "last"):
+        for spoil in (2, "last"):
             kept = llm.engine.spec_stats.num_accepted_tokens
             _draft(monkeypatch, ids, ref, spoil)
             (o,) = llm.generate([ids], params)
@@ -259,7 +259,7 @@ def test_choice_and_seeded_json_with_drafts_equal_plain_steps(
         (want,) = plain.generate([ids], params)
         ref = list(want.outputs[0].token_ids)
         assert want.outputs[0].finish_reason == "stop" and len(ref) > 3
-        for spoil in (None, 2, "last"):
+        for spoil in (2, "last"):
             kept = llm.engine.spec_stats.num_accepted_tokens
             _draft(monkeypatch, ids, ref, spoil)
             (o,) = llm.generate([ids], params)
