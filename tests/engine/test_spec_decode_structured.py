@@ -21,7 +21,7 @@ from lorastar.engine import engine as engine_mod
 from lorastar.engine.grammar_mask import bitmask_to_bool
 from lorastar.engine.structured import ENDED, MASKED, GrammarRow
 from lorastar.engine.thinking_budget import ThinkingBudget
-from tests.engine.test_spec_decode import SPEC, _drained
+from tests.engine.test_spec_decode import _drained, _llm
 from tests.engine.test_structured_outputs import EBNF, MESSAGES, REGEX, SCHEMA, _satisfies
 
 VOCAB = 49152
@@ -41,16 +41,7 @@ def hf(model_dir: str) -> tuple[Any, Any, list[int], Any]:
 @pytest.fixture(scope="module")
 def llm(model_dir: str) -> LLM:
     """SmolLM2 drafting 4 tokens a step, its invariants checked after every step."""
-    llm = LLM(model_dir, num_kv_blocks=128, max_model_len=512, speculative_config=SPEC)
-    engine, step = llm.engine, llm.engine.step
-
-    def checked() -> Any:
-        out = step()
-        engine.check_invariants()
-        return out
-
-    engine.step = checked  # type: ignore[method-assign]
-    return llm
+    return _llm(model_dir, num_kv_blocks=128)
 
 
 def _draft(
