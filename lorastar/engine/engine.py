@@ -118,13 +118,11 @@ def _allowed_drafts(row: SamplingRow, drafts: list[int]) -> int:
     not run (as vLLM's scheduler validates drafts against the grammar), since a refused draft can
     never be kept."""
     output = row.output_token_ids
-    k = len(drafts)
-    if row.grammar is not None:
-        k = row.grammar.valid_drafts(output, drafts[:k])
+    k = len(drafts) if row.grammar is None else row.grammar.valid_drafts(output, drafts)
     if row.choices is not None:
         out = list(output)
         j = 0
-        while j < k and drafts[j] in row.choices.allowed(out + drafts[:j]).tolist():
+        while j < k and drafts[j] in row.choices.allowed(out + drafts[:j]):
             j += 1
         k = j
     return k

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorastar.kernels.int8 import CT_INT8_HALF_RANGE, int8_linear
+from lorastar.kernels.int8 import CT_INT8_HALF_RANGE
 from lorastar.layers.linear import Linear, QuantMethod, UnquantizedLinearMethod, load_shard
 from lorastar.quant.base import QuantConfig
 from lorastar.quant.gptq import GPTQConfig, GPTQLinearMethod
@@ -225,6 +225,12 @@ class CompressedTensorsWNA16Config(QuantConfig):
         return f"CompressedTensorsWNA16Config(groups={self.groups}, ignore={self.ignore})"
 
 
+def _check_zero_point(loaded: torch.Tensor, source: str) -> None:
+    """A symmetric scheme's ``weight_zero_point``: older writers stored it (all zeros); 0.19 drops it."""
+    if loaded.dtype.is_floating_point or bool(loaded.any()):
+        raise ValueError(f"{source}: a symmetric scheme must have zero (or no) weight_zero_point")
+
+
 def _repeat_word(value: int, bits: int) -> int:
     """The int32 word holding ``value`` in each of its ``32 / bits`` slots (two's complement)."""
     word = 0
@@ -264,9 +270,7 @@ class CompressedTensorsWNA16LinearMethod(GPTQLinearMethod):
         self, layer: Linear, name: str, loaded: torch.Tensor, shard: int | None, source: str
     ) -> None:
         if name == "weight_zero_point" and self.scheme.symmetric:
-            # Older writers stored the (all-zero) zero points of symmetric schemes too; 0.19 drops them.
-            if loaded.dtype.is_floating_point or bool(loaded.any()):
-                raise ValueError(f"{source}: a symmetric scheme must have zero (or no) weight_zero_point")
+            _check_zero_point(loaded, source)
             return
         if name in ("weight_packed", "weight_zero_point"):
             if loaded.dtype != torch.int32 or loaded.dim() != 2:
@@ -298,6 +302,8 @@ class CompressedTensorsW8A8LinearMethod(Int8LinearMethod):
     compressed-tensors' activation scale, so the product is the checkpoint's own forward's
     (``q = clamp(round(x / (amax / 127.5)), -128, 127)``); LoRA deltas stay in float."""
 
+    act_qmax = CT_INT8_HALF_RANGE
+
     def expected_tensors(self) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
@@ -320,18 +326,10 @@ class CompressedTensorsW8A8LinearMethod(Int8LinearMethod):
                 )
             scale = loaded.reshape(-1).float()
             load_shard(layer.weight_scale, layer.output_sizes, scale, shard, source, by_rows=True)
-        elif name == "weight_zero_point":  # symmetric: older writers stored zeros
-            if loaded.dtype.is_floating_point or bool(loaded.any()):
-                raise ValueError(f"{source}: a symmetric scheme must have zero (or no) weight_zero_point")
+        elif name == "weight_zero_point":  # symmetric
+            _check_zero_point(loaded, source)
         else:
             super().load_weight(layer, name, loaded, shard, source)
-
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        y = int8_linear(
-            x.reshape(-1, x.shape[-1]), layer.weight_t, layer.weight_scale, bias, CT_INT8_HALF_RANGE
-        )
-        return y.reshape(*lead, y.shape[-1])
 
 
 __all__ = [

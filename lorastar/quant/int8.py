@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lorastar.kernels.int8 import int8_linear, quantize_weight_per_channel
+from lorastar.kernels.int8 import INT8_MAX, int8_linear, quantize_weight_per_channel
 from lorastar.layers.linear import Linear, QuantMethod, load_shard, set_param_meta
 from lorastar.quant.base import QuantConfig
 
@@ -22,6 +22,8 @@ class Int8LinearMethod(QuantMethod):
     """One int8 linear. Loading quantizes each float shard by rows into ``weight [out, in]`` int8 and
     ``weight_scale [out]``; ``process_weights_after_loading`` keeps only the transposed copy
     ``weight_t [in, out]`` (the layout ``_int_mm`` runs fastest on from 4 rows up)."""
+
+    act_qmax = INT8_MAX  # activations' per-token scale: amax / act_qmax (``quantize_per_token``)
 
     def create_weights(
         self, layer: Linear, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
@@ -58,7 +60,7 @@ class Int8LinearMethod(QuantMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = int8_linear(x.reshape(-1, x.shape[-1]), layer.weight_t, layer.weight_scale, bias)
+        y = int8_linear(x.reshape(-1, x.shape[-1]), layer.weight_t, layer.weight_scale, bias, self.act_qmax)
         return y.reshape(*lead, y.shape[-1])
 
     def dequantized_weight(self, layer: Linear) -> torch.Tensor:
