@@ -3,12 +3,11 @@
 the CPU, against the real fixture ``w8a8`` (scripts/make_quant_fixtures.py): each probed linear
 equals transformers + compressed-tensors' own forward (which quantizes activations with
 amax / 127.5), the model's logits and greedy tokens too, LoRA on it equals PEFT on the decompressed
-base with the same input quantization, and the schemes not served are refused naming the field."""
+base with the same input quantization (test_lora_on_quant.py), and the schemes not served are refused naming the field."""
 
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,60 +84,6 @@ def test_generate_reproduces_transformers_greedy() -> None:
             [{"prompt_token_ids": ids[:p]}], SamplingParams(temperature=0, max_tokens=n - p, ignore_eos=True)
         )
         assert o.outputs[0].token_ids == ids[p:]
-
-
-def test_lora_on_the_w8a8_base_equals_peft(tmp_path: Path) -> None:
-    """The reference: the base decompressed (``dequantized_weight``) + PEFT, each base linear's input
-    quantized per token as compressed-tensors does (the LoRA path keeps the float input)."""
-    pytest.importorskip("peft")
-    from peft import PeftModel
-    from test_lora_on_quant import dequantized_hf_dir, make_adapters
-    from transformers import AutoModelForCausalLM
-
-    from lorastar import LLM, SamplingParams
-
-    base_dir = dequantized_hf_dir("w8a8", tmp_path / "base")
-    paths = make_adapters(base_dir, tmp_path / "adapters")
-    ref = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32), paths["a"], adapter_name="a"
-    )
-    ref.load_adapter(paths["b"], adapter_name="b")
-    ref.eval()
-    hooked = 0
-    for qual, mod in ref.named_modules():
-        if isinstance(mod, torch.nn.Linear) and "_proj" in qual and "lora_" not in qual:
-
-            def hook(m: Any, args: tuple) -> tuple:
-                x = args[0]
-                s = (
-                    x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-                    / CT_INT8_HALF_RANGE
-                )
-                return (torch.clamp(torch.round(x / s), -128, 127) * s,)
-
-            mod.register_forward_pre_hook(hook)
-            hooked += 1
-    assert hooked == 7 * read_config("w8a8")["num_hidden_layers"]
-    llm = LLM(model=str(fixture_dir("w8a8")), device="cpu", dtype="float32", num_kv_blocks=64, max_loras=2,
-              max_lora_rank=8, enable_prefix_caching=False)  # fmt: skip
-    for n, p in paths.items():
-        llm.load_adapter(n, p)
-    r = reference("w8a8")
-    prompts = [r["input_ids"][i, : int(r["prompt_len"][i])].tolist() for i in range(r["input_ids"].shape[0])]
-    batch = [(prompts[0], None), (prompts[0], "a"), (prompts[1], "b"), (prompts[2], "a")]
-    eng = llm.engine
-    for p, a in batch:
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=1), adapter=a)
-    out = eng.scheduler.schedule()
-    logits = eng.runner.execute(out, eng._adapter_slots(out)).logits
-    for row, (p, a) in enumerate(batch):
-        with torch.no_grad():
-            want = ref(input_ids=torch.tensor([p]), adapter_names=[a or "__base__"]).logits[0, -1]
-        err = ((logits[row] - want).abs().max() / want.abs().max()).item()
-        assert err < 1e-4, f"adapter {a}: relative logit error {err:.2e}"
-    assert not torch.allclose(logits[0], logits[1])
-    for rid in list(eng.requests):
-        eng.abort_request(rid)
 
 
 def _group(**changes: Any) -> dict[str, Any]:

@@ -66,12 +66,14 @@ def make_adapters(base_dir: Path, out: Path) -> dict[str, str]:
 
 
 def quantize_inputs_like_checkpoint(model: torch.nn.Module, name: str) -> int:
-    """FP8 W8A8 bases also quantize each base linear's input (per token, or with the checkpoint's
-    static scale). Give the reference's base linears the same input quantization (the LoRA A/B path
-    keeps the unquantized input, as in lorastar). Returns the number of hooked linears."""
+    """W8A8 bases (FP8, compressed-tensors int8) also quantize each base linear's input (per token,
+    or with the checkpoint's static scale). Give the reference's base linears the same input
+    quantization (the LoRA A/B path keeps the unquantized input, as in lorastar). Returns the
+    number of hooked linears."""
     from quant_fixtures import checkpoint
 
     from lorastar.kernels.fp8 import FP8_MAX
+    from lorastar.kernels.int8 import CT_INT8_HALF_RANGE
 
     ck = checkpoint(name)
     hooked = 0
@@ -83,6 +85,10 @@ def quantize_inputs_like_checkpoint(model: torch.nn.Module, name: str) -> int:
 
         def hook(m, args, static=static):  # noqa: ANN001, ANN202
             x = args[0]
+            if name == "w8a8":  # compressed-tensors' int8 rounding: amax / 127.5, clamped
+                s = x.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+                s = s / CT_INT8_HALF_RANGE
+                return (torch.clamp(torch.round(x / s), -128, 127) * s,)
             if static is None:
                 s = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).to(x.dtype)
             else:
@@ -95,7 +101,9 @@ def quantize_inputs_like_checkpoint(model: torch.nn.Module, name: str) -> int:
     return hooked
 
 
-@pytest.mark.parametrize("name", present(("awq_g32", "gptq_act", "fp8_channel", "fp8_tensor", "w4a16_asym")))
+@pytest.mark.parametrize(
+    "name", present(("awq_g32", "gptq_act", "fp8_channel", "fp8_tensor", "w4a16_asym", "w8a8"))
+)
 def test_lora_on_quantized_base_matches_peft(name: str, tmp_path: Path) -> None:
     base_dir = dequantized_hf_dir(name, tmp_path / "base")
     paths = make_adapters(base_dir, tmp_path / "adapters")
@@ -103,7 +111,7 @@ def test_lora_on_quantized_base_matches_peft(name: str, tmp_path: Path) -> None:
     ref = peft.PeftModel.from_pretrained(ref_base, paths["a"], adapter_name="a")
     ref.load_adapter(paths["b"], adapter_name="b")
     ref.eval()
-    if name.startswith("fp8"):
+    if name.startswith("fp8") or name == "w8a8":
         assert quantize_inputs_like_checkpoint(ref, name) == 7 * read_config(name)["num_hidden_layers"]
 
     llm = LLM(model=str(fixture_dir(name)), device="cpu", dtype="float32", num_kv_blocks=64, max_loras=2,
