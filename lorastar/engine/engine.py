@@ -114,11 +114,13 @@ def _draft_rows(seq: Sequence, row: SamplingRow, d: int) -> list[SamplingRow]:
 
 
 def _allowed_drafts(row: SamplingRow, drafts: list[int]) -> int:
-    """How many leading ``drafts`` the row's grammar or choice allows after its output: the rest are
-    not run (as vLLM's scheduler validates drafts against the grammar), since a refused draft can
-    never be kept."""
+    """How many leading ``drafts`` the row's grammar, choice and thinking budget allow after its
+    output: the rest are not run (as vLLM's scheduler validates drafts against the grammar), since
+    a refused draft can never be kept."""
     output = row.output_token_ids
     k = len(drafts) if row.grammar is None else row.grammar.valid_drafts(output, drafts)
+    if row.thinking is not None:
+        k = row.thinking.valid_drafts(output, drafts[:k])
     if row.choices is not None:
         out = list(output)
         j = 0
@@ -853,8 +855,9 @@ class LLMEngine(PromptInputs):
             if k <= 0:
                 continue
             toks = propose_ngram(token_array(seq), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
-            if toks and (seq.sampling_row.grammar is not None or seq.sampling_row.choices is not None):
-                toks = toks[: _allowed_drafts(seq.sampling_row, toks)]
+            row = seq.sampling_row
+            if toks and (row.grammar is not None or row.choices is not None or row.thinking is not None):
+                toks = toks[: _allowed_drafts(row, toks)]
             if toks:
                 seq.token_ids.extend(toks)
                 seq.num_draft_tokens = len(toks)

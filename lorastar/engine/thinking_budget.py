@@ -60,6 +60,24 @@ class ThinkingBudget:
         past = self.count - self.budget
         return self.forced[past] if self.inside and 0 <= past < len(self.forced) else None
 
+    def valid_drafts(self, output: Sequence[int], drafts: Sequence[int]) -> int:
+        """How many leading ``drafts`` may follow ``output``: a draft other than the token the budget
+        forces at its position could never be kept, so it and the rest are not run (as a grammar's
+        refused drafts, ``GrammarRow.valid_drafts``). Reads ``output`` for good and ends as it was
+        after it."""
+        self.next_forced(output)
+        state = self.checkpoint()
+        seen = list(output)
+        k = 0
+        for tok in drafts:
+            forced = self.next_forced(seen)
+            if forced is not None and tok != forced:
+                break
+            seen.append(tok)
+            k += 1
+        self.restore(state)
+        return k
+
     def checkpoint(self) -> tuple[int, bool, int, bool]:
         """The block's state, for ``restore`` (speculative decoding reads drafted positions, then
         takes them back)."""

@@ -194,12 +194,21 @@ def test_json_after_a_reasoning_block_with_drafts_equals_transformers(
         _drained(llm)
 
 
+def _forced(budget: int, message: list[int], tag: int, out: list[int], p: int) -> int | None:
+    """The token a thinking budget forces at output position ``p`` after ``out[:p]``: the block
+    opens with the output (no start tag) and the message's tokens count as the block's."""
+    k = p - budget
+    return None if tag in out[:p] or not 0 <= k <= len(message) else [*message, tag][k]
+
+
 def test_thinking_budget_with_drafts_equals_transformers(
     hf: tuple, llm: LLM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The budget's message and end tag forced at drafted positions: HF's greedy up to the budget,
-    the forced tokens, then HF's greedy again (``test_thinking_budget.py``'s reference)."""
+    the forced tokens, then HF's greedy again (``test_thinking_budget.py``'s reference). Drafts
+    past the first one other than a forced token are not run."""
     _, model, ids, _ = hf
+    stats = llm.engine.spec_stats
 
     def greedy(prefix: list[int], n: int) -> list[int]:
         with torch.inference_mode():
@@ -213,6 +222,7 @@ def test_thinking_budget_with_drafts_equals_transformers(
     # The model's own token at a position where "last" spoils the draft (1-4 are drafted first,
     # all but the 4th kept; then 5-8, ...) stands for an end tag it writes within the budget.
     closes = next(p for p in (4, 8, 12) if free[p] not in free[:p])
+    refused = 0
     cases = [  # (budget, message, end tag, the output up to the end tag)
         (2, [], end, [*free[:2], end]),  # the end tag forced at the 3rd, 4th, 5th output position
         (1, message, end, [free[0], *message, end]),
@@ -226,12 +236,19 @@ def test_thinking_budget_with_drafts_equals_transformers(
             thinking_budget_message_ids=msg or None,
         )  # fmt: skip
         for spoil in (2, "last"):
-            kept = llm.engine.spec_stats.num_accepted_tokens
-            _draft(monkeypatch, ids, ref, spoil)
+            kept, drafted = stats.num_accepted_tokens, stats.num_draft_tokens
+            log = _draft(monkeypatch, ids, ref, spoil)
             (o,) = llm.generate([ids], params)
             assert list(o.outputs[0].token_ids) == ref, (budget, spoil)
-            assert llm.engine.spec_stats.num_accepted_tokens > kept
+            assert stats.num_accepted_tokens > kept
+            cut = [
+                next((i for i, t in enumerate(out) if _forced(budget, msg, tag, [*ref[:done], *out], done + i) not in (None, t)), len(out))
+                for done, out in log
+            ]  # fmt: skip
+            assert stats.num_draft_tokens - drafted == sum(cut), (budget, spoil)
+            refused += sum(c < len(out) for c, (_, out) in zip(cut, log))
             _drained(llm)
+    assert refused, "some proposals held drafts other than a forced token"
 
 
 def test_choice_and_seeded_json_with_drafts_equal_plain_steps(
@@ -324,3 +341,10 @@ def test_drafts_are_cut_at_the_first_one_the_grammar_or_choice_refuses(hf: tuple
     assert _allowed_drafts(sampling, [12, 13, eos, 17]) == 3
     assert _allowed_drafts(sampling, [14, 12]) == 1
     assert _allowed_drafts(sampling, [15]) == 0
+
+    budget = ThinkingBudget(1, None, 9, (4,))  # after one token: 4, then the end tag 9
+    assert budget.valid_drafts([1], [4, 9, 7]) == 3 and budget.valid_drafts([1], [4, 5, 9]) == 1
+    assert budget.valid_drafts([1], [9, 4]) == 0 and ThinkingBudget(1, None, 9).valid_drafts([], [1, 5]) == 1
+    assert budget.next_forced([1]) == 4 and budget.next_forced([1, 4]) == 9  # as after the output
+    sampling = SamplingRow(SamplingParams(), [9], [], thinking=ThinkingBudget(2, None, 9))
+    assert _allowed_drafts(sampling, [3, 5, 7]) == 2 and _allowed_drafts(sampling, [3, 9, 7, 7]) == 4
