@@ -226,9 +226,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     """Speculative decoding, as vLLM's JSON (``{"method": "ngram", "num_speculative_tokens": 4,
     "prompt_lookup_max": 4}``; see ``SpeculativeConfig``), read into a ``SpeculativeConfig``.
-    ``None``: off. Requests whose sampling keeps a state of their output (grammars, choices, a
-    thinking budget) and beam searches draft nothing (penalties, ``min_tokens`` and bad words do:
-    each drafted position reads the output up to itself); steps run one at a time (no
+    ``None``: off. Beam searches draft nothing; every other request does, each drafted position
+    reading the output up to itself (penalties, ``min_tokens``, bad words), a grammar's matcher or
+    a thinking budget stepping through the drafts and rolled back after sampling; drafts a grammar,
+    choice or spent budget refuses are cut before the step. Steps run one at a time (no
     ``async_scheduling``)."""
 
     seed: int = 0
