@@ -254,6 +254,13 @@ class EngineConfig:
     max_stop_token_ids: int = 256
     """Most ``stop_token_ids`` in one request."""
 
+    max_logprobs: int = 20
+    """Most top logprobs a request may ask for, per generated token (``logprobs``, chat's
+    ``top_logprobs``) and per prompt position (``prompt_logprobs``); more is refused with a 400
+    naming the field. vLLM's ``--max-logprobs`` and its default, OpenAI's cap; ``-1``: no cap
+    (the vocabulary's size: a distillation run reading a teacher's top 100, say). Each returned
+    logprob costs the response about 40 bytes of JSON."""
+
     max_logit_bias: int = 1024
     """Most ``logit_bias`` entries in one request. Every step adds each of a request's entries to
     each of its rows (n of them). SmolLM2, CPU, n = 128, per step: 220-244 ms plain; with a
@@ -371,6 +378,9 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        m = self.max_logprobs
+        if not isinstance(m, int) or isinstance(m, bool) or m < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or an integer >= 0, got {m!r}")
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")

@@ -110,6 +110,11 @@ class AsyncLLM(PromptInputs):
         return self.engine.default_sampling
 
     @property
+    def max_logprobs(self) -> int:
+        """Most top logprobs a request may ask for (``EngineConfig.max_logprobs``, resolved)."""
+        return self.engine.max_logprobs
+
+    @property
     def max_waiting(self) -> int | None:
         """Most requests queued and not yet started (``EngineConfig.max_waiting``; None: no bound)."""
         return self.config.max_waiting

@@ -213,6 +213,7 @@ class AsyncCoreClient(PromptInputs):
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.max_waiting = ready.max_waiting
+        self.max_logprobs = ready.max_logprobs
         self.summary = ready.summary
         self.info = ready.info  # dtype, device, max_model_len, block_size (the operator page's header)
         self.default_sampling = ready.default_sampling  # generation_config.json's, for the routes

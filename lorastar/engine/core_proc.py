@@ -223,6 +223,7 @@ class EngineCoreProc:
             self.core_id, eng.model_name, str(eng.model_dir), str(eng.tokenizer_dir), self.config.chat_template,
             eng.max_model_len, eng.max_prompt_bytes, eng.vocab_size, engine_summary(eng),
             self.state(client_id), self.config.max_waiting, known_client, engine_info(eng), eng.default_sampling,
+            eng.max_logprobs,
         )  # fmt: skip
 
     # ---- request ids ----------------------------------------------------------------------------

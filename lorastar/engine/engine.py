@@ -43,7 +43,13 @@ from lorastar.engine.sampler import (
     SamplingRow,
     make_generator,
 )
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bad_words_token_ids
+from lorastar.engine.sampling import (
+    RequestOutputKind,
+    SamplingParams,
+    bad_words_token_ids,
+    check_logprobs,
+    logprobs_cap,
+)
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.engine.spec_decode import accepted, propose_ngram, token_array
 from lorastar.engine.structured import GrammarCompiler, GrammarRow
@@ -361,6 +367,8 @@ class LLMEngine(PromptInputs):
             self.tokenizer_loader.get()
         self.eos_token_ids = _eos_ids(self.model_dir, lambda: self.tokenizer.eos_token_id)
         self.vocab_size = self.model.vocab_size
+        # the most top logprobs a request may ask for (EngineConfig.max_logprobs, resolved)
+        self.max_logprobs = logprobs_cap(config.max_logprobs, self.vocab_size)
         # Structured outputs: the tokenizer's table is built at the first request with a grammar.
         self.grammars = GrammarCompiler(self.tokenizer_loader.get, self.vocab_size, self.eos_token_ids)
 
@@ -549,6 +557,7 @@ class LLMEngine(PromptInputs):
         cfg = self.config
         if params.n > cfg.max_n:
             raise LimitExceededError("n", f"n must be at most {cfg.max_n} (max_n), got {params.n}.")
+        check_logprobs(params, self.max_logprobs)
         stops = params.stop or []
         if len(stops) > cfg.max_stop_strings:
             raise LimitExceededError(

@@ -16,12 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lorastar.errors import InvalidParamError
+from lorastar.errors import InvalidParamError, LimitExceededError
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
-# vLLM's OpenAI server caps top-logprobs at 20.
-MAX_LOGPROBS = 20
 MAX_CACHE_SALT = 1024  # characters (vLLM suggests 43: 256 random bits in base64)
 # Deepest JSON schema taken (objects and arrays in the document): xgrammar's parse grows faster than
 # cubically with nesting (on this VM 9 ms at 50 levels of "items", 0.55 s at 200, 5.5 s at 400);
@@ -225,10 +223,9 @@ class SamplingParams:
 
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise InvalidParamError(
-                    name, f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}."
-                )
+            # the most a request may ask for is the engine's (EngineConfig.max_logprobs: check_logprobs)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise InvalidParamError(name, f"{name} must be an integer >= 0 or None, got {value!r}.")
 
         # --- stops ---
         stop = self.stop
@@ -460,6 +457,21 @@ class SamplingParams:
             bad_words=list(self.bad_words) if self.bad_words is not None else None,
             guided_choice=list(self.guided_choice) if self.guided_choice is not None else None,
         )
+
+
+def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
+    """The most top logprobs a request may ask for: ``EngineConfig.max_logprobs`` (-1: no cap), and
+    never more than the vocabulary holds."""
+    return vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+
+
+def check_logprobs(params: SamplingParams, cap: int) -> None:
+    """``LimitExceededError`` naming ``logprobs`` or ``prompt_logprobs`` where ``params`` asks for
+    more than ``cap`` (``logprobs_cap``) top logprobs."""
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > cap:
+            raise LimitExceededError(name, f"{name} must be at most {cap} (max_logprobs), got {value}.")
 
 
 def _depth(obj: Any, limit: int) -> int:

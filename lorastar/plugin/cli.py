@@ -265,6 +265,13 @@ _ENGINE_OPTIONS = [
     click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=True, show_default=True),
     click.option("--seed", default=0, show_default=True, type=int),
     click.option(
+        "--max-logprobs",
+        default=20,
+        show_default=True,
+        type=int,
+        help="Most top logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs); -1: no cap.",
+    ),
+    click.option(
         "--generation-config",
         default="auto",
         show_default=True,

@@ -22,6 +22,7 @@ class EngineClient(Protocol):
     model_name: str
     max_model_len: int
     vocab_size: int
+    max_logprobs: int  # most top logprobs a request may ask for (EngineConfig.max_logprobs, resolved)
     max_waiting: int | None  # most requests queued at once (None: no bound); a larger batch never fits
     errored: bool  # stopped for good: 503 until restarted
     restarting: bool  # a failed step is being recovered from: 503 + Retry-After

@@ -24,7 +24,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     max_output_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0)] | None = None  # at most the engine's max_logprobs
     include: list[str] | None = None  # "message.output_text.logprobs" returns the logprobs
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "name", "parameters", ...}
     tool_choice: str | dict[str, Any] | None = None  # auto, none, required, {"type": "function", "name"}

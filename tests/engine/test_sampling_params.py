@@ -60,7 +60,6 @@ def test_normalization() -> None:
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("logprobs", -1),
-        ("logprobs", 21),
         ("logprobs", 1.0),
         ("ignore_eos", "yes"),
         ("include_stop_str_in_output", 1),
@@ -91,6 +90,8 @@ def test_valid_edges() -> None:
         top_p=1.0, min_p=1.0, logprobs=0, temperature=0.0, presence_penalty=-2, frequency_penalty=2
     )
     SamplingParams(logprobs=20, repetition_penalty=1.3, seed=0, top_k=1, min_tokens=16)
+    # the most top logprobs is the engine's (EngineConfig.max_logprobs: tests/engine/test_max_logprobs.py)
+    SamplingParams(logprobs=100, prompt_logprobs=100)
 
 
 def test_from_dict() -> None:

@@ -67,6 +67,7 @@ class FakeAsyncLLM:
         self.max_model_len = max_model_len
         self.step_delay = step_delay
         self.max_waiting = max_waiting
+        self.max_logprobs = 20  # EngineConfig.max_logprobs's default
         self.tokenized_with_special_tokens: list[bool] = []  # each tokenize call's add_special_tokens
         self.rendered: list[
             tuple[list[dict], list[dict] | None]

@@ -50,7 +50,7 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
          "--port", "0", "--admin-token", "t", "--adapter-root", str(root), "--max-waiting", "5",
          "--device", "cpu", "--kv-cache-dtype", "fp8", "--embedding-quantization", "int8",
          "--max-lora-rank", "32", "--enforce-eager", "--max-num-seqs", "7", "--max-num-batched-tokens", "512",
-         "--block-size", "32", "--seed", "3", "--max-cpu-loras", "9", "--no-enable-prefix-caching",
+         "--block-size", "32", "--seed", "3", "--max-cpu-loras", "9", "--no-enable-prefix-caching", "--max-logprobs", "-1",
          "--num-gpu-blocks-override", "100", "--tokenizer", str(folders["model"]),
          "--chat-template", str(folders["tpl"]), "--served-model-name", "base", "--enable-lora",
          "--shutdown-drain-timeout", "2.5", "--uvicorn-log-level", "warning", "--cpu-gemm", "torch",
@@ -70,7 +70,7 @@ def test_vllm_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, folders: d
     assert eng.max_waiting == 5
     assert (eng.kv_cache_dtype, eng.embedding_quantization, eng.max_lora_rank) == ("fp8", "int8", 32)
     assert eng.enforce_eager and eng.quantization is None and eng.cpu_gemm == "torch"
-    assert eng.async_scheduling
+    assert eng.async_scheduling and eng.max_logprobs == -1
     assert (eng.max_num_seqs, eng.max_num_batched_tokens, eng.block_size, eng.seed) == (7, 512, 32, 3)
     assert (eng.max_cpu_loras, eng.enable_prefix_caching, eng.num_kv_blocks) == (9, False, 100)
     assert eng.tokenizer == str(folders["model"]) and eng.chat_template == "{{ messages[0]['content'] }}"

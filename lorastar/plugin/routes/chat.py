@@ -448,7 +448,7 @@ async def plan_chat(
         aliases["max_tokens"] = "max_completion_tokens"
     params = await in_thread(partial(  # a schema's check can take long: never on the event loop
         sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
-        aliases=aliases, guided_json=tools.schema, defaults=defaults,
+        aliases=aliases, guided_json=tools.schema, defaults=defaults, max_logprobs=engine.max_logprobs,
     ))  # fmt: skip
     if tool_parser and tool_parser not in (REQUIRED, REQUIRED_MISTRAL):  # markers may be control tokens
         params.skip_special_tokens = False

@@ -16,7 +16,7 @@ from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams, check_logprobs
 from lorastar.engine.structured import parse_grammar
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
@@ -83,13 +83,15 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     guided_json: dict[str, Any] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    max_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters from a request body. ``aliases`` renames engine fields to the
     wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``).
     ``defaults``: the model's sampling defaults (``generation_config.json``) for fields the body
     leaves unset (vLLM's ``default_sampling_params``).
     ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's.
-    ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint)."""
+    ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint).
+    ``max_logprobs``: the engine's cap on top logprobs (checked here to name the wire field)."""
     if req.prompt_logprobs and req.stream:  # vLLM's rule: 0 is let through (and asks for nothing)
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream_options.is_empty() and not req.stream:
@@ -134,6 +136,8 @@ def sampling_params(
             ) from exc
     try:
         params = SamplingParams.from_dict(kw)
+        if max_logprobs is not None:
+            check_logprobs(params, max_logprobs)
         parse_grammar(params)  # a schema, regex or grammar xgrammar cannot parse: 400 here
         return params
     except InvalidParamError as exc:

@@ -239,7 +239,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         params = await in_thread(partial(  # a schema's check can take long: never on the event loop
             sampling_params, data, max_tokens=min(limits), logprobs=data.logprobs,
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
-            defaults=defaults,
+            defaults=defaults, max_logprobs=engine.max_logprobs,
         ))  # fmt: skip
         request_id = random_id("cmpl")
         created = int(time.time())

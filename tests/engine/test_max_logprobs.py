@@ -1,0 +1,89 @@
+"""``EngineConfig.max_logprobs`` (vLLM's ``--max-logprobs``): the most top logprobs a request may ask
+for. Over it, a request is refused naming its field, and nothing is queued; under a raised cap the
+top 40 of sampled and prompt positions equal ``log_softmax`` of transformers' logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lorastar import LLM, SamplingParams
+from lorastar.config import EngineConfig
+from lorastar.errors import LimitExceededError
+from tests.engine.test_prompt_logprobs import TOL, _check, _hf_logprobs
+
+PROMPT = list(range(300, 340))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Any) -> str:
+    return tiny_model_dir("llama-gqa")
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: str) -> LLM:
+    return LLM(model_dir, max_model_len=256, num_kv_blocks=64, max_logprobs=40)
+
+
+def _nothing_left(llm: LLM) -> None:
+    llm.engine.check_invariants()
+    assert not llm.engine.requests and not llm.engine.scheduler.waiting
+
+
+def test_forty_top_logprobs_equal_transformers(llm: LLM, model_dir: str) -> None:
+    (o,) = llm.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=6, logprobs=40, prompt_logprobs=32)
+    )
+    out = o.outputs[0]
+    ref = _hf_logprobs(model_dir, [*PROMPT, *out.token_ids])  # [prompt + output, vocab]
+    _check(o.prompt_logprobs, PROMPT, ref, 32)
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        want = ref[len(PROMPT) - 1 + i]  # [vocab]: the distribution output token i was sampled from
+        assert tok == int(want.argmax())  # greedy
+        top = sorted((lp for lp in entry.values() if lp.rank <= 40), key=lambda lp: lp.rank)
+        assert len(top) == 40 and len(entry) == 40  # the sampled token is the first of them
+        for lp, v in zip(top, want.topk(40).values.tolist(), strict=True):
+            assert abs(lp.logprob - v) <= TOL
+        for t, lp in entry.items():
+            assert abs(lp.logprob - want[t].item()) <= TOL
+    _nothing_left(llm)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_over_the_cap_is_refused_naming_the_field(llm: LLM, field: str) -> None:
+    with pytest.raises(
+        LimitExceededError, match=rf"^{field} must be at most 40 \(max_logprobs\), got 41"
+    ) as e:
+        llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: 41}))
+    assert e.value.param == field
+    _nothing_left(llm)
+    llm.generate([PROMPT], SamplingParams(max_tokens=2, **{field: 40}))  # the cap itself is served
+    _nothing_left(llm)
+
+
+def test_default_cap_is_vllms_20_and_minus_one_lifts_it_to_the_vocabulary(model_dir: str) -> None:
+    default = LLM(model_dir, max_model_len=64, num_kv_blocks=16)
+    assert EngineConfig().max_logprobs == 20 and default.engine.max_logprobs == 20
+    with pytest.raises(LimitExceededError, match="at most 20"):
+        default.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=21))
+    _nothing_left(default)
+
+    vocab = default.engine.vocab_size
+    lifted = LLM(model_dir, max_model_len=64, num_kv_blocks=16, max_logprobs=-1)
+    assert lifted.engine.max_logprobs == vocab
+    with pytest.raises(LimitExceededError, match=f"at most {vocab}"):
+        lifted.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=vocab + 1))
+    (o,) = lifted.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=vocab))
+    (entry,) = o.outputs[0].logprobs
+    assert len(entry) == vocab and sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
+    assert abs(sum(torch.tensor([lp.logprob for lp in entry.values()]).exp().tolist()) - 1) < 1e-4
+    _nothing_left(lifted)
+
+
+@pytest.mark.parametrize("value", [-2, 1.5, True, "20", None])
+def test_a_bad_max_logprobs_is_refused_by_name(value: object) -> None:
+    with pytest.raises(ValueError, match="max_logprobs"):
+        EngineConfig(max_logprobs=value)  # type: ignore[arg-type]

@@ -1,0 +1,75 @@
+"""``EngineConfig.max_logprobs`` through the HTTP routes, with the engine in the server's process and
+in a core process of its own (the cap crosses in its ``Ready``): up to the cap every route returns
+that many top logprobs; over it, a 400 names the field the client sent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from plugin_support import ServerThread, engine_config
+
+CAP = 30
+CHAT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def url(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[str]:
+    from lorastar.plugin import LoraStarConfig, create_app
+
+    config = LoraStarConfig(
+        engine=engine_config(tiny_model_dir, max_logprobs=CAP),
+        served_model_name="tiny",
+        engine_process=request.param == "engine-process",
+    )
+    with ServerThread(create_app(config)) as srv:
+        yield srv.url + "/v1"
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + path, json={"model": "tiny", **body}, timeout=60)
+
+
+def test_up_to_the_cap_every_route_returns_that_many(url: str) -> None:
+    r = _post(url, "/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": CAP})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == CAP for c in content)
+    for c in content:
+        values = [t["logprob"] for t in c["top_logprobs"]]
+        assert values == sorted(values, reverse=True) and c["logprob"] == values[0]  # greedy
+
+    body = {"prompt": "One, two, three,", "max_tokens": 2, "temperature": 0, "logprobs": CAP - 1}
+    r = _post(url, "/completions", {**body, "prompt_logprobs": CAP})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert all(len(top) == CAP - 1 for top in choice["logprobs"]["top_logprobs"])
+    prompt_lps = choice["prompt_logprobs"]
+    assert prompt_lps[0] is None and all(len(e) >= CAP for e in prompt_lps[1:])  # and the prompt token
+
+    r = _post(url, "/responses", {"input": "Say hi", "max_output_tokens": 3, "temperature": 0,
+                                  "top_logprobs": CAP, "include": ["message.output_text.logprobs"]})  # fmt: skip
+    assert r.status_code == 200, r.text
+    (part,) = r.json()["output"][-1]["content"]
+    assert part["logprobs"] and all(len(lp["top_logprobs"]) == CAP for lp in part["logprobs"])
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": CAP + 1}, "top_logprobs"),
+        ("/chat/completions", {**CHAT, "prompt_logprobs": CAP + 1}, "prompt_logprobs"),
+        ("/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": CAP + 1}, "logprobs"),
+        ("/completions", {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": CAP + 1}, "logprobs"),
+        ("/responses", {"input": "hi", "max_output_tokens": 1, "top_logprobs": CAP + 1}, "top_logprobs"),
+    ],
+)
+def test_over_the_cap_is_a_400_naming_the_field_sent(url: str, path: str, body: dict, param: str) -> None:
+    r = _post(url, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and f"at most {CAP} (max_logprobs), got {CAP + 1}" in error["message"]
+    assert error["message"].startswith(param)
