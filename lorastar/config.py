@@ -258,8 +258,9 @@ class EngineConfig:
     """Most top logprobs a request may ask for, per generated token (``logprobs``, chat's
     ``top_logprobs``) and per prompt position (``prompt_logprobs``); more is refused with a 400
     naming the field. vLLM's ``--max-logprobs`` and its default, OpenAI's cap; ``-1``: no cap
-    (the vocabulary's size: a distillation run reading a teacher's top 100, say). Each returned
-    logprob costs the response about 40 bytes of JSON."""
+    (the vocabulary's size: a distillation run reading a teacher's top 100, say). A request's
+    ``-1`` (vLLM's) asks for the whole vocabulary. Each returned logprob costs the response about
+    40 bytes of JSON."""
 
     max_logit_bias: int = 1024
     """Most ``logit_bias`` entries in one request. Every step adds each of a request's entries to

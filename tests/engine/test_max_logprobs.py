@@ -69,6 +69,8 @@ def test_default_cap_is_vllms_20_and_minus_one_lifts_it_to_the_vocabulary(model_
     assert EngineConfig().max_logprobs == 20 and default.engine.max_logprobs == 20
     with pytest.raises(LimitExceededError, match="at most 20"):
         default.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=21))
+    with pytest.raises(LimitExceededError, match=r"^prompt_logprobs=-1 asks for the whole vocabulary"):
+        default.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=-1))
     _nothing_left(default)
 
     vocab = default.engine.vocab_size
@@ -76,10 +78,14 @@ def test_default_cap_is_vllms_20_and_minus_one_lifts_it_to_the_vocabulary(model_
     assert lifted.engine.max_logprobs == vocab
     with pytest.raises(LimitExceededError, match=f"at most {vocab}"):
         lifted.generate([PROMPT], SamplingParams(max_tokens=1, logprobs=vocab + 1))
-    (o,) = lifted.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=vocab))
-    (entry,) = o.outputs[0].logprobs
-    assert len(entry) == vocab and sorted(lp.rank for lp in entry.values()) == list(range(1, vocab + 1))
-    assert abs(sum(torch.tensor([lp.logprob for lp in entry.values()]).exp().tolist()) - 1) < 1e-4
+    ranks = list(range(1, vocab + 1))
+    for k in (vocab, -1):  # -1: the whole vocabulary (vLLM's)
+        params = SamplingParams(temperature=0, max_tokens=1, logprobs=k, prompt_logprobs=k)
+        (o,) = lifted.generate([PROMPT[:3]], params)
+        assert params.logprobs == params.prompt_logprobs == k  # the caller's params are left as they were
+        for entry in [*o.outputs[0].logprobs, *o.prompt_logprobs[1:]]:
+            assert len(entry) == vocab and sorted(lp.rank for lp in entry.values()) == ranks
+            assert abs(torch.tensor([lp.logprob for lp in entry.values()]).exp().sum().item() - 1) < 1e-4
     _nothing_left(lifted)
 
 

@@ -239,7 +239,7 @@ def test_long_prompt_stays_within_the_memory_bound(tiny_model_dir, monkeypatch: 
 def test_bad_prompt_logprobs_is_refused() -> None:
     from lorastar.errors import InvalidParamError
 
-    for bad in (-1, 1.5, True):  # over the engine's max_logprobs: tests/engine/test_max_logprobs.py
+    for bad in (-2, 1.5, True):  # over the engine's max_logprobs: tests/engine/test_max_logprobs.py
         with pytest.raises(InvalidParamError) as exc:
             SamplingParams(prompt_logprobs=bad)
         assert exc.value.param == "prompt_logprobs"

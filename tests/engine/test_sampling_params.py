@@ -59,7 +59,7 @@ def test_normalization() -> None:
         ("frequency_penalty", -3),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
-        ("logprobs", -1),
+        ("logprobs", -2),  # -1: the whole vocabulary (vLLM's), up to the engine's max_logprobs
         ("logprobs", 1.0),
         ("ignore_eos", "yes"),
         ("include_stop_str_in_output", 1),

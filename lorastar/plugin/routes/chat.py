@@ -449,6 +449,7 @@ async def plan_chat(
     params = await in_thread(partial(  # a schema's check can take long: never on the event loop
         sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
         aliases=aliases, guided_json=tools.schema, defaults=defaults, max_logprobs=engine.max_logprobs,
+        vocab_size=engine.vocab_size,
     ))  # fmt: skip
     if tool_parser and tool_parser not in (REQUIRED, REQUIRED_MISTRAL):  # markers may be control tokens
         params.skip_special_tokens = False
@@ -506,7 +507,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         engine, messages, prompt_ids, params = plan.engine, plan.messages, plan.prompt_ids, plan.params
         tool_parser, forced, forced_ids = plan.tool_parser, plan.forced, plan.forced_ids
         reasoning_style = plan.reasoning_style
-        num_top = data.top_logprobs or 0
+        num_top = params.logprobs or 0  # top_logprobs (with logprobs), -1 read as the vocabulary
         request_id = random_id("chatcmpl")
         created = int(time.time())
         model_name = data.model or service.served_model_name

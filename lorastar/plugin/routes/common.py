@@ -16,7 +16,7 @@ from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams, check_logprobs
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams, check_logprobs, resolve_logprobs
 from lorastar.engine.structured import parse_grammar
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
@@ -84,6 +84,7 @@ def sampling_params(
     guided_json: dict[str, Any] | None = None,
     defaults: Mapping[str, Any] | None = None,
     max_logprobs: int | None = None,
+    vocab_size: int = 0,
 ) -> SamplingParams:
     """The engine's parameters from a request body. ``aliases`` renames engine fields to the
     wire field the client sent (chat's ``top_logprobs`` is the engine's ``logprobs``).
@@ -91,7 +92,8 @@ def sampling_params(
     leaves unset (vLLM's ``default_sampling_params``).
     ``prompt_logprobs``: what the route needs (completions' echo), merged with the body's.
     ``guided_json``: the tools' schema of a forced tool call (a 400 beside another constraint).
-    ``max_logprobs``: the engine's cap on top logprobs (checked here to name the wire field)."""
+    ``max_logprobs``: the engine's cap on top logprobs (checked here to name the wire field); a
+    ``logprobs`` or ``prompt_logprobs`` of -1 comes back as ``vocab_size``, the whole vocabulary."""
     if req.prompt_logprobs and req.stream:  # vLLM's rule: 0 is let through (and asks for nothing)
         raise APIError("prompt_logprobs is not available with stream=true.", param="prompt_logprobs")
     if req.stream_options is not None and not req.stream_options.is_empty() and not req.stream:
@@ -99,8 +101,10 @@ def sampling_params(
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     # an invalid value goes to the engine as sent: it names the field (a stream's is 0: none computed)
     pl = None if req.stream else req.prompt_logprobs
-    if prompt_logprobs is not None and (pl is None or 0 <= pl < prompt_logprobs):
-        pl = prompt_logprobs
+    if prompt_logprobs is not None and (
+        pl is None or (0 <= pl and (prompt_logprobs == -1 or pl < prompt_logprobs))
+    ):
+        pl = prompt_logprobs  # the larger (-1: the whole vocabulary)
     kw: dict[str, Any] = {
         "n": req.n,
         "max_tokens": max_tokens,
@@ -137,7 +141,8 @@ def sampling_params(
     try:
         params = SamplingParams.from_dict(kw)
         if max_logprobs is not None:
-            check_logprobs(params, max_logprobs)
+            check_logprobs(params, max_logprobs, vocab_size)
+            params = resolve_logprobs(params, vocab_size)
         parse_grammar(params)  # a schema, regex or grammar xgrammar cannot parse: 400 here
         return params
     except InvalidParamError as exc:
@@ -222,7 +227,7 @@ def response_format_fields(fmt: dict[str, Any] | None) -> dict[str, Any]:
 
 def prompt_logprobs_of(out: RequestOutput, requested: int | None) -> PromptLogprobs | None:
     """The response's ``prompt_logprobs`` when the body asked for them (the engine may have
-    computed more for echo: keep the prompt token and the top ``requested``)."""
+    computed more for echo: keep the prompt token and the top ``requested``; -1: all)."""
     if requested is None or out.prompt_logprobs is None:
         return None
     result: PromptLogprobs = []
@@ -235,7 +240,7 @@ def prompt_logprobs_of(out: RequestOutput, requested: int | None) -> PromptLogpr
             {
                 t: PromptLogprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
                 for t, lp in entry.items()
-                if t == tok or (lp.rank is not None and lp.rank <= requested)
+                if t == tok or requested == -1 or (lp.rank is not None and lp.rank <= requested)
             }
         )
     return result

@@ -239,7 +239,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         params = await in_thread(partial(  # a schema's check can take long: never on the event loop
             sampling_params, data, max_tokens=min(limits), logprobs=data.logprobs,
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
-            defaults=defaults, max_logprobs=engine.max_logprobs,
+            defaults=defaults, max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size,
         ))  # fmt: skip
         request_id = random_id("cmpl")
         created = int(time.time())
@@ -249,7 +249,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             for i, (ids, limit) in enumerate(zip(token_ids, limits, strict=True))
         ]
         n = params.n
-        num_top = data.logprobs or 0
+        num_top = params.logprobs or 0  # the body's, -1 read as the vocabulary
 
         decoded_prompts: dict[int, str] = {}  # an ids prompt's text: decoded once, not per streamed chunk
 
