@@ -260,7 +260,9 @@ class EngineConfig:
     naming the field. vLLM's ``--max-logprobs`` and its default, OpenAI's cap; ``-1``: no cap
     (the vocabulary's size: a distillation run reading a teacher's top 100, say). A request's
     ``-1`` (vLLM's) asks for the whole vocabulary. Each returned logprob costs the response about
-    40 bytes of JSON."""
+    40 bytes of JSON and the engine about 70 bytes while it is built: ``prompt_logprobs=-1`` on a
+    1,000-token prompt is 49 million of them, so an uncapped server trusts its clients (as vLLM
+    warns of its -1). Kept prompt logprobs (for the prefix cache) are bounded whatever the cap."""
 
     max_logit_bias: int = 1024
     """Most ``logit_bias`` entries in one request. Every step adds each of a request's entries to

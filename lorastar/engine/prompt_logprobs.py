@@ -84,11 +84,21 @@ class KeptBlock:
 
 class PromptLogprobsCache:
     """LRU of ``KeptBlock`` by prefix-cache block hash, at most ``max_blocks`` (about 5 KB each
-    for SmolLM2 at k = 1: 16 entries and a 576-float row)."""
+    for SmolLM2 at k = 1: 16 entries and a 576-float row) holding at most ``max_top`` top-k
+    entries in all (``k`` per position; each about 70 bytes as Python numbers, so ~90 MB at most).
+    The second bound is what holds with a raised ``max_logprobs``: one 16-token block at k = 49,152
+    (a request's -1) keeps about 55 MB and evicts the rest; a block over the whole budget is not
+    kept."""
 
-    def __init__(self, max_blocks: int = 4096) -> None:
+    def __init__(self, max_blocks: int = 4096, max_top: int = 4096 * 16 * 20) -> None:
         self.max_blocks = max_blocks
+        self.max_top = max_top
+        self.num_top = 0  # top-k entries held: sum of k * positions over the kept blocks
         self._blocks: OrderedDict[bytes, KeptBlock] = OrderedDict()
+
+    @staticmethod
+    def _top(block: KeptBlock) -> int:
+        return block.k * len(block.entries)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -106,7 +116,13 @@ class PromptLogprobsCache:
         if old is not None and old.k >= block.k:
             self._blocks.move_to_end(key)
             return
+        if self._top(block) > self.max_top:  # more than the whole budget: not kept
+            return
+        if old is not None:
+            self.num_top -= self._top(old)
         self._blocks[key] = block
         self._blocks.move_to_end(key)
-        while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+        self.num_top += self._top(block)
+        while len(self._blocks) > self.max_blocks or self.num_top > self.max_top:
+            _, gone = self._blocks.popitem(last=False)
+            self.num_top -= self._top(gone)

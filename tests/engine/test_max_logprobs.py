@@ -87,6 +87,36 @@ def test_default_cap_is_vllms_20_and_minus_one_lifts_it_to_the_vocabulary(model_
             assert len(entry) == vocab and sorted(lp.rank for lp in entry.values()) == ranks
             assert abs(torch.tensor([lp.logprob for lp in entry.values()]).exp().sum().item() - 1) < 1e-4
     _nothing_left(lifted)
+    # Kept past the request, a full prompt block's whole-vocabulary entries (16 x 49,152, ~55 MB)
+    # fill most of the kept entries' budget: a second such block evicts the first.
+    cache = lifted.engine.prompt_logprobs_cache
+    for start in (0, 20):
+        (o,) = lifted.generate([PROMPT[start : start + 20]], SamplingParams(max_tokens=1, prompt_logprobs=-1))
+        assert len(o.prompt_logprobs[16]) == vocab
+        assert len(cache) == 1 and cache.num_top == 16 * vocab <= cache.max_top
+
+
+def test_kept_prompt_logprobs_are_bounded_by_their_entries() -> None:
+    """``PromptLogprobsCache`` holds at most ``max_top`` top-k entries in all, least recently used
+    out first; a block over the whole budget is not kept."""
+    from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache
+
+    def block(k: int) -> KeptBlock:
+        return KeptBlock(k, [None] * 4, torch.zeros(2))  # 4 positions
+
+    cache = PromptLogprobsCache(max_blocks=10, max_top=100)
+    for i, k in enumerate([5, 5, 5]):
+        cache.put(bytes([i]), block(k))
+    assert len(cache) == 3 and cache.num_top == 60
+    assert cache.get(b"\x00", 5) is not None  # now the most recent
+    cache.put(b"\x03", block(11))  # 44 more (104): the least recent (1) goes
+    assert cache.num_top == 84 and cache.get(b"\x01", 1) is None and cache.get(b"\x00", 5) is not None
+    cache.put(b"\x02", block(7))  # a larger k replaces its block: 28 for 20
+    assert cache.num_top == 92 and cache.get(b"\x02", 7) is not None
+    cache.put(b"\x04", block(6))  # 24 more (116): 3 (least recent now) goes
+    assert cache.num_top == 72 and cache.get(b"\x03", 1) is None and len(cache) == 3
+    cache.put(b"\x05", block(26))  # 104 alone, over the budget: not kept, nothing evicted
+    assert cache.get(b"\x05", 1) is None and cache.num_top == 72 and len(cache) == 3
 
 
 @pytest.mark.parametrize("value", [-2, 1.5, True, "20", None])
