@@ -1092,7 +1092,8 @@ class LLMEngine(PromptInputs):
                     store[j * bs : (j + 1) * bs],
                     req.prompt_hidden.pop((j + 1) * bs - 1),
                 )
-                self.prompt_logprobs_cache.put(self.block_manager.hashes(seq, j + 1)[j], block)
+                if self.prompt_logprobs_cache.fits(block, j + 1):
+                    self.prompt_logprobs_cache.put(self.block_manager.hashes(seq, j + 1)[j], block)
                 j += 1
             req.prompt_blocks_kept = j
 

@@ -100,6 +100,12 @@ class PromptLogprobsCache:
     def _top(block: KeptBlock) -> int:
         return block.k * len(block.entries)
 
+    def fits(self, block: KeptBlock, chain: int) -> bool:
+        """Whether ``block``, the ``chain``-th of its prompt, can be kept with the ``chain - 1``
+        before it (blocks of one prompt hold the same k): a hit needs them all, and a block whose
+        chain is over the budget would evict its own prefix and never be hit."""
+        return chain * self._top(block) <= self.max_top
+
     def __len__(self) -> int:
         return len(self._blocks)
 
