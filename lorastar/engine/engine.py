@@ -47,9 +47,8 @@ from lorastar.engine.sampling import (
     RequestOutputKind,
     SamplingParams,
     bad_words_token_ids,
-    check_logprobs,
+    bounded_logprobs,
     logprobs_cap,
-    resolve_logprobs,
 )
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput
 from lorastar.engine.spec_decode import accepted, propose_ngram, token_array
@@ -558,7 +557,6 @@ class LLMEngine(PromptInputs):
         cfg = self.config
         if params.n > cfg.max_n:
             raise LimitExceededError("n", f"n must be at most {cfg.max_n} (max_n), got {params.n}.")
-        check_logprobs(params, self.max_logprobs, self.vocab_size)
         stops = params.stop or []
         if len(stops) > cfg.max_stop_strings:
             raise LimitExceededError(
@@ -713,8 +711,8 @@ class LLMEngine(PromptInputs):
         if params.use_beam_search and params.stop:
             raise InvalidParamError("stop", "stop: stop strings are not supported with use_beam_search")
         text, ids = self.validate_prompt(prompt)
+        params = bounded_logprobs(params, self.max_logprobs, self.vocab_size)  # -1: the whole vocabulary
         self.check_limits(params, len(ids))
-        params = resolve_logprobs(params, self.vocab_size)  # -1: the whole vocabulary
         bad_words, choices = self._bad_words(params), self._choices(params)
         if grammar is None:
             grammar = self.compile_grammar(params)

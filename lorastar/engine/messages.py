@@ -121,9 +121,8 @@ class Ready(msgspec.Struct, tag=True):
     info: dict[str, Any] = msgspec.field(default_factory=dict)  # summary.engine_info: dtype, device...
     # generation_config.json's sampling defaults (engine/generation_config.py), for the frontend
     default_sampling: dict[str, Any] = msgspec.field(default_factory=dict)
-    max_logprobs: int = (
-        20  # the most top logprobs a request may ask for (EngineConfig.max_logprobs, resolved)
-    )
+    # the most top logprobs a request may ask for (EngineConfig.max_logprobs, resolved)
+    max_logprobs: int = 20
 
 
 class Outputs(msgspec.Struct, tag=True):

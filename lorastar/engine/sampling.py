@@ -224,7 +224,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             # -1: the whole vocabulary (vLLM's); the most a request may ask for is the engine's
-            # (EngineConfig.max_logprobs: check_logprobs), which resolves -1 (resolve_logprobs)
+            # (EngineConfig.max_logprobs), which reads -1 as the vocabulary (bounded_logprobs)
             if value is not None and (not _is_int(value) or value < -1):
                 raise InvalidParamError(
                     name, f"{name} must be -1 (the whole vocabulary), an integer >= 0 or None, got {value!r}."
@@ -468,29 +468,24 @@ def logprobs_cap(max_logprobs: int, vocab_size: int) -> int:
     return vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
 
 
-def check_logprobs(params: SamplingParams, cap: int, vocab_size: int) -> None:
-    """``LimitExceededError`` naming ``logprobs`` or ``prompt_logprobs`` where ``params`` asks for
-    more than ``cap`` (``logprobs_cap``) top logprobs; -1 asks for ``vocab_size``."""
+def bounded_logprobs(params: SamplingParams, cap: int, vocab_size: int) -> SamplingParams:
+    """``params`` with a ``logprobs`` or ``prompt_logprobs`` of -1 read as ``vocab_size`` (a copy;
+    ``params`` itself where neither is -1), or ``LimitExceededError`` naming the field where it
+    asks for more than ``cap`` (``logprobs_cap``) top logprobs."""
+    wants = {}
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value == -1 and vocab_size > cap:
+        want = vocab_size if value == -1 else value
+        if want is not None and want > cap:
             raise LimitExceededError(
-                name, f"{name}=-1 asks for the whole vocabulary ({vocab_size}); at most {cap} (max_logprobs)."
+                name,
+                f"{name}=-1 asks for the whole vocabulary ({vocab_size}); at most {cap} (max_logprobs)."
+                if value == -1
+                else f"{name} must be at most {cap} (max_logprobs), got {value}.",
             )
-        if value is not None and value > cap:
-            raise LimitExceededError(name, f"{name} must be at most {cap} (max_logprobs), got {value}.")
-
-
-def resolve_logprobs(params: SamplingParams, vocab_size: int) -> SamplingParams:
-    """``params`` with a ``logprobs`` or ``prompt_logprobs`` of -1 read as ``vocab_size`` (a copy;
-    ``params`` itself where neither is -1)."""
-    if params.logprobs != -1 and params.prompt_logprobs != -1:
-        return params
-    return dataclasses.replace(
-        params,
-        logprobs=vocab_size if params.logprobs == -1 else params.logprobs,
-        prompt_logprobs=vocab_size if params.prompt_logprobs == -1 else params.prompt_logprobs,
-    )
+        if value == -1:
+            wants[name] = want
+    return dataclasses.replace(params, **wants) if wants else params
 
 
 def _depth(obj: Any, limit: int) -> int:

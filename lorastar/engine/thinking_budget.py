@@ -46,17 +46,23 @@ class ThinkingBudget:
         for i in range(self.seen, n):
             if self.done:
                 break
-            tok = int(output[i])
-            if self.inside:
-                if tok == self.think_end:
-                    self.inside, self.done = False, True
-                else:
-                    self.count += 1
-            elif i == 0 and tok == self.think_start:
-                self.inside = True
-            else:
-                self.done = True
+            self._read(i, int(output[i]))
         self.seen = n
+        return self._forced()
+
+    def _read(self, i: int, tok: int) -> None:
+        """The block's state after output token ``i`` (``tok``), the block not yet done."""
+        if self.inside:
+            if tok == self.think_end:
+                self.inside, self.done = False, True
+            else:
+                self.count += 1
+        elif i == 0 and tok == self.think_start:
+            self.inside = True
+        else:
+            self.done = True
+
+    def _forced(self) -> int | None:
         past = self.count - self.budget
         return self.forced[past] if self.inside and 0 <= past < len(self.forced) else None
 
@@ -67,13 +73,14 @@ class ThinkingBudget:
         after it."""
         self.next_forced(output)
         state = self.checkpoint()
-        seen = list(output)
         k = 0
         for tok in drafts:
-            forced = self.next_forced(seen)
+            forced = self._forced()
             if forced is not None and tok != forced:
                 break
-            seen.append(tok)
+            if not self.done:
+                self._read(self.seen, tok)
+            self.seen += 1
             k += 1
         self.restore(state)
         return k

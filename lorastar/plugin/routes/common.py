@@ -16,7 +16,7 @@ from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK
 
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams, check_logprobs, resolve_logprobs
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams, bounded_logprobs
 from lorastar.engine.structured import parse_grammar
 from lorastar.errors import AdapterNotFoundError, InvalidParamError
 from lorastar.plugin.engine_client import EngineClient
@@ -141,8 +141,7 @@ def sampling_params(
     try:
         params = SamplingParams.from_dict(kw)
         if max_logprobs is not None:
-            check_logprobs(params, max_logprobs, vocab_size)
-            params = resolve_logprobs(params, vocab_size)
+            params = bounded_logprobs(params, max_logprobs, vocab_size)
         parse_grammar(params)  # a schema, regex or grammar xgrammar cannot parse: 400 here
         return params
     except InvalidParamError as exc:
