@@ -2,16 +2,20 @@
 
 ``litestar lora list|load NAME PATH|unload NAME`` and ``lorastar lora ...`` talk to a running server
 over HTTP (``--url``, ``--token`` / ``LORASTAR_ADMIN_TOKEN``; see ``lora_cli.py``). ``lorastar serve`` runs a standalone
-server for people who have no app yet.
+server for people who have no app yet, ``lorastar engine`` a core that app workers share, and
+``lorastar run-batch`` answers an OpenAI batch file through the same routes (``batch_file.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -516,33 +520,162 @@ class _ServeCommand(click.Command):
         return super().parse_args(ctx, _spread_served_names(_spread_adapter_values(args), value_options))
 
 
+def _options(options: list[Any]) -> Any:
+    def apply(f: Any) -> Any:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
+
+
+# The model and its adapters, shared by ``serve`` and ``run-batch``.
+_model_options = _options(
+    [
+        click.argument("model", required=False),
+        click.option("--model", "model_opt", default=None, help="Same as the MODEL argument (vLLM's flag)."),
+        click.option(
+            "--lora-modules",
+            "lora_modules",
+            multiple=True,
+            metavar="NAME=PATH|JSON",
+            help='Adapter to load at startup (repeatable): NAME=PATH or \'{"name": ..., "path": ...}\'.',
+        ),
+        click.option(
+            "--adapter", "adapters", multiple=True, metavar="NAME=PATH", help="Same as --lora-modules."
+        ),
+        click.option(
+            "--enable-lora", is_flag=True, hidden=True, help="Accepted for vLLM compatibility (always on)."
+        ),
+        click.option(
+            "--served-model-name",
+            "served_model_names",
+            multiple=True,
+            metavar="NAME",
+            help="Name of the base in the 'model' field; several (repeated, or vLLM's `MODEL --served-model-name "
+            "a b`): each selects the base, the first is reported.",
+        ),
+        click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from."),
+    ]
+)
+
+# How the routes answer and where the engine runs, shared by ``serve`` and ``run-batch``.
+_answer_options = _options(
+    [
+        click.option(
+            "--engine-process/--no-engine-process",
+            default=True,
+            show_default=True,
+            help="Run the engine core in a process of its own, the HTTP layer keeping this one (measured, "
+            "README: 0.89 against 0.50 of offline tokens/s at 64 streams where the host is the bottleneck, "
+            "and a lower TTFT p99 on SmolLM2); --no-engine-process runs it as a thread here.",
+        ),
+        click.option(
+            "--engine-address",
+            default=None,
+            metavar="ADDR",
+            help="Use the engine core `lorastar engine --address ADDR` runs instead of loading the model here.",
+        ),
+        click.option(
+            "--enable-auto-tool-choice",
+            is_flag=True,
+            help="Parse the model's function calls into tool_calls when a request sends tools (vLLM's flag).",
+        ),
+        click.option(
+            "--tool-call-parser",
+            default=None,
+            type=click.Choice(TOOL_CALL_PARSERS),
+            help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>; llama3_json: "
+            "Llama 3.x's JSON; mistral: [TOOL_CALLS]; qwen3_coder: <function=...><parameter=...> XML; "
+            "pythonic: [f(a=1)]).",
+        ),
+        click.option(
+            "--reasoning-parser",
+            default=None,
+            type=click.Choice(REASONING_PARSERS),
+            help="Split <think>...</think> into the chat answers' reasoning_content (vLLM's flag).",
+        ),
+        click.option(
+            "--thinking-budget-message",
+            default=None,
+            help="Text written before </think> when a request's thinking_token_budget is spent "
+            "(llama.cpp's --reasoning-budget-message; default: </think> alone).",
+        ),
+        click.option(
+            "--log-level",
+            "--uvicorn-log-level",
+            "log_level",
+            default="info",
+            show_default=True,
+            type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        ),
+    ]
+)
+
+
+def _plugin_config(
+    *,
+    model: str | None,
+    model_opt: str | None,
+    lora_modules: tuple[str, ...],
+    adapters: tuple[str, ...],
+    enable_lora: bool,
+    served_model_names: tuple[str, ...],
+    adapter_root: str | None,
+    engine_address: str | None,
+    engine_kw: dict[str, Any],
+    **plugin_kw: Any,
+) -> Any:
+    """The ``LoraStarConfig`` of the model, adapter and engine flags, everything checkable checked
+    (paths, ranks, names) before anything loads; ``plugin_kw`` are the command's other fields."""
+    from lorastar.hub import model_folder_name
+    from lorastar.plugin.config import LoraStarConfig
+
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
+    model = _check_model(model or model_opt, engine_kw.get("revision"))
+    all_adapters = parse_lora_modules(lora_modules)
+    for name, path in parse_lora_modules(adapters, "--adapter").items():
+        if name in all_adapters:
+            raise UsageProblem(f"adapter {name!r} given twice")
+        all_adapters[name] = path
+    # A shared core (--engine-address) has its own rank limit and model name: only a given
+    # --served-model-name is known here then.
+    served_model_name = (
+        served_model_names[0] if len(served_model_names) == 1 else list(served_model_names) or None
+    )
+    base_names = served_model_names or (
+        () if engine_address is not None else (model_folder_name(model) if model else DEFAULT_MODEL_NAME,)
+    )
+    all_adapters = _check_adapters(
+        all_adapters,
+        adapter_root,
+        max_lora_rank=None if engine_address is not None else engine_kw["max_lora_rank"],
+        base_names=base_names,
+    )
+    try:
+        return LoraStarConfig(
+            model=model,
+            served_model_name=served_model_name,
+            adapters=all_adapters,
+            adapter_root=adapter_root,
+            engine=engine_config(**engine_kw),
+            log_stats_interval=None if engine_kw.get("disable_log_stats") else 10.0,
+            engine_address=engine_address,
+            **plugin_kw,
+        )
+    except ValueError as exc:
+        raise UsageProblem(str(exc)) from exc
+
+
 @main.command(
     "serve",
     cls=_ServeCommand,
     help="Serve MODEL (an HF folder; default: the embedded SmolLM2) with the OpenAI API.",
 )
-@click.argument("model", required=False)
-@click.option("--model", "model_opt", default=None, help="Same as the MODEL argument (vLLM's flag).")
-@click.option(
-    "--lora-modules",
-    "lora_modules",
-    multiple=True,
-    metavar="NAME=PATH|JSON",
-    help='Adapter to load at startup (repeatable): NAME=PATH or \'{"name": ..., "path": ...}\'.',
-)
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH", help="Same as --lora-modules.")
-@click.option("--enable-lora", is_flag=True, hidden=True, help="Accepted for vLLM compatibility (always on).")
+@_model_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option(
-    "--served-model-name",
-    "served_model_names",
-    multiple=True,
-    metavar="NAME",
-    help="Name of the base in the 'model' field; several (repeated, or vLLM's `MODEL --served-model-name "
-    "a b`): each selects the base, the first is reported.",
-)
-@click.option("--adapter-root", default=None, help="Folder runtime loading may read adapters from.")
 @click.option(
     "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
 )
@@ -567,45 +700,8 @@ class _ServeCommand(click.Command):
     "--enable-adapter-resolver", is_flag=True, help="Load unknown adapter names from --adapter-root."
 )
 @engine_options
-@click.option(
-    "--engine-process/--no-engine-process",
-    default=True,
-    show_default=True,
-    help="Run the engine core in a process of its own, the HTTP layer keeping this one (measured, README: "
-    "0.89 against 0.50 of offline tokens/s at 64 streams where the host is the bottleneck, and a lower "
-    "TTFT p99 on SmolLM2); --no-engine-process runs it as a thread here.",
-)
-@click.option(
-    "--engine-address",
-    default=None,
-    metavar="ADDR",
-    help="Use the engine core `lorastar engine --address ADDR` runs instead of loading the model here.",
-)
 @click.option("--max-waiting", default=None, type=int, help="Waiting-queue bound (503 beyond it).")
-@click.option(
-    "--enable-auto-tool-choice",
-    is_flag=True,
-    help="Parse the model's function calls into tool_calls when a request sends tools (vLLM's flag).",
-)
-@click.option(
-    "--tool-call-parser",
-    default=None,
-    type=click.Choice(TOOL_CALL_PARSERS),
-    help="How the model writes function calls (hermes: <tool_call>{...}</tool_call>; llama3_json: Llama "
-    "3.x's JSON; mistral: [TOOL_CALLS]; qwen3_coder: <function=...><parameter=...> XML; pythonic: [f(a=1)]).",
-)
-@click.option(
-    "--reasoning-parser",
-    default=None,
-    type=click.Choice(REASONING_PARSERS),
-    help="Split <think>...</think> into the chat answers' reasoning_content (vLLM's flag).",
-)
-@click.option(
-    "--thinking-budget-message",
-    default=None,
-    help="Text written before </think> when a request's thinking_token_budget is spent "
-    "(llama.cpp's --reasoning-budget-message; default: </think> alone).",
-)
+@_answer_options
 @click.option(
     "--responses-store-size",
     default=0,
@@ -620,24 +716,9 @@ class _ServeCommand(click.Command):
     type=click.FloatRange(min=0),
     help="Seconds in-flight requests get on shutdown.",
 )
-@click.option(
-    "--log-level",
-    "--uvicorn-log-level",
-    "log_level",
-    default="info",
-    show_default=True,
-    type=click.Choice(LOG_LEVELS, case_sensitive=False),
-)
 def serve(
-    model: str | None,
-    model_opt: str | None,
-    lora_modules: tuple[str, ...],
-    adapters: tuple[str, ...],
-    enable_lora: bool,
     host: str,
     port: int,
-    served_model_names: tuple[str, ...],
-    adapter_root: str | None,
     admin_token: str | None,
     api_keys: tuple[str, ...],
     allowed_origins: str | None,
@@ -656,61 +737,42 @@ def serve(
     log_level: str,
     engine_process: bool,
     engine_address: str | None,
+    model: str | None,
+    model_opt: str | None,
+    lora_modules: tuple[str, ...],
+    adapters: tuple[str, ...],
+    enable_lora: bool,
+    served_model_names: tuple[str, ...],
+    adapter_root: str | None,
     **engine_kw: Any,
 ) -> None:
-    from lorastar.hub import model_folder_name
-    from lorastar.plugin.config import LoraStarConfig
     from lorastar.plugin.plugin import LoraStarPlugin, create_app  # lazy: only needed to serve
 
     # Everything checkable is checked before anything loads: paths, flags, then the port.
-    if model is not None and model_opt is not None and model != model_opt:
-        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
-    model = _check_model(model or model_opt, engine_kw.get("revision"))
     cors = cors_config(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
-    all_adapters = parse_lora_modules(lora_modules)
-    for name, path in parse_lora_modules(adapters, "--adapter").items():
-        if name in all_adapters:
-            raise UsageProblem(f"adapter {name!r} given twice")
-        all_adapters[name] = path
-    # A shared core (--engine-address) has its own rank limit and model name: only a given
-    # --served-model-name is known here then.
-    served_model_name = (
-        served_model_names[0] if len(served_model_names) == 1 else list(served_model_names) or None
+    config = _plugin_config(
+        model=model,
+        model_opt=model_opt,
+        lora_modules=lora_modules,
+        adapters=adapters,
+        enable_lora=enable_lora,
+        served_model_names=served_model_names,
+        adapter_root=adapter_root,
+        engine_address=engine_address,
+        engine_kw=engine_kw,
+        allow_runtime_adapter_loading=not no_runtime_loading,
+        admin_token=admin_token,
+        api_keys=list(api_keys) or None,
+        max_waiting=max_waiting,
+        reasoning_parser=reasoning_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        enable_adapter_resolver=enable_adapter_resolver,
+        responses_store_size=responses_store_size,
+        thinking_budget_message=thinking_budget_message,
+        shutdown_drain_timeout=shutdown_drain_timeout,
+        engine_process=engine_process,
     )
-    base_names = served_model_names or (
-        () if engine_address is not None else (model_folder_name(model) if model else DEFAULT_MODEL_NAME,)
-    )
-    all_adapters = _check_adapters(
-        all_adapters,
-        adapter_root,
-        max_lora_rank=None if engine_address is not None else engine_kw["max_lora_rank"],
-        base_names=base_names,
-    )
-    try:
-        engine = engine_config(**engine_kw)
-        config = LoraStarConfig(
-            model=model,
-            served_model_name=served_model_name,
-            adapters=all_adapters,
-            adapter_root=adapter_root,
-            allow_runtime_adapter_loading=not no_runtime_loading,
-            admin_token=admin_token,
-            api_keys=list(api_keys) or None,
-            engine=engine,
-            max_waiting=max_waiting,
-            reasoning_parser=reasoning_parser,
-            enable_auto_tool_choice=enable_auto_tool_choice,
-            tool_call_parser=tool_call_parser,
-            enable_adapter_resolver=enable_adapter_resolver,
-            responses_store_size=responses_store_size,
-            thinking_budget_message=thinking_budget_message,
-            shutdown_drain_timeout=shutdown_drain_timeout,
-            log_stats_interval=None if engine_kw.get("disable_log_stats") else 10.0,
-            engine_process=engine_process,
-            engine_address=engine_address,
-        )
-    except ValueError as exc:
-        raise UsageProblem(str(exc)) from exc
     sock = _bind(host, port)
     app = create_app(config, cors_config=cors)
     shown = f"[{host}]" if ":" in host else host
@@ -724,6 +786,146 @@ def serve(
     )
     click.echo(f"lorastar: listening on {url}; {doing}", err=True)
     run_server(app, sock, log_level)
+
+
+@main.command(
+    "run-batch",
+    cls=_ServeCommand,
+    help="Answer an OpenAI batch file with MODEL and its adapters, as vLLM's run-batch: each input line "
+    '{"custom_id", "method": "POST", "url", "body"} (url: /v1/chat/completions, /v1/completions, '
+    "/v1/responses or /v1/messages; the adapter by the body's model) gets one output line, in input "
+    "order, answered as `lorastar serve` answers it.",
+)
+@click.option("-i", "--input-file", required=True, help="The batch file (JSONL); - reads stdin.")
+@click.option("-o", "--output-file", required=True, help="Where the answers go (JSONL); - writes stdout.")
+@_model_options
+@engine_options
+@_answer_options
+def run_batch(
+    input_file: str,
+    output_file: str,
+    log_level: str,
+    engine_process: bool,
+    engine_address: str | None,
+    reasoning_parser: str | None,
+    enable_auto_tool_choice: bool,
+    tool_call_parser: str | None,
+    thinking_budget_message: str | None,
+    model: str | None,
+    model_opt: str | None,
+    lora_modules: tuple[str, ...],
+    adapters: tuple[str, ...],
+    enable_lora: bool,
+    served_model_names: tuple[str, ...],
+    adapter_root: str | None,
+    **engine_kw: Any,
+) -> None:
+    from lorastar.plugin.batch_file import BatchFileError, parse_batch
+    from lorastar.plugin.plugin import create_app
+
+    # The whole file is checked, then the flags and the output, before the model loads.
+    try:
+        if input_file == "-":
+            lines = parse_batch(sys.stdin)
+        else:
+            with open(input_file, encoding="utf-8") as f:
+                lines = parse_batch(f)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageProblem(f"--input-file {input_file!r}: {getattr(exc, 'strerror', None) or exc}") from exc
+    except BatchFileError as exc:
+        raise UsageProblem(
+            f"--input-file {input_file!r}: {len(exc.problems)} bad line(s), nothing was run:\n{exc}"
+        ) from None
+    config = _plugin_config(
+        model=model,
+        model_opt=model_opt,
+        lora_modules=lora_modules,
+        adapters=adapters,
+        enable_lora=enable_lora,
+        served_model_names=served_model_names,
+        adapter_root=adapter_root,
+        engine_address=engine_address,
+        engine_kw=engine_kw,
+        allow_runtime_adapter_loading=False,
+        # The runner bounds what is in flight (2 x --max-num-seqs, as vLLM's); a completions line
+        # may hold many prompts, so the waiting queue gets no bound of its own to answer 503 with.
+        max_waiting=2**31 - 1,
+        reasoning_parser=reasoning_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
+        thinking_budget_message=thinking_budget_message,
+        engine_process=engine_process,
+    )
+    try:
+        out = sys.stdout if output_file == "-" else open(output_file, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as exc:
+        raise UsageProblem(f"--output-file {output_file!r}: {exc.strerror or exc}") from exc
+    _log_to_stderr(log_level)
+    click.echo(f"lorastar run-batch: {len(lines)} requests from {input_file}; loading the model", err=True)
+    from lorastar.plugin.batch_file import BatchSummary
+
+    summary = BatchSummary()
+    try:
+        asyncio.run(
+            _answer_batch(
+                create_app(config),
+                lines,
+                out,
+                summary,
+                prefix=config.path,
+                concurrency=2 * engine_kw["max_num_seqs"],
+            )
+        )
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C or SIGTERM: the run was stopped
+        raise click.ClickException(
+            f"stopped; {output_file} holds the answers to the first {summary.written} of "
+            f"{len(lines)} requests"
+        ) from None
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    click.echo(
+        f"lorastar run-batch: {summary.succeeded} answered, {summary.failed} refused (their lines' error "
+        f"says why); wrote {output_file}",
+        err=True,
+    )
+
+
+async def _answer_batch(
+    app: Any, lines: Any, out: Any, summary: Any, *, prefix: str, concurrency: int
+) -> None:
+    """Start ``app`` (a start-up ``ValueError`` is a usage error, as ``serve``'s), answer ``lines``,
+    stop it; progress on the ``lorastar`` log every 10 s. SIGTERM cancels the run as Ctrl-C does
+    (asyncio.run's own SIGINT handling): the app's lifespan then stops the engine, and the lines
+    written so far stay whole."""
+    from lorastar.plugin.batch_file import run_batch as answer_lines
+
+    log = logging.getLogger("lorastar")
+    last = [time.monotonic()]
+
+    def progress(done: int, summary: Any) -> None:
+        if (now := time.monotonic()) - last[0] >= 10.0:
+            last[0] = now
+            log.info("run-batch: %d of %d answered (%d refused)", done, len(lines), summary.failed)
+
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    # A cancel, not a KeyboardInterrupt raised in the handler: that one, raised inside the loop's
+    # frames, left contextlib's exit stacks looping forever on a cyclic __context__ chain.
+    previous = signal.signal(signal.SIGTERM, lambda *_: loop.call_soon_threadsafe(task.cancel))
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                await stack.enter_async_context(app.lifespan())
+            except Exception as exc:
+                if (error := _config_error(exc)) is not None:
+                    raise UsageProblem(f"cannot start: {error}") from None
+                raise
+            await answer_lines(
+                app, lines, out, prefix=prefix, concurrency=concurrency, on_answer=progress, summary=summary
+            )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @main.command(

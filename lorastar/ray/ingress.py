@@ -17,10 +17,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from lorastar.plugin.asgi_call import ResponseStart
 from lorastar.plugin.errors import APIError, app_path
 from lorastar.plugin.routes import messages, responses
 from lorastar.plugin.sse import DONE, event_frame, frame
-from lorastar.ray.asgi_call import ResponseStart
 
 ROUTINGS = ("multiplexed", "adapter_blind")
 

@@ -23,9 +23,9 @@ import msgspec
 from ray import serve
 
 from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app
+from lorastar.plugin.asgi_call import Headers, ResponseStart, call_asgi, http_scope
 from lorastar.plugin.errors import APIError, to_api_error
 from lorastar.plugin.service import confine
-from lorastar.ray.asgi_call import Headers, ResponseStart, call_asgi, http_scope
 
 REPLICA_HEADER = "x-lorastar-replica"
 LOADS_HEADER = "x-lorastar-adapter-loads"

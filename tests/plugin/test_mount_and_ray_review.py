@@ -83,7 +83,7 @@ class _Replicas:
         return self
 
     def remote(self, *args: Any) -> Any:
-        from lorastar.ray.asgi_call import ResponseStart
+        from lorastar.plugin.asgi_call import ResponseStart
 
         self.args = args
 

@@ -14,7 +14,7 @@ pytest.importorskip("ray.serve")
 from starlette.requests import Request  # noqa: E402
 from starlette.responses import StreamingResponse  # noqa: E402
 
-from lorastar.ray.asgi_call import ResponseStart, call_asgi, http_scope  # noqa: E402
+from lorastar.plugin.asgi_call import ResponseStart, call_asgi, http_scope  # noqa: E402
 from lorastar.ray.ingress import LoraStarIngress, model_of  # noqa: E402
 
 

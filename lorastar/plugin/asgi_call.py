@@ -1,7 +1,7 @@
 """Drive an ASGI app in-process for one buffered HTTP request, yielding what it sends.
 
-The replica deployment receives requests as plain values through a Ray handle (no socket), so it
-plays the ASGI server itself: the request body is handed over in one ``http.request`` message,
+The Ray replica receives requests as plain values through a Ray handle (no socket) and
+``lorastar run-batch`` reads them from a file, so each plays the ASGI server itself: the request body is handed over in one ``http.request`` message,
 ``http.disconnect`` follows only when the caller stops consuming (a client that went away).
 """
 
