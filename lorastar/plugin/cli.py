@@ -224,6 +224,83 @@ def _config_error(exc: BaseException | None) -> ValueError | None:
     return exc if isinstance(exc, ValueError) else None
 
 
+CONFIG_MODEL_KEY = "lorastar.config_model"  # ctx.meta: the model a --config file names
+
+
+def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """``--config FILE``: vLLM's YAML of long option names (``port: 8000``, ``max-num-seqs: 32``,
+    ``lora-modules: [a=/x]``, ``enable-prefix-caching: false``) as the command's defaults, so the
+    command line wins over the file and the file over the defaults; ``model`` yields to MODEL."""
+    if value is None:
+        return
+    import yaml
+
+    where = f"--config {value!r}"
+    try:
+        data = yaml.safe_load(Path(value).expanduser().read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageProblem(f"{where}: {exc.strerror or exc}") from exc
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UsageProblem(f"{where}: not YAML ({exc})") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageProblem(f"{where}: a mapping of option names to values is expected, e.g. 'port: 8000'")
+    flags: dict[str, tuple[click.Option, bool]] = {}  # long name -> (option, is its --no- form)
+    for p in ctx.command.params:
+        if isinstance(p, click.Option) and p.name != "config":
+            for opt in p.opts:
+                flags.setdefault(opt.removeprefix("--"), (p, False))
+            for opt in p.secondary_opts:
+                flags.setdefault(opt.removeprefix("--"), (p, True))
+    defaults: dict[str, Any] = {}
+    for key, v in data.items():
+        name = str(key).removeprefix("--").replace("_", "-")
+        if name == "model" and "model" in flags:
+            if v is not None:
+                ctx.meta[CONFIG_MODEL_KEY] = str(v)
+            continue
+        if name not in flags:
+            raise UsageProblem(f"{where}: {key!r} is not an option of `lorastar {ctx.info_name}`")
+        option, negative = flags[name]
+        if v is None:
+            continue
+        if option.is_flag:
+            if not isinstance(v, bool):
+                raise UsageProblem(f"{where}: {key} takes true or false, got {v!r}")
+            if option.secondary_opts:
+                v = v != negative
+            elif not v:
+                continue  # a plain flag set to false: its default
+        elif option.multiple:
+            v = [
+                json.dumps(x) if isinstance(x, dict | list) else str(x)
+                for x in (v if isinstance(v, list) else [v])
+            ]
+        elif isinstance(v, dict | list):
+            v = json.dumps(v)  # --speculative-config, --allowed-origins: their JSON
+        defaults[option.name] = v  # type: ignore[index]
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+
+
+def _given_model(model: str | None, model_opt: str | None) -> str | None:
+    """MODEL or --model (the same one, when both), else a --config file's ``model``."""
+    if model is not None and model_opt is not None and model != model_opt:
+        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
+    ctx = click.get_current_context(silent=True)
+    return model or model_opt or (ctx.meta.get(CONFIG_MODEL_KEY) if ctx is not None else None)
+
+
+_CONFIG_OPTION = click.option(
+    "--config",
+    is_eager=True,
+    expose_value=False,
+    callback=_load_config_file,
+    metavar="FILE",
+    help="YAML file of long option names and values (vLLM's --config); the command line wins over it.",
+)
+
+
 _ENGINE_OPTIONS = [
     click.option("--tokenizer", default=None, help="Tokenizer folder (default: the model's)."),
     click.option(
@@ -631,9 +708,7 @@ def _plugin_config(
     from lorastar.hub import model_folder_name
     from lorastar.plugin.config import LoraStarConfig
 
-    if model is not None and model_opt is not None and model != model_opt:
-        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
-    model = _check_model(model or model_opt, engine_kw.get("revision"))
+    model = _check_model(_given_model(model, model_opt), engine_kw.get("revision"))
     all_adapters = parse_lora_modules(lora_modules)
     for name, path in parse_lora_modules(adapters, "--adapter").items():
         if name in all_adapters:
@@ -673,6 +748,7 @@ def _plugin_config(
     cls=_ServeCommand,
     help="Serve MODEL (an HF folder; default: the embedded SmolLM2) with the OpenAI API.",
 )
+@_CONFIG_OPTION
 @_model_options
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
@@ -796,6 +872,7 @@ def serve(
     "/v1/responses or /v1/messages; the adapter by the body's model) gets one output line, in input "
     "order, answered as `lorastar serve` answers it.",
 )
+@_CONFIG_OPTION
 @click.option("-i", "--input-file", required=True, help="The batch file (JSONL); - reads stdin.")
 @click.option("-o", "--output-file", required=True, help="Where the answers go (JSONL); - writes stdout.")
 @_model_options
@@ -933,6 +1010,7 @@ async def _answer_batch(
     help="Run only the engine core, at --address; app workers share it with "
     "LoraStarConfig(engine_address=ADDR) or `lorastar serve --engine-address ADDR` (one model in memory).",
 )
+@_CONFIG_OPTION
 @click.argument("model", required=False)
 @click.option("--model", "model_opt", default=None, help="Same as the MODEL argument.")
 @click.option(
@@ -948,14 +1026,13 @@ def engine(
     from lorastar.engine.core_proc import run_engine_core
     from lorastar.plugin.stats_log import start_stats_thread
 
-    if model is not None and model_opt is not None and model != model_opt:
-        raise UsageProblem(f"two models given: {model!r} and --model {model_opt!r}")
+    model = _given_model(model, model_opt)
     lock = _lock_ipc_address(address)  # held while this core runs
     try:
         _check_engine_address(address)
         try:
             config = engine_config(
-                model=_check_model(model or model_opt, engine_kw.get("revision")),
+                model=_check_model(model, engine_kw.get("revision")),
                 max_waiting=max_waiting,
                 **engine_kw,
             )
