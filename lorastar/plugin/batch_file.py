@@ -70,6 +70,22 @@ class BatchSummary:
     succeeded: int = 0
     failed: int = 0
     written: int = 0
+    output_closed: bool = False  # the output's reader went away (a broken pipe): the run stopped
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _record_line(record: dict[str, Any]) -> str:
+    """One output line: non-ASCII text as itself, unless something in the record cannot be UTF-8
+    (a lone surrogate a route echoed back), which is then written escaped."""
+    text = json.dumps(record, ensure_ascii=False)
+    return (text if _is_unicode(text) else json.dumps(record)) + "\n"
 
 
 def _problem(obj: Any) -> str | None:
@@ -79,6 +95,8 @@ def _problem(obj: Any) -> str | None:
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
         return "custom_id must be a non-empty string"
+    if not _is_unicode(cid):
+        return "custom_id is not valid Unicode (a lone surrogate escape such as \\ud83d)"
     if obj.get("method") != "POST":
         return f'method must be "POST", got {obj.get("method")!r}'
     url = obj.get("url")
@@ -92,6 +110,10 @@ def _problem(obj: Any) -> str | None:
     return None
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # Python's reader takes NaN and Infinity; routes do not
+
+
 def parse_batch(lines: Iterable[str]) -> list[BatchLine]:
     """The requests of a batch file's lines (blank lines skipped); ``BatchFileError`` naming every
     bad line."""
@@ -99,10 +121,12 @@ def parse_batch(lines: Iterable[str]) -> list[BatchLine]:
     problems: list[str] = []
     first_line: dict[str, int] = {}  # custom_id -> the line that used it first
     for number, raw in enumerate(lines, 1):
+        if number == 1:
+            raw = raw.removeprefix("\ufeff")  # a byte-order mark some editors write first
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, parse_constant=_not_json)
         except ValueError as exc:
             problems.append(f"line {number}: not JSON ({exc})")
             continue
@@ -185,11 +209,19 @@ async def run_batch(
                 summary.failed += 1
             ready[index] = record
             while summary.written in ready:
-                out.write(json.dumps(ready.pop(summary.written), ensure_ascii=False) + "\n")
+                out.write(_record_line(ready.pop(summary.written)))
                 summary.written += 1
             out.flush()
             if on_answer is not None:
                 on_answer(summary.succeeded + summary.failed, summary)
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(lines)))))
+    workers = [asyncio.ensure_future(worker()) for _ in range(min(concurrency, len(lines)))]
+    try:
+        await asyncio.gather(*workers)
+    except BrokenPipeError:  # `-o - | head`: nobody reads on; the lines in flight are aborted
+        summary.output_closed = True
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
     return summary

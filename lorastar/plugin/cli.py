@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -786,6 +787,11 @@ def _plugin_config(
     help="/v1/responses answers kept in memory for previous_response_id (0: none, vLLM's default).",
 )
 @click.option(
+    "--enable-request-id-headers",
+    is_flag=True,
+    help="Answer with an X-Request-Id header: the request's own or a new one (vLLM's flag).",
+)
+@click.option(
     "--shutdown-drain-timeout",
     default=5.0,
     show_default=True,
@@ -810,6 +816,7 @@ def serve(
     responses_store_size: int,
     thinking_budget_message: str | None,
     shutdown_drain_timeout: float,
+    enable_request_id_headers: bool,
     log_level: str,
     engine_process: bool,
     engine_address: str | None,
@@ -847,6 +854,7 @@ def serve(
         responses_store_size=responses_store_size,
         thinking_budget_message=thinking_budget_message,
         shutdown_drain_timeout=shutdown_drain_timeout,
+        enable_request_id_headers=enable_request_id_headers,
         engine_process=engine_process,
     )
     sock = _bind(host, port)
@@ -933,21 +941,27 @@ def run_batch(
         thinking_budget_message=thinking_budget_message,
         engine_process=engine_process,
     )
-    try:
-        out = sys.stdout if output_file == "-" else open(output_file, "w", encoding="utf-8")  # noqa: SIM115
-    except OSError as exc:
-        raise UsageProblem(f"--output-file {output_file!r}: {exc.strerror or exc}") from exc
+    _check_output_file(output_file, input_file)
     _log_to_stderr(log_level)
     click.echo(f"lorastar run-batch: {len(lines)} requests from {input_file}; loading the model", err=True)
     from lorastar.plugin.batch_file import BatchSummary
 
     summary = BatchSummary()
+    where = "stdout" if output_file == "-" else output_file
+    opened: list[Any] = []  # the output, opened once the engine has started (a failed start keeps
+    # an earlier run's file)
+
+    def open_output() -> Any:
+        out = sys.stdout if output_file == "-" else open(output_file, "w", encoding="utf-8")  # noqa: SIM115
+        opened.append(out)
+        return out
+
     try:
         asyncio.run(
             _answer_batch(
                 create_app(config),
                 lines,
-                out,
+                open_output,
                 summary,
                 prefix=config.path,
                 concurrency=2 * engine_kw["max_num_seqs"],
@@ -955,24 +969,48 @@ def run_batch(
         )
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C or SIGTERM: the run was stopped
         raise click.ClickException(
-            f"stopped; {output_file} holds the answers to the first {summary.written} of "
-            f"{len(lines)} requests"
+            f"stopped; {where} holds the answers to the first {summary.written} of {len(lines)} requests"
         ) from None
     finally:
-        if out is not sys.stdout:
-            out.close()
+        for out in opened:
+            if out is not sys.stdout:
+                with contextlib.suppress(BrokenPipeError):
+                    out.close()
+    if summary.output_closed:  # `-o - | head`: no traceback, and nothing more to flush at exit
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise click.ClickException(
+            f"stopped; the reader of {where} went away after {summary.written} of {len(lines)} answers"
+        )
     click.echo(
         f"lorastar run-batch: {summary.succeeded} answered, {summary.failed} refused (their lines' error "
-        f"says why); wrote {output_file}",
+        f"says why); wrote {where}",
         err=True,
     )
 
 
+def _check_output_file(output_file: str, input_file: str) -> None:
+    """``-o`` is writable and not the input, checked without touching it (it is opened, and an
+    existing one emptied, only once the engine has started)."""
+    if output_file == "-":
+        return
+    path = Path(output_file).expanduser()
+    if path.is_dir():
+        raise UsageProblem(f"--output-file {output_file!r} is a folder")
+    if input_file != "-" and path.exists() and path.samefile(input_file):
+        raise UsageProblem(f"--output-file {output_file!r} is the input file; write the answers elsewhere")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageProblem(f"--output-file {output_file!r}: folder {str(folder)!r} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise UsageProblem(f"--output-file {output_file!r}: not writable")
+
+
 async def _answer_batch(
-    app: Any, lines: Any, out: Any, summary: Any, *, prefix: str, concurrency: int
+    app: Any, lines: Any, open_output: Any, summary: Any, *, prefix: str, concurrency: int
 ) -> None:
-    """Start ``app`` (a start-up ``ValueError`` is a usage error, as ``serve``'s), answer ``lines``,
-    stop it; progress on the ``lorastar`` log every 10 s. SIGTERM cancels the run as Ctrl-C does
+    """Start ``app`` (a start-up ``ValueError`` is a usage error, as ``serve``'s), open the output
+    (``open_output()``), answer ``lines``, stop it; progress on the ``lorastar`` log every 10 s. SIGTERM cancels the run as Ctrl-C does
     (asyncio.run's own SIGINT handling): the app's lifespan then stops the engine, and the lines
     written so far stay whole."""
     from lorastar.plugin.batch_file import run_batch as answer_lines
@@ -999,7 +1037,13 @@ async def _answer_batch(
                     raise UsageProblem(f"cannot start: {error}") from None
                 raise
             await answer_lines(
-                app, lines, out, prefix=prefix, concurrency=concurrency, on_answer=progress, summary=summary
+                app,
+                lines,
+                open_output(),
+                prefix=prefix,
+                concurrency=concurrency,
+                on_answer=progress,
+                summary=summary,
             )
     finally:
         signal.signal(signal.SIGTERM, previous)

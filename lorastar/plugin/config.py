@@ -117,6 +117,12 @@ class LoraStarConfig:
     retry_after_seconds: int = 1
     """Value of the ``Retry-After`` header on 503 answers."""
 
+    enable_request_id_headers: bool = False
+    """Answer every request to lorastar's routes with an ``X-Request-Id`` header: the request's own
+    (a gateway's trace id) or a new one (vLLM's ``--enable-request-id-headers``). Whether or not it is
+    on, chat and completions answers take their ``id`` from a request's ``X-Request-Id`` (or its
+    body's ``request_id``), as vLLM's do."""
+
     enable_adapter_resolver: bool = False
     """A request whose ``model`` names no loaded adapter but a folder directly under ``adapter_root``
     loads that folder under that name first (vLLM's LoRA resolver)."""

@@ -24,6 +24,7 @@ from lorastar.errors import LoraStarError, StartupCancelled
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, handler_map, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.lora_cli import make_lora_group
+from lorastar.plugin.request_id import request_id_middleware
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.ops import build_ops_handlers
@@ -91,10 +92,12 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         route_handlers: list[Any] = build_openai_handlers(service, guards=api_guards)
         if cfg.allow_runtime_adapter_loading:
             route_handlers += build_admin_handlers(service)
+        middleware = [request_id_middleware] if cfg.enable_request_id_headers else []
         app_config.route_handlers.append(
             Router(
                 path=cfg.path,
                 route_handlers=route_handlers,
+                middleware=middleware,
                 exception_handlers=own_handlers,
                 include_in_schema=cfg.include_in_schema,
                 tags=["lorastar"],
@@ -127,6 +130,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
                 Router(
                     path="/",
                     route_handlers=system,
+                    middleware=middleware,
                     exception_handlers=own_handlers,
                     include_in_schema=cfg.include_in_schema,  # /tokenize, /version, ... too
                     tags=["lorastar"],

@@ -28,6 +28,8 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "(lorastar serve --chat-template).",
 }
 
+MAX_REQUEST_ID = 256  # characters of a client's request id (body or X-Request-Id header)
+
 
 # guided_choice's strings: at least one, none empty
 Choices = Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(min_length=1)]
@@ -104,6 +106,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     bad_words: list[str] | None = None
     # vLLM's: prompt blocks shared only with requests of the same salt
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    # vLLM's: the answer's id is "chatcmpl-{request_id}" / "cmpl-{request_id}" (an X-Request-Id
+    # header wins); it may repeat, the engine's own id stays unique
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len; 0 is refused).
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     # vLLM's: logprobs name each token "token_id:{id}" (RL trainers read the sampled ids back;

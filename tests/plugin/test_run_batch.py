@@ -75,6 +75,19 @@ def test_good_lines_parse_and_many_problems_are_cut() -> None:
     assert text.count("not JSON") == MAX_PROBLEMS_SHOWN and text.endswith("... and 5 more")
 
 
+def test_a_byte_order_mark_is_skipped_and_nan_is_refused() -> None:
+    """Files from Windows tools may start with a BOM; Python's JSON reader takes NaN, which no
+    route does (the 400 would point at a byte of the re-encoded body, not the line)."""
+    parsed = parse_batch(["\ufeff" + line("a", prompt="x"), line("b", prompt="y")])
+    assert [b.custom_id for b in parsed] == ["a", "b"]
+    with pytest.raises(BatchFileError) as info:
+        parse_batch([line("a", prompt="x").replace('"x"', "NaN"), line("b", temperature=float("inf"))])
+    assert info.value.problems == [
+        "line 1: not JSON (NaN is not JSON)",
+        "line 2: not JSON (Infinity is not JSON)",
+    ]
+
+
 # ----------------------------------------------------------------------------- the runner (a fake app)
 
 
@@ -151,6 +164,46 @@ def test_a_bad_file_fails_before_anything_loads(tmp_path: Path) -> None:
     good.write_text(line("a", prompt="x") + "\n")
     r = CliRunner().invoke(main, ["run-batch", "-i", str(good), "-o", str(tmp_path / "no-dir" / "o.jsonl")])
     assert r.exit_code == 2 and "--output-file" in r.output
+
+
+def test_a_failed_start_leaves_an_earlier_output_alone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The output is opened once the engine has started: a start that fails (--max-model-len past
+    the model's positions) is a usage error and the last run's answers stay."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(line("a", model="tiny", prompt="x") + "\n")
+    out.write_text("the last run's answers\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorastar.plugin.cli", "run-batch", "-i", str(inp), "-o", str(out), str(tiny_model_dir),
+         "--served-model-name", "tiny", "--device", "cpu", "--no-engine-process", "--max-model-len", "100000"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Error: cannot start: max_model_len" in proc.stderr, proc.stderr[-2000:]
+    assert out.read_text() == "the last run's answers\n"
+
+
+def test_a_closed_stdout_stops_the_run_without_a_traceback(tiny_model_dir: Path) -> None:
+    """``run-batch -o - | head -1``: once the reader is gone the run stops, saying so."""
+    batch = "".join(line(f"r{i}", model="tiny", prompt=PROMPTS[0], max_tokens=50) + "\n" for i in range(200))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lorastar.plugin.cli", "run-batch", "-i", "-", "-o", "-", str(tiny_model_dir),
+         "--served-model-name", "tiny", "--max-num-seqs", "1", "--device", "cpu", "--no-engine-process",
+         "--disable-log-stats"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        proc.stdin.write(batch)
+        proc.stdin.close()
+        first = json.loads(proc.stdout.readline())
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert first["custom_id"] == "r0"
+    assert proc.returncode == 1 and "the reader of stdout went away after" in err, err[-2000:]
+    assert "Traceback" not in err
 
 
 def _references(model_dir: Path, adapter: Path, max_new: int) -> dict[tuple[str | None, str], list[int]]:

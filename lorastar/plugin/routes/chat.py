@@ -21,6 +21,7 @@ from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.engine_client import EngineClient
 from lorastar.plugin.errors import APIError
 from lorastar.plugin.reasoning import THINK_END, THINK_START, ReasoningSplitter
+from lorastar.plugin.request_id import request_ids
 from lorastar.plugin.routes.common import (
     MIN_LOGPROB,
     ChoiceDelta,
@@ -37,7 +38,6 @@ from lorastar.plugin.routes.common import (
     make_usage,
     prime_or_404,
     prompt_logprobs_of,
-    random_id,
     ranked,
     sampling_params,
     stream_usage,
@@ -508,13 +508,13 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         tool_parser, forced, forced_ids = plan.tool_parser, plan.forced, plan.forced_ids
         reasoning_style = plan.reasoning_style
         num_top = params.logprobs or 0  # top_logprobs (with logprobs), -1 read as the vocabulary
-        request_id = random_id("chatcmpl")
+        request_id, engine_id = request_ids("chatcmpl", request, data.request_id)
         created = int(time.time())
         model_name = data.model or service.served_model_name
         tokenizer = engine.tokenizer
         lp_names = logprobs_tokenizer(tokenizer, data)
         want_ids = bool(data.return_token_ids)
-        stream = service.generate(prompt_ids, params, plan.adapter, request_id)
+        stream = service.generate(prompt_ids, params, plan.adapter, engine_id)
         n = params.n
         # vLLM's: with the reasoning hidden, so are logprobs (their tokens would spell it out)
         want_lp = bool(data.logprobs) and (data.include_reasoning or not reasoning_style)

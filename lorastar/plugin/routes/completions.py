@@ -18,6 +18,7 @@ from msgspec import UNSET
 from lorastar.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from lorastar.engine.sampling import SamplingParams
 from lorastar.plugin.errors import APIError
+from lorastar.plugin.request_id import request_ids
 from lorastar.plugin.routes.common import (
     ChoiceDelta,
     capped_max_tokens,
@@ -32,7 +33,6 @@ from lorastar.plugin.routes.common import (
     logprobs_tokenizer,
     prime_or_404,
     prompt_logprobs_of,
-    random_id,
     ranked,
     sampling_params,
     stream_usage,
@@ -241,11 +241,11 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
             defaults=defaults, max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size,
         ))  # fmt: skip
-        request_id = random_id("cmpl")
+        request_id, engine_id = request_ids("cmpl", request, data.request_id)
         created = int(time.time())
         model_name = data.model or service.served_model_name
         streams = [
-            service.generate(ids, _with_max_tokens(params, limit), adapter, f"{request_id}-{i}")
+            service.generate(ids, _with_max_tokens(params, limit), adapter, f"{engine_id}-{i}")
             for i, (ids, limit) in enumerate(zip(token_ids, limits, strict=True))
         ]
         n = params.n
