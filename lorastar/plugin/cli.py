@@ -173,8 +173,9 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
-def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
-    """uvicorn on the already bound socket (tests replace this)."""
+def run_server(app: Any, sock: socket.socket, log_level: str, **uvicorn_kw: Any) -> None:
+    """uvicorn on the already bound socket (tests replace this); ``uvicorn_kw``: more
+    ``uvicorn.Config`` fields (``access_log``, ``ssl_*``), passed only when a flag sets them."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -203,7 +204,7 @@ def run_server(app: Any, sock: socket.socket, log_level: str) -> None:
 
         await app(scope, receive, send_startup if scope["type"] == "lifespan" else send)
 
-    server = Server(uvicorn.Config(asgi, log_level=log_level))
+    server = Server(uvicorn.Config(asgi, log_level=log_level, **uvicorn_kw))
     # uvicorn re-raises the signal that stopped it once it is done; with these no-op handlers in
     # place (it restores them first) a Ctrl-C ends the process with exit code 0, no traceback.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -787,6 +788,18 @@ def _plugin_config(
     help="/v1/responses answers kept in memory for previous_response_id (0: none, vLLM's default).",
 )
 @click.option(
+    "--disable-uvicorn-access-log", is_flag=True, help="No access log line per request (vLLM's flag)."
+)
+@click.option("--ssl-keyfile", default=None, help="Serve HTTPS: the private key file (with --ssl-certfile).")
+@click.option("--ssl-certfile", default=None, help="Serve HTTPS: the certificate file (with --ssl-keyfile).")
+@click.option("--ssl-ca-certs", default=None, help="CA certificates file to verify clients with.")
+@click.option(
+    "--ssl-cert-reqs",
+    default=None,
+    type=click.IntRange(0, 2),
+    help="Client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*; vLLM's flag).",
+)
+@click.option(
     "--enable-request-id-headers",
     is_flag=True,
     help="Answer with an X-Request-Id header: the request's own or a new one (vLLM's flag).",
@@ -817,6 +830,11 @@ def serve(
     thinking_budget_message: str | None,
     shutdown_drain_timeout: float,
     enable_request_id_headers: bool,
+    disable_uvicorn_access_log: bool,
+    ssl_keyfile: str | None,
+    ssl_certfile: str | None,
+    ssl_ca_certs: str | None,
+    ssl_cert_reqs: int | None,
     log_level: str,
     engine_process: bool,
     engine_address: str | None,
@@ -833,6 +851,9 @@ def serve(
 
     # Everything checkable is checked before anything loads: paths, flags, then the port.
     cors = cors_config(allowed_origins, allowed_methods, allowed_headers, allow_credentials)
+    uvicorn_kw = _uvicorn_options(
+        disable_uvicorn_access_log, ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs
+    )
     config = _plugin_config(
         model=model,
         model_opt=model_opt,
@@ -860,7 +881,8 @@ def serve(
     sock = _bind(host, port)
     app = create_app(config, cors_config=cors)
     shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{sock.getsockname()[1]}{config.path}"
+    scheme = "https" if "ssl_certfile" in uvicorn_kw else "http"
+    url = f"{scheme}://{shown}:{sock.getsockname()[1]}{config.path}"
     app.plugins.get(LoraStarPlugin).public_url = url
     _log_to_stderr(log_level)
     doing = (
@@ -869,7 +891,49 @@ def serve(
         else f"connecting to the engine core at {engine_address}"
     )
     click.echo(f"lorastar: listening on {url}; {doing}", err=True)
-    run_server(app, sock, log_level)
+    run_server(app, sock, log_level, **uvicorn_kw)
+
+
+def _uvicorn_options(
+    no_access_log: bool,
+    keyfile: str | None,
+    certfile: str | None,
+    ca_certs: str | None,
+    cert_reqs: int | None,
+) -> dict[str, Any]:
+    """The ``uvicorn.Config`` fields the flags set (none when none is given); the TLS files are
+    checked to load together now, before the model (a bad one was uvicorn's traceback after it)."""
+    kw: dict[str, Any] = {"access_log": False} if no_access_log else {}
+    if (keyfile is None) != (certfile is None):
+        raise UsageProblem("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS")
+    if certfile is None:
+        if ca_certs is not None or cert_reqs is not None:
+            raise UsageProblem("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+        return kw
+    import ssl
+
+    for flag, path in (
+        ("--ssl-keyfile", keyfile),
+        ("--ssl-certfile", certfile),
+        ("--ssl-ca-certs", ca_certs),
+    ):
+        if path is not None and not Path(path).is_file():
+            raise UsageProblem(f"{flag} {path!r} is not a file")
+    try:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(certfile, keyfile)
+        if ca_certs is not None:
+            context.load_verify_locations(ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageProblem(
+            f"--ssl-keyfile / --ssl-certfile / --ssl-ca-certs: cannot load them: {exc}"
+        ) from exc
+    kw.update(ssl_keyfile=keyfile, ssl_certfile=certfile)
+    if ca_certs is not None:
+        kw["ssl_ca_certs"] = ca_certs
+    if cert_reqs is not None:
+        kw["ssl_cert_reqs"] = cert_reqs
+    return kw
 
 
 @main.command(
