@@ -681,6 +681,18 @@ _answer_options = _options(
             "(llama.cpp's --reasoning-budget-message; default: </think> alone).",
         ),
         click.option(
+            "--enable-log-requests",
+            "log_requests",
+            is_flag=True,
+            help="Log each request (prompt, params) and how it ended, on lorastar.requests (vLLM's flag).",
+        ),
+        click.option(
+            "--max-log-len",
+            default=None,
+            type=click.IntRange(0),
+            help="Most prompt characters and token ids a logged request shows (default: all).",
+        ),
+        click.option(
             "--log-level",
             "--uvicorn-log-level",
             "log_level",
@@ -829,6 +841,8 @@ def serve(
     responses_store_size: int,
     thinking_budget_message: str | None,
     shutdown_drain_timeout: float,
+    log_requests: bool,
+    max_log_len: int | None,
     enable_request_id_headers: bool,
     disable_uvicorn_access_log: bool,
     ssl_keyfile: str | None,
@@ -876,6 +890,8 @@ def serve(
         thinking_budget_message=thinking_budget_message,
         shutdown_drain_timeout=shutdown_drain_timeout,
         enable_request_id_headers=enable_request_id_headers,
+        log_requests=log_requests,
+        max_log_len=max_log_len,
         engine_process=engine_process,
     )
     sock = _bind(host, port)
@@ -953,6 +969,8 @@ def _uvicorn_options(
 def run_batch(
     input_file: str,
     output_file: str,
+    log_requests: bool,
+    max_log_len: int | None,
     log_level: str,
     engine_process: bool,
     engine_address: str | None,
@@ -1003,6 +1021,8 @@ def run_batch(
         enable_auto_tool_choice=enable_auto_tool_choice,
         tool_call_parser=tool_call_parser,
         thinking_budget_message=thinking_budget_message,
+        log_requests=log_requests,
+        max_log_len=max_log_len,
         engine_process=engine_process,
     )
     _check_output_file(output_file, input_file)

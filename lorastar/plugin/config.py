@@ -143,6 +143,16 @@ class LoraStarConfig:
     rate, adapters; INFO while tokens flow, DEBUG while idle). ``None``: none, for an app that owns
     its logs; ``lorastar serve`` logs one every 10 s unless ``--disable-log-stats``."""
 
+    log_requests: bool = False
+    """Log each request on the ``lorastar.requests`` logger (vLLM's ``--enable-log-requests``):
+    ``Received request ID: model, prompt, prompt_token_ids, params`` when it is submitted, then
+    ``Finished request ID`` (finish reason, tokens, seconds) or ``Aborted request ID`` (the client
+    went away, or the error). Off by default: prompts are user data."""
+
+    max_log_len: int | None = None
+    """Most prompt characters and prompt token ids a ``Received request`` line shows (vLLM's
+    ``--max-log-len``); ``None``: all."""
+
     engine_dependency_key: str = "lorastar_engine"
     """Name of the app-level dependency that hands the ``AsyncLLM`` to the user's own handlers
     (not added when the app already has a dependency of that name)."""
@@ -230,6 +240,12 @@ class LoraStarConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        if self.max_log_len is not None and (
+            not isinstance(self.max_log_len, int)
+            or isinstance(self.max_log_len, bool)
+            or self.max_log_len < 0
+        ):
+            raise ValueError(f"max_log_len must be an integer >= 0 or None, got {self.max_log_len!r}")
         interval = self.log_stats_interval
         if interval is not None and (
             not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0

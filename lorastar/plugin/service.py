@@ -27,6 +27,7 @@ from lorastar.plugin.errors import APIError, forbidden, not_found
 from lorastar.plugin.metrics import PluginMetrics, RequestTimer
 
 logger = logging.getLogger("lorastar.plugin")
+request_logger = logging.getLogger("lorastar.requests")  # LoraStarConfig.log_requests
 
 
 def confine(root: Path | None, path: str, *, param: str = "lora_path") -> Path:
@@ -337,6 +338,10 @@ class LoraStarService:
         t0 = time.monotonic()
         timer = RequestTimer(self.metrics, t0, delta=delta, final_only=kind == RequestOutputKind.FINAL_ONLY)
         finished = False
+        log_requests = self.config.log_requests
+        if log_requests:
+            self._log_received(request_id, label, prompt, params)
+        failure: BaseException | None = None
         try:
             async with aclosing(
                 engine.generate(prompt, params, adapter=adapter, request_id=request_id)
@@ -346,16 +351,23 @@ class LoraStarService:
                     ntok = timer.observe(out, now)
                     if out.finished:
                         finished = True
+                        reason = next((o.finish_reason for o in out.outputs if o.finish_reason), "unknown")
                         self.metrics.request_finished(
-                            label,
-                            now - t0,
-                            len(out.prompt_token_ids),
-                            ntok,
-                            next((o.finish_reason for o in out.outputs if o.finish_reason), "unknown"),
-                            out.metrics,
+                            label, now - t0, len(out.prompt_token_ids), ntok, reason, out.metrics
                         )
+                        if log_requests:
+                            request_logger.info(
+                                "Finished request %s: %s, %d prompt tokens, %d output tokens, %.3f s",
+                                request_id, reason, len(out.prompt_token_ids), ntok, now - t0,
+                            )  # fmt: skip
                     yield out
+        except Exception as exc:
+            failure = exc
+            raise
         finally:
+            if log_requests and not finished:
+                why = "the client went away" if failure is None else f"{type(failure).__name__}: {failure}"
+                request_logger.info("Aborted request %s: %s", request_id, why)
             if not finished and engine is not None:
                 # The engine aborts on generator close too; this makes it certain (and is a no-op
                 # for a finished id). Shielded: under anyio's cancellation every await would raise.
@@ -364,6 +376,25 @@ class LoraStarService:
                         await engine.abort(request_id)
                     except Exception:
                         logger.debug("lorastar: abort(%s) failed", request_id, exc_info=True)
+
+    def _log_received(self, request_id: str, model: str, prompt: str | list[int], params: Any) -> None:
+        """vLLM's ``Received request`` line; prompt text and ids cut at ``max_log_len``."""
+        cut = self.config.max_log_len
+        ids: list[int] | None = None
+        if isinstance(prompt, str):
+            text: str | None = prompt
+        else:
+            ids = list(prompt[:cut] if cut is not None else prompt)
+            try:
+                text = self.engine.tokenizer.decode(ids)
+            except Exception:  # no tokenizer here: the ids say it
+                text = None
+        if text is not None and cut is not None:
+            text = text[:cut]
+        request_logger.info(
+            "Received request %s: model %r, prompt %r, prompt_token_ids %s, params %s",
+            request_id, model, text, ids, params,
+        )  # fmt: skip
 
 
 async def merge_streams(
