@@ -281,8 +281,21 @@ def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | 
             ]
         elif isinstance(v, dict | list):
             v = json.dumps(v)  # --speculative-config, --allowed-origins: their JSON
+        else:
+            v = str(v)  # as typed on the command line: `max-num-seqs: 7.5` is refused, not cut to 7
         defaults[option.name] = v  # type: ignore[index]
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
+
+
+class _FileOverEnvOption(click.Option):
+    """An option with an environment variable that a ``--config`` file's value beats: vLLM reads
+    the file as command-line arguments, which win over ``VLLM_API_KEY`` (click ranks env vars above
+    its defaults, where the file's values live)."""
+
+    def resolve_envvar_value(self, ctx: click.Context) -> str | None:
+        if self.name in (ctx.default_map or {}):
+            return None
+        return super().resolve_envvar_value(ctx)
 
 
 def _given_model(model: str | None, model_opt: str | None) -> str | None:
@@ -554,15 +567,33 @@ def _spread_adapter_values(args: list[str]) -> list[str]:
     return out
 
 
-def _spread_served_names(args: list[str], value_options: set[str]) -> list[str]:
+def _config_names_model(args: list[str]) -> bool:
+    """Whether a ``--config`` file among ``args`` names the model (then, as vLLM's ``--model``, it
+    makes the words after ``--served-model-name``'s value names); a bad file is reported later."""
+    for i, a in enumerate(args):
+        path = args[i + 1] if a == "--config" and i + 1 < len(args) else a.partition("=")[2]
+        if a == "--config" or a.startswith("--config="):
+            try:
+                import yaml
+
+                data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))
+            except Exception:
+                continue
+            if isinstance(data, dict) and data.get("model") is not None:
+                return True
+    return False
+
+
+def _spread_served_names(args: list[str], value_options: set[str], model_in_file: bool = False) -> list[str]:
     """vLLM's ``MODEL --served-model-name a b`` as ``--served-model-name a --served-model-name b``.
     The words after the first name are names only where the model is already given (MODEL before
-    the flag, or ``--model``): ``--served-model-name a ./model`` keeps ``./model`` as MODEL.
+    the flag, ``--model`` or a ``--config`` file's ``model``): ``--served-model-name a ./model``
+    keeps ``./model`` as MODEL.
     ``value_options``: the options that take a value (their value is not MODEL)."""
     flag = "--served-model-name"
     if flag not in args:
         return args
-    model_given = "--model" in args or any(a.startswith("--model=") for a in args)
+    model_given = model_in_file or "--model" in args or any(a.startswith("--model=") for a in args)
     out: list[str] = []
     reading = False  # reading more names after the flag's value
     i = 0
@@ -596,7 +627,8 @@ class _ServeCommand(click.Command):
             if isinstance(p, click.Option) and not p.is_flag and not p.count
             for name in p.opts
         }
-        return super().parse_args(ctx, _spread_served_names(_spread_adapter_values(args), value_options))
+        spread = _spread_served_names(_spread_adapter_values(args), value_options, _config_names_model(args))
+        return super().parse_args(ctx, spread)
 
 
 def _options(options: list[Any]) -> Any:
@@ -767,11 +799,16 @@ def _plugin_config(
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option(
-    "--admin-token", envvar=ADMIN_TOKEN_ENV, default=None, help=f"Admin token (env {ADMIN_TOKEN_ENV})."
+    "--admin-token",
+    cls=_FileOverEnvOption,
+    envvar=ADMIN_TOKEN_ENV,
+    default=None,
+    help=f"Admin token (env {ADMIN_TOKEN_ENV}).",
 )
 @click.option(
     "--api-key",
     "api_keys",
+    cls=_FileOverEnvOption,
     multiple=True,
     envvar=API_KEY_ENVS,  # vLLM's serve reads VLLM_API_KEY: a migrated deployment stays guarded
     help=f"Accepted API key (repeatable; env {' or '.join(API_KEY_ENVS)}, keys separated by spaces).",

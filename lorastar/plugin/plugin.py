@@ -24,7 +24,7 @@ from lorastar.errors import LoraStarError, StartupCancelled
 from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, handler_map, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.lora_cli import make_lora_group
-from lorastar.plugin.request_id import request_id_middleware
+from lorastar.plugin.request_id import request_id_hook
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.ops import build_ops_handlers
@@ -92,12 +92,10 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
         route_handlers: list[Any] = build_openai_handlers(service, guards=api_guards)
         if cfg.allow_runtime_adapter_loading:
             route_handlers += build_admin_handlers(service)
-        middleware = [request_id_middleware] if cfg.enable_request_id_headers else []
         app_config.route_handlers.append(
             Router(
                 path=cfg.path,
                 route_handlers=route_handlers,
-                middleware=middleware,
                 exception_handlers=own_handlers,
                 include_in_schema=cfg.include_in_schema,
                 tags=["lorastar"],
@@ -130,12 +128,14 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
                 Router(
                     path="/",
                     route_handlers=system,
-                    middleware=middleware,
                     exception_handlers=own_handlers,
                     include_in_schema=cfg.include_in_schema,  # /tokenize, /version, ... too
                     tags=["lorastar"],
                 )
             )
+
+        if cfg.enable_request_id_headers:
+            app_config.before_send.append(request_id_hook([cfg.path, *(p for p, _ in _app_routes(system))]))
 
         def provide_engine() -> Any:
             return service.engine

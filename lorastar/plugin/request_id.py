@@ -1,9 +1,10 @@
 """Request ids a client or gateway gives (vLLM's): ``X-Request-Id`` / ``request_id`` name the
-answer, and ``--enable-request-id-headers`` echoes the header on every answer of lorastar's routes."""
+answer, and ``--enable-request-id-headers`` echoes the header on every answer under lorastar's paths."""
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from lorastar.plugin.errors import APIError
@@ -28,22 +29,24 @@ def request_ids(prefix: str, request: Any, body_id: str | None) -> tuple[str, st
     return rid, f"{rid}-{uuid.uuid4().hex[:12]}"
 
 
-def request_id_middleware(app: Any) -> Any:
-    """ASGI middleware: each HTTP answer carries ``X-Request-Id``, the request's own or a new one."""
+def request_id_hook(paths: Iterable[str]) -> Any:
+    """A Litestar ``before_send`` hook: each answer under ``paths`` (a path or a folder of paths)
+    carries ``X-Request-Id``, the request's own or a new one. App-wide rather than a router's
+    middleware, which the 404 / 405 Litestar answers before routing never reach."""
+    from litestar.datastructures import MutableScopeHeaders
 
-    async def middleware(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
+    exact = tuple(sorted({p.split("{")[0].rstrip("/") or "/" for p in paths}))
+    folders = tuple(p.rstrip("/") + "/" for p in exact if p != "/")
+
+    async def hook(message: Any, scope: Any) -> None:
+        if message["type"] != "http.response.start" or scope.get("type") != "http":
+            return
+        path = scope.get("path", "")
+        if path not in exact and not path.startswith(folders):
             return
         given = next((v for k, v in scope["headers"] if k.lower() == _HEADER_BYTES), b"")
-        rid = given or uuid.uuid4().hex.encode()
+        MutableScopeHeaders.from_message(message)[HEADER] = (given or uuid.uuid4().hex.encode()).decode(
+            "latin-1"
+        )
 
-        async def send_with_id(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                headers = [h for h in message.get("headers", ()) if bytes(h[0]).lower() != _HEADER_BYTES]
-                message = {**message, "headers": [*headers, (_HEADER_BYTES, rid)]}
-            await send(message)
-
-        await app(scope, receive, send_with_id)
-
-    return middleware
+    return hook
