@@ -68,10 +68,11 @@ def test_every_route_answers_as_documented(api_schema: Any) -> None:
         if mode is GenerationMode.NEGATIVE and not op.body:
             continue  # nothing to break but the path: covered by positive cases
         # the generating routes reach the engine: more cases (completions most: few of its schema-valid
-        # cases are servable; responses fewest: it shares chat's pipeline, and its top_logprobs is
+        # cases are servable, 4-13% of 200 depending on what ran before in the process, which moves
+        # schemathesis' draws; responses fewest: it shares chat's pipeline, and its top_logprobs is
         # bounded by the engine's max_logprobs, not the schema, so many valid cases are refused)
         path = op.path
-        cases = 120 if path.endswith("chat/completions") else 200 if path.endswith("completions") else 60
+        cases = 120 if path.endswith("chat/completions") else 400 if path.endswith("completions") else 60
         cases = cases if path.endswith(("completions", "/responses")) else 20
 
         @given(case=op.as_strategy(generation_mode=mode))
