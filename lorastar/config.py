@@ -302,6 +302,13 @@ class EngineConfig:
     repetition_penalty; ``max_new_tokens`` caps ``max_tokens``); ``"vllm"``, none (OpenAI's
     neutral values); or a folder holding a ``generation_config.json``."""
 
+    override_generation_config: dict[str, Any] | None = None
+    """Sampling defaults set over ``generation_config``'s (vLLM's ``--override-generation-config``),
+    e.g. ``{"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 512}``: a request that leaves one
+    unset gets it. Keys as in ``generation_config.json``: temperature, top_p, top_k, min_p,
+    repetition_penalty, max_new_tokens; with ``generation_config="vllm"`` they are the only
+    defaults. A key or value a request could not use is refused when the engine starts."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form options for experiments (ignored by the engine core)."""
 
@@ -398,6 +405,13 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}"
+            )
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError(
+                "override_generation_config must be a dict such as {'temperature': 0.6}, "
+                f"got {self.override_generation_config!r}"
             )
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError(

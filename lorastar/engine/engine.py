@@ -276,7 +276,9 @@ class LLMEngine(PromptInputs):
                 raise ValueError(f"tokenizer: folder {config.tokenizer!r} does not exist")
         self.hf_config = read_hf_config(self.model_dir)
         # The model creator's sampling defaults (vLLM's --generation-config auto); before the load
-        self.default_sampling = generation_defaults(self.model_dir, config.generation_config)
+        self.default_sampling = generation_defaults(
+            self.model_dir, config.generation_config, config.override_generation_config
+        )
         if self.default_sampling:
             logger.info(
                 "Default sampling parameters from the model's generation_config.json: %s (requests that "

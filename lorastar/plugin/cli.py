@@ -375,6 +375,12 @@ _ENGINE_OPTIONS = [
         "generation_config.json), vllm (none) or a folder holding one.",
     ),
     click.option(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help='Sampling defaults over --generation-config\'s, e.g. \'{"temperature": 0.6, "max_new_tokens": 512}\'.',
+    ),
+    click.option(
         "--quantization",
         "-q",
         default=None,
@@ -506,6 +512,16 @@ def engine_config(
                 '"num_speculative_tokens": 4}\''
             )
         kw["speculative_config"] = spec
+    override = kw.pop("override_generation_config", None)
+    if override is not None:
+        from lorastar.engine.generation_config import check_override
+
+        try:
+            override = json.loads(override)
+            check_override(override)  # now: a bad key was every request's 400, or a failed start
+        except ValueError as exc:
+            raise UsageProblem(f"--override-generation-config: {exc}") from None
+        kw["override_generation_config"] = override
     if tokenizer is not None and not Path(tokenizer).expanduser().is_dir():
         from lorastar.hub import is_hub_id, resolve_folder
 
