@@ -288,6 +288,11 @@ class EngineConfig:
     """Branch, tag or commit of a ``model`` given as a Hugging Face id (vLLM's ``--revision``): pins
     what a production server loads. ``None``: the default branch. Ignored for a local folder."""
 
+    download_dir: str | None = None
+    """Folder that a ``model``, ``tokenizer`` or adapter given as a Hugging Face id downloads to and
+    is looked up in (vLLM's ``--download-dir``: a volume of its own, say). ``None``: the Hugging
+    Face cache (``HF_HOME`` / ``HF_HUB_CACHE``)."""
+
     tokenizer_revision: str | None = None
     """Branch, tag or commit of a ``tokenizer`` given as a Hugging Face id (vLLM's
     ``--tokenizer-revision``). ``None``: the default branch."""
@@ -406,6 +411,15 @@ class EngineConfig:
             raise ValueError(
                 f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}"
             )
+        if self.download_dir is not None:
+            if not isinstance(self.download_dir, str | os.PathLike) or not str(self.download_dir):
+                raise ValueError(f"download_dir must be a folder path or None, got {self.download_dir!r}")
+            self.download_dir = os.fspath(self.download_dir)
+            if (
+                Path(self.download_dir).expanduser().exists()
+                and not Path(self.download_dir).expanduser().is_dir()
+            ):
+                raise ValueError(f"download_dir {self.download_dir!r} exists and is not a folder")
         if self.override_generation_config is not None and not isinstance(
             self.override_generation_config, dict
         ):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
 # Files a model or adapter folder needs (never the other weight formats a repo may carry).
@@ -47,9 +48,17 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model", revision: str | None = None) -> Path:
+def resolve_folder(
+    ref: str | os.PathLike[str],
+    *,
+    kind: str = "model",
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
     """The local folder for ``ref`` (a path, or a hub id fetched or found in the HF cache).
-    ``revision``: a hub id's branch, tag or commit (vLLM's ``--revision``; ignored for a folder)."""
+    ``revision``: a hub id's branch, tag or commit (vLLM's ``--revision``; ignored for a folder).
+    ``cache_dir``: the folder hub ids download to and are found in instead of the HF cache (vLLM's
+    ``--download-dir``)."""
     text = os.fspath(ref)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -65,13 +74,20 @@ def resolve_folder(ref: str | os.PathLike[str], *, kind: str = "model", revision
         raise ValueError(f"{kind} {text!r}: loading Hugging Face ids needs huggingface_hub") from exc
     offline = _offline()
     try:
-        pinned = {"revision": revision} if revision else {}
+        pinned: dict[str, Any] = {"revision": revision} if revision else {}
+        if cache_dir is not None:
+            pinned["cache_dir"] = os.fspath(Path(cache_dir).expanduser())
         return Path(snapshot_download(text, allow_patterns=_PATTERNS, local_files_only=offline, **pinned))
     except LocalEntryNotFoundError as exc:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face Hub cannot be reached"
         at = f" at revision {revision!r}" if revision else ""
+        where = (
+            f"the download folder {os.fspath(cache_dir)!r}"
+            if cache_dir is not None
+            else "the local Hugging Face cache"
+        )
         raise ValueError(
-            f"{kind} {text!r}{at} is not in the local Hugging Face cache and {why}: download it where the "
+            f"{kind} {text!r}{at} is not in {where} and {why}: download it where the "
             f"network allows (huggingface-cli download {text}){', or unset HF_HUB_OFFLINE' if offline else ''}, "
             "or give a local folder"
         ) from exc

@@ -261,7 +261,9 @@ class LLMEngine(PromptInputs):
         else:
             from lorastar.hub import model_folder_name, resolve_folder
 
-            self.model_dir = resolve_folder(config.model, revision=config.revision)  # a folder or a hub id
+            self.model_dir = resolve_folder(  # a folder or a hub id
+                config.model, revision=config.revision, cache_dir=config.download_dir
+            )
             self.model_name = model_folder_name(config.model)
         tokenizer_dir = self.model_dir
         if config.tokenizer:  # before the model load, not minutes after it
@@ -270,7 +272,10 @@ class LLMEngine(PromptInputs):
             tokenizer_dir = Path(config.tokenizer).expanduser()
             if is_hub_id(str(config.tokenizer)):  # fetched (or found in the HF cache) as the model is
                 tokenizer_dir = resolve_folder(
-                    config.tokenizer, kind="tokenizer", revision=config.tokenizer_revision
+                    config.tokenizer,
+                    kind="tokenizer",
+                    revision=config.tokenizer_revision,
+                    cache_dir=config.download_dir,
                 )
             elif not tokenizer_dir.is_dir():
                 raise ValueError(f"tokenizer: folder {config.tokenizer!r} does not exist")
@@ -525,7 +530,7 @@ class LLMEngine(PromptInputs):
         local = str(path)
         if is_hub_id(local):  # org/name that is no local path: the HF cache or a download
             try:
-                local = str(resolve_folder(local, kind="adapter"))
+                local = str(resolve_folder(local, kind="adapter", cache_dir=self.config.download_dir))
             except ValueError as exc:
                 raise AdapterError(str(exc)) from exc
         weights = self._read_adapter(local)

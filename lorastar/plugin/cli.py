@@ -62,7 +62,7 @@ def parse_lora_modules(values: tuple[str, ...], option: str = "--lora-modules") 
     return adapters
 
 
-def _check_model(model: str | None, revision: str | None = None) -> str | None:
+def _check_model(model: str | None, revision: str | None = None, cache_dir: str | None = None) -> str | None:
     """A local folder, or a Hugging Face id fetched (or found in the HF cache) now, at ``revision``:
     the local folder."""
     if model is None:
@@ -70,7 +70,7 @@ def _check_model(model: str | None, revision: str | None = None) -> str | None:
     from lorastar.hub import adapter_hint, resolve_folder
 
     try:
-        p = resolve_folder(model, revision=revision)
+        p = resolve_folder(model, revision=revision, cache_dir=cache_dir)
     except ValueError as exc:
         raise UsageProblem(str(exc)) from exc
     if not (p / "config.json").is_file():
@@ -100,6 +100,7 @@ def _check_adapters(
     *,
     max_lora_rank: int | None = None,
     base_names: tuple[str, ...] = (),
+    cache_dir: str | None = None,
 ) -> dict[str, str]:
     """Each adapter a PEFT folder (a Hugging Face id is fetched now), not named as the base model
     (any of ``base_names``) and of rank at most ``max_lora_rank`` (when given); the local paths."""
@@ -122,7 +123,7 @@ def _check_adapters(
             p = Path(root).expanduser() / p
         elif is_hub_id(path):
             try:
-                p = resolve_folder(path, kind="adapter")
+                p = resolve_folder(path, kind="adapter", cache_dir=cache_dir)
             except ValueError as exc:
                 raise UsageProblem(f"adapter {name!r}: {exc}") from exc
         if not (p / "adapter_config.json").is_file():
@@ -320,6 +321,12 @@ _ENGINE_OPTIONS = [
     click.option("--tokenizer", default=None, help="Tokenizer folder (default: the model's)."),
     click.option(
         "--revision", default=None, help="Branch, tag or commit of a model given as a Hugging Face id."
+    ),
+    click.option(
+        "--download-dir",
+        default=None,
+        help="Folder Hugging Face ids (model, tokenizer, adapters) download to and are found in "
+        "(default: the Hugging Face cache).",
     ),
     click.option(
         "--tokenizer-revision",
@@ -529,7 +536,12 @@ def engine_config(
             raise UsageProblem(f"--tokenizer folder {tokenizer!r} does not exist")
         try:  # a Hugging Face id (vLLM's --tokenizer takes one): fetched now, as the model is
             tokenizer = str(
-                resolve_folder(tokenizer, kind="tokenizer", revision=kw.get("tokenizer_revision"))
+                resolve_folder(
+                    tokenizer,
+                    kind="tokenizer",
+                    revision=kw.get("tokenizer_revision"),
+                    cache_dir=kw.get("download_dir"),
+                )
             )
         except ValueError as exc:
             raise UsageProblem(f"--tokenizer: {exc}") from exc
@@ -770,7 +782,9 @@ def _plugin_config(
     from lorastar.hub import model_folder_name
     from lorastar.plugin.config import LoraStarConfig
 
-    model = _check_model(_given_model(model, model_opt), engine_kw.get("revision"))
+    model = _check_model(
+        _given_model(model, model_opt), engine_kw.get("revision"), engine_kw.get("download_dir")
+    )
     all_adapters = parse_lora_modules(lora_modules)
     for name, path in parse_lora_modules(adapters, "--adapter").items():
         if name in all_adapters:
@@ -789,6 +803,7 @@ def _plugin_config(
         adapter_root,
         max_lora_rank=None if engine_address is not None else engine_kw["max_lora_rank"],
         base_names=base_names,
+        cache_dir=engine_kw.get("download_dir"),
     )
     try:
         return LoraStarConfig(
@@ -1213,7 +1228,7 @@ def engine(
         _check_engine_address(address)
         try:
             config = engine_config(
-                model=_check_model(model, engine_kw.get("revision")),
+                model=_check_model(model, engine_kw.get("revision"), engine_kw.get("download_dir")),
                 max_waiting=max_waiting,
                 **engine_kw,
             )
