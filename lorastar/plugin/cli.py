@@ -22,6 +22,7 @@ from typing import Any
 
 import click
 
+from lorastar.plugin.client_cli import chat, complete
 from lorastar.plugin.config import ADMIN_TOKEN_ENV, DEFAULT_MAX_WAITING
 from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.reasoning import REASONING_PARSERS
@@ -560,6 +561,8 @@ def main() -> None:
 
 
 main.add_command(make_lora_group())
+main.add_command(chat)
+main.add_command(complete)
 
 
 _ADAPTER_FLAGS = ("--lora-modules", "--adapter")
