@@ -286,8 +286,12 @@ class LLMEngine(PromptInputs):
         )
         if self.default_sampling:
             logger.info(
-                "Default sampling parameters from the model's generation_config.json: %s (requests that "
-                "set them override them; generation_config='vllm' turns this off)",
+                "Default sampling parameters from %s: %s (requests that set them override them; "
+                "generation_config='vllm' turns the model's off)",
+                "override_generation_config"
+                if config.override_generation_config and config.generation_config == "vllm"
+                else "the model's generation_config.json"
+                + (" and override_generation_config" if config.override_generation_config else ""),
                 self.default_sampling,
             )
         self.device = resolve_device(config.device)

@@ -68,7 +68,14 @@ def engine_summary(core: Any) -> list[str]:
         )
     if defaults := getattr(core, "default_sampling", None):  # vLLM warns of these too
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+        source = (
+            "--override-generation-config"
+            if cfg.override_generation_config and cfg.generation_config == "vllm"
+            else "generation_config.json and --override-generation-config"
+            if cfg.override_generation_config
+            else "generation_config.json"
+        )
         lines.append(
-            f"Sampling defaults from generation_config.json: {shown} (--generation-config vllm: none)"
+            f"Sampling defaults from {source}: {shown} (--generation-config vllm: none from the model)"
         )
     return lines

@@ -981,6 +981,19 @@ def serve(
     run_server(app, sock, log_level, **uvicorn_kw)
 
 
+def _no_key_password(keyfile: str) -> Any:
+    """OpenSSL's password callback for the key: an encrypted key is a usage error, not a prompt on
+    the terminal (twice here, then again in uvicorn) or, without one, 'Invalid argument'."""
+
+    def refuse() -> str:
+        raise UsageProblem(
+            f"--ssl-keyfile {keyfile!r} is encrypted with a passphrase; give an unencrypted key "
+            "(openssl pkey -in KEY -out PLAIN_KEY)"
+        )
+
+    return refuse
+
+
 def _uvicorn_options(
     no_access_log: bool,
     keyfile: str | None,
@@ -997,6 +1010,10 @@ def _uvicorn_options(
         if ca_certs is not None or cert_reqs is not None:
             raise UsageProblem("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
         return kw
+    if cert_reqs in (1, 2) and ca_certs is None:  # else no client certificate could ever verify
+        raise UsageProblem(
+            f"--ssl-cert-reqs {cert_reqs} needs --ssl-ca-certs (the CA that signs the clients' certificates)"
+        )
     import ssl
 
     for flag, path in (
@@ -1008,7 +1025,7 @@ def _uvicorn_options(
             raise UsageProblem(f"{flag} {path!r} is not a file")
     try:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(certfile, keyfile)
+        context.load_cert_chain(certfile, keyfile, password=_no_key_password(keyfile))
         if ca_certs is not None:
             context.load_verify_locations(ca_certs)
     except (OSError, ssl.SSLError) as exc:
