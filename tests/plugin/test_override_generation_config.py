@@ -128,3 +128,27 @@ def test_the_flag_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch, tmp
         "temperature": 0.3,
         "repetition_penalty": 1.1,
     }
+
+
+def test_responses_echo_the_values_used(tiny_model_dir: Path, real_server: Any) -> None:
+    """OpenAI and vLLM echo the temperature and top_p a response was sampled with: the override's
+    where the request left them out (they were echoed as null), the request's own otherwise."""
+    import httpx
+    from litestar import Litestar
+    from litestar.testing import TestClient
+
+    from lorastar.plugin import LoraStarConfig, LoraStarPlugin
+
+    config = LoraStarConfig(
+        engine=engine_config(tiny_model_dir, override_generation_config={"temperature": 0.25, "top_p": 0.5}),
+        served_model_name="tiny",
+    )
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 3}
+    with TestClient(Litestar(plugins=[LoraStarPlugin(config)])) as c:
+        r = c.post("/v1/responses", json=body).json()
+        assert (r["temperature"], r["top_p"]) == (0.25, 0.5)
+        r = c.post("/v1/responses", json={**body, "temperature": 0.7}).json()
+        assert (r["temperature"], r["top_p"]) == (0.7, 0.5)
+    # no defaults at all: OpenAI's neutral 1.0, as OpenAI's own responses show
+    r = httpx.post(real_server.url + "/v1/responses", json=body).json()
+    assert (r["temperature"], r["top_p"]) == (1.0, 1.0)

@@ -521,6 +521,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
 
     def response_of(
         req: ResponsesRequest,
+        params: Any,
         response_id: str,
         created: int,
         items: list[ResponseOutputItem],
@@ -538,8 +539,9 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
             incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None,
             instructions=req.instructions,
             max_output_tokens=req.max_output_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
+            # the values used, as OpenAI and vLLM echo them (a default fills what the request left out)
+            temperature=params.temperature,
+            top_p=params.top_p,
             top_logprobs=req.top_logprobs,
             parallel_tool_calls=req.parallel_tool_calls is not False,
             tool_choice=req.tool_choice if req.tool_choice is not None else "auto",
@@ -622,7 +624,9 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
 
             async def events() -> AsyncIterator[Any]:
                 ev = _Events(want_lp)
-                started = response_of(data, response_id, created, [], "in_progress", None, stored)
+                started = response_of(
+                    data, plan.params, response_id, created, [], "in_progress", None, stored
+                )
                 yield ev.event("response.created", response=started)
                 yield ev.event("response.in_progress", response=started)
                 parts = plan.parts()
@@ -669,7 +673,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
                 for e in ev.close(status):
                     yield e
                 usage = usage_of(plan, last.out, ids, raw, reasoning_text)
-                done = response_of(data, response_id, created, ev.items, status, usage, stored)
+                done = response_of(data, plan.params, response_id, created, ev.items, status, usage, stored)
                 if stored:
                     content = None if plan.forced else content_text or None
                     if plan.forced:  # the call's arguments are the answer's
@@ -689,7 +693,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
         lps = chat_logprobs(tokenizer, o, 0, num_top).content if want_lp else None
         items = output_items(o, reasoning, content, calls, lps)
         usage = usage_of(plan, out, list(o.token_ids), o.text, reasoning)
-        response = response_of(data, response_id, created, items, _status(o), usage, stored)
+        response = response_of(data, plan.params, response_id, created, items, _status(o), usage, stored)
         if stored:
             store.put(response, [*conversation, answer_turn(reasoning, content, calls)])
         return Response(response, status_code=HTTP_200_OK)
