@@ -38,13 +38,13 @@ class _Client:
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise self._fail(exc) from exc
         _check(resp)
-        models = resp.json().get("data") or []
-        if not models:
-            raise click.ClickException(f"{self.base}/models lists no model")
-        return str(models[0]["id"])
+        try:
+            return str(resp.json()["data"][0]["id"])
+        except (ValueError, LookupError, TypeError) as exc:  # not JSON (a login page), no models
+            raise click.ClickException(f"{self.base}/models lists no model: {_short(resp.text)}") from exc
 
-    def stream(self, path: str, body: dict[str, Any], piece: Any) -> Iterator[str]:
-        """The text of each streamed chunk (``piece(choice)`` picks it out of the choice)."""
+    def stream(self, path: str, body: dict[str, Any], piece: Any) -> Iterator[Any]:
+        """What ``piece(choice)`` picks out of each streamed chunk's choices (falsy: nothing)."""
         try:
             with httpx.stream(
                 "POST",
@@ -57,16 +57,31 @@ class _Client:
                     resp.read()
                     _check(resp)
                 for line in resp.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    if not line.startswith("data:"):
                         continue
-                    chunk = json.loads(line[len("data: ") :])
-                    if "error" in chunk:  # an error after the stream started
-                        raise click.ClickException(str(chunk["error"].get("message", chunk["error"])))
+                    data = line[len("data:") :].removeprefix(" ")  # the space is optional (SSE)
+                    if data == "[DONE]":
+                        continue
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        chunk = None
+                    if not isinstance(chunk, dict):
+                        raise click.ClickException(f"not an OpenAI stream: {_short(data)}")
+                    if (err := chunk.get("error")) is not None:  # an error after the stream started
+                        raise click.ClickException(
+                            str(err.get("message", err) if isinstance(err, dict) else err)
+                        )
                     for choice in chunk.get("choices", ()):
                         if text := piece(choice):
                             yield text
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise self._fail(exc) from exc
+
+
+def _short(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _check(resp: httpx.Response) -> None:
@@ -83,7 +98,9 @@ def _check(resp: httpx.Response) -> None:
 def _turns(quick: str | None) -> Iterator[str]:
     """The ``--quick`` text alone, else each non-empty input line (a ``> `` prompt on a terminal)."""
     if quick is not None:
-        yield quick
+        yield _utf8(quick)
+        return
+    if sys.stdin is None:  # no stdin at all (a service): nothing to read
         return
     tty = sys.stdin.isatty()
     while True:
@@ -93,7 +110,13 @@ def _turns(quick: str | None) -> Iterator[str]:
         if not line:
             return
         if line.strip():
-            yield line.rstrip("\n")
+            yield _utf8(line.rstrip("\n"))
+
+
+def _utf8(text: str) -> str:
+    """Bytes that were not UTF-8 (Python keeps them as surrogate escapes, which JSON cannot carry)
+    as U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _client_options(f: Any) -> Any:
@@ -131,6 +154,17 @@ def _sampling(max_tokens: int | None, temperature: float | None) -> dict[str, An
     return {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
 
 
+def _chat_piece(choice: dict[str, Any]) -> tuple[str, bool] | None:
+    """A chat chunk's text and whether it is the answer; a reasoning model's thinking
+    (``reasoning_content``, newer vLLM's ``reasoning``) is shown too, as it streams."""
+    delta = choice.get("delta") or {}
+    if text := delta.get("content"):
+        return text, True
+    if text := delta.get("reasoning_content") or delta.get("reasoning"):
+        return text, False
+    return None
+
+
 @click.command("chat", help="Chat with a running lorastar (or vLLM) server: vLLM's `vllm chat`.")
 @_client_options
 @click.option("--system-prompt", default=None, help="A system message first.")
@@ -151,10 +185,9 @@ def chat(
         messages.append({"role": "user", "content": text})
         answer: list[str] = []
         body = {"model": model, "messages": messages, **_sampling(max_tokens, temperature)}
-        for piece in client.stream(
-            "/chat/completions", body, lambda c: (c.get("delta") or {}).get("content")
-        ):
-            answer.append(piece)
+        for piece, is_answer in client.stream("/chat/completions", body, _chat_piece):
+            if is_answer:
+                answer.append(piece)  # the conversation keeps the answer, not the thinking
             click.echo(piece, nl=False)
         click.echo()
         messages.append({"role": "assistant", "content": "".join(answer)})
