@@ -767,23 +767,33 @@ _answer_options = _options(
 )
 
 
-def _plugin_config(
-    *,
-    model: str | None,
-    model_opt: str | None,
-    lora_modules: tuple[str, ...],
-    adapters: tuple[str, ...],
-    enable_lora: bool,
-    served_model_names: tuple[str, ...],
-    adapter_root: str | None,
-    engine_address: str | None,
-    engine_kw: dict[str, Any],
-    **plugin_kw: Any,
-) -> Any:
-    """The ``LoraStarConfig`` of the model, adapter and engine flags, everything checkable checked
-    (paths, ranks, names) before anything loads; ``plugin_kw`` are the command's other fields."""
+# _answer_options that are LoraStarConfig fields of the same name
+_ANSWER_FIELDS = (
+    "engine_process",
+    "reasoning_parser",
+    "enable_auto_tool_choice",
+    "tool_call_parser",
+    "thinking_budget_message",
+    "log_requests",
+    "max_log_len",
+)
+
+
+def _plugin_config(options: dict[str, Any], **plugin_kw: Any) -> Any:
+    """The ``LoraStarConfig`` of a command's ``_model_options``, ``_answer_options`` and engine
+    flags (``options``: all of its flags but its own, which ``plugin_kw`` gives as config fields),
+    everything checkable checked (paths, ranks, names) before anything loads."""
     from lorastar.hub import model_folder_name
     from lorastar.plugin.config import LoraStarConfig
+
+    engine_kw = dict(options)
+    model, model_opt = engine_kw.pop("model"), engine_kw.pop("model_opt")
+    lora_modules, adapters = engine_kw.pop("lora_modules"), engine_kw.pop("adapters")
+    served_model_names, adapter_root = engine_kw.pop("served_model_names"), engine_kw.pop("adapter_root")
+    engine_address = engine_kw.pop("engine_address")
+    answer = {name: engine_kw.pop(name) for name in _ANSWER_FIELDS}
+    for name in ("enable_lora", "log_level"):  # vLLM's flag, accepted; the command's logging
+        engine_kw.pop(name)
 
     model = _check_model(
         _given_model(model, model_opt), engine_kw.get("revision"), engine_kw.get("download_dir")
@@ -817,6 +827,7 @@ def _plugin_config(
             engine=engine_config(**engine_kw),
             log_stats_interval=None if engine_kw.get("disable_log_stats") else 10.0,
             engine_address=engine_address,
+            **answer,
             **plugin_kw,
         )
     except ValueError as exc:
@@ -906,31 +917,15 @@ def serve(
     no_runtime_loading: bool,
     enable_adapter_resolver: bool,
     max_waiting: int | None,
-    reasoning_parser: str | None,
-    enable_auto_tool_choice: bool,
-    tool_call_parser: str | None,
     responses_store_size: int,
-    thinking_budget_message: str | None,
     shutdown_drain_timeout: float,
-    log_requests: bool,
-    max_log_len: int | None,
     enable_request_id_headers: bool,
     disable_uvicorn_access_log: bool,
     ssl_keyfile: str | None,
     ssl_certfile: str | None,
     ssl_ca_certs: str | None,
     ssl_cert_reqs: int | None,
-    log_level: str,
-    engine_process: bool,
-    engine_address: str | None,
-    model: str | None,
-    model_opt: str | None,
-    lora_modules: tuple[str, ...],
-    adapters: tuple[str, ...],
-    enable_lora: bool,
-    served_model_names: tuple[str, ...],
-    adapter_root: str | None,
-    **engine_kw: Any,
+    **options: Any,
 ) -> None:
     from lorastar.plugin.plugin import LoraStarPlugin, create_app  # lazy: only needed to serve
 
@@ -940,31 +935,17 @@ def serve(
         disable_uvicorn_access_log, ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs
     )
     config = _plugin_config(
-        model=model,
-        model_opt=model_opt,
-        lora_modules=lora_modules,
-        adapters=adapters,
-        enable_lora=enable_lora,
-        served_model_names=served_model_names,
-        adapter_root=adapter_root,
-        engine_address=engine_address,
-        engine_kw=engine_kw,
+        options,
         allow_runtime_adapter_loading=not no_runtime_loading,
         admin_token=admin_token,
         api_keys=list(api_keys) or None,
         max_waiting=max_waiting,
-        reasoning_parser=reasoning_parser,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser,
         enable_adapter_resolver=enable_adapter_resolver,
         responses_store_size=responses_store_size,
-        thinking_budget_message=thinking_budget_message,
         shutdown_drain_timeout=shutdown_drain_timeout,
         enable_request_id_headers=enable_request_id_headers,
-        log_requests=log_requests,
-        max_log_len=max_log_len,
-        engine_process=engine_process,
     )
+    engine_address, log_level = options["engine_address"], options["log_level"]
     sock = _bind(host, port)
     app = create_app(config, cors_config=cors)
     shown = f"[{host}]" if ":" in host else host
@@ -1054,27 +1035,7 @@ def _uvicorn_options(
 @_model_options
 @engine_options
 @_answer_options
-def run_batch(
-    input_file: str,
-    output_file: str,
-    log_requests: bool,
-    max_log_len: int | None,
-    log_level: str,
-    engine_process: bool,
-    engine_address: str | None,
-    reasoning_parser: str | None,
-    enable_auto_tool_choice: bool,
-    tool_call_parser: str | None,
-    thinking_budget_message: str | None,
-    model: str | None,
-    model_opt: str | None,
-    lora_modules: tuple[str, ...],
-    adapters: tuple[str, ...],
-    enable_lora: bool,
-    served_model_names: tuple[str, ...],
-    adapter_root: str | None,
-    **engine_kw: Any,
-) -> None:
+def run_batch(input_file: str, output_file: str, **options: Any) -> None:
     from lorastar.plugin.batch_file import BatchFileError, parse_batch
     from lorastar.plugin.plugin import create_app
 
@@ -1092,29 +1053,14 @@ def run_batch(
             f"--input-file {input_file!r}: {len(exc.problems)} bad line(s), nothing was run:\n{exc}"
         ) from None
     config = _plugin_config(
-        model=model,
-        model_opt=model_opt,
-        lora_modules=lora_modules,
-        adapters=adapters,
-        enable_lora=enable_lora,
-        served_model_names=served_model_names,
-        adapter_root=adapter_root,
-        engine_address=engine_address,
-        engine_kw=engine_kw,
+        options,
         allow_runtime_adapter_loading=False,
         # The runner bounds what is in flight (2 x --max-num-seqs, as vLLM's); a completions line
         # may hold many prompts, so the waiting queue gets no bound of its own to answer 503 with.
         max_waiting=2**31 - 1,
-        reasoning_parser=reasoning_parser,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        tool_call_parser=tool_call_parser,
-        thinking_budget_message=thinking_budget_message,
-        log_requests=log_requests,
-        max_log_len=max_log_len,
-        engine_process=engine_process,
     )
     _check_output_file(output_file, input_file)
-    _log_to_stderr(log_level)
+    _log_to_stderr(options["log_level"])
     click.echo(f"lorastar run-batch: {len(lines)} requests from {input_file}; loading the model", err=True)
     from lorastar.plugin.batch_file import BatchSummary
 
@@ -1136,7 +1082,7 @@ def run_batch(
                 open_output,
                 summary,
                 prefix=config.path,
-                concurrency=2 * engine_kw["max_num_seqs"],
+                concurrency=2 * options["max_num_seqs"],
             )
         )
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C or SIGTERM: the run was stopped

@@ -150,10 +150,6 @@ def _client_options(f: Any) -> Any:
     return f
 
 
-def _sampling(max_tokens: int | None, temperature: float | None) -> dict[str, Any]:
-    return {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature)) if v is not None}
-
-
 def _chat_piece(choice: dict[str, Any]) -> tuple[str, bool] | None:
     """A chat chunk's text and whether it is the answer; a reasoning model's thinking
     (``reasoning_content``, newer vLLM's ``reasoning``) is shown too, as it streams."""
@@ -165,27 +161,26 @@ def _chat_piece(choice: dict[str, Any]) -> tuple[str, bool] | None:
     return None
 
 
+def _session(opts: dict[str, Any]) -> tuple[_Client, dict[str, Any], Iterator[str]]:
+    """The client, each request's fields (model, --max-tokens, --temperature) and the turns."""
+    client = _Client(opts["url"], opts["api_key"], opts["timeout"])
+    fields = {"model": opts["model_name"] or client.first_model()}
+    fields.update({k: opts[k] for k in ("max_tokens", "temperature") if opts[k] is not None})
+    return client, fields, _turns(opts["quick"])
+
+
 @click.command("chat", help="Chat with a running lorastar (or vLLM) server: vLLM's `vllm chat`.")
 @_client_options
 @click.option("--system-prompt", default=None, help="A system message first.")
-def chat(
-    url: str,
-    model_name: str | None,
-    api_key: str | None,
-    quick: str | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    timeout: float,
-    system_prompt: str | None,
-) -> None:
-    client = _Client(url, api_key, timeout)
-    model = model_name or client.first_model()
+def chat(system_prompt: str | None, **opts: Any) -> None:
+    client, fields, turns = _session(opts)
     messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    for text in _turns(quick):
+    for text in turns:
         messages.append({"role": "user", "content": text})
         answer: list[str] = []
-        body = {"model": model, "messages": messages, **_sampling(max_tokens, temperature)}
-        for piece, is_answer in client.stream("/chat/completions", body, _chat_piece):
+        for piece, is_answer in client.stream(
+            "/chat/completions", {**fields, "messages": messages}, _chat_piece
+        ):
             if is_answer:
                 answer.append(piece)  # the conversation keeps the answer, not the thinking
             click.echo(piece, nl=False)
@@ -195,19 +190,9 @@ def chat(
 
 @click.command("complete", help="Complete prompts on a running lorastar (or vLLM) server: `vllm complete`.")
 @_client_options
-def complete(
-    url: str,
-    model_name: str | None,
-    api_key: str | None,
-    quick: str | None,
-    max_tokens: int | None,
-    temperature: float | None,
-    timeout: float,
-) -> None:
-    client = _Client(url, api_key, timeout)
-    model = model_name or client.first_model()
-    for text in _turns(quick):
-        body = {"model": model, "prompt": text, **_sampling(max_tokens, temperature)}
-        for piece in client.stream("/completions", body, lambda c: c.get("text")):
+def complete(**opts: Any) -> None:
+    client, fields, turns = _session(opts)
+    for text in turns:
+        for piece in client.stream("/completions", {**fields, "prompt": text}, lambda c: c.get("text")):
             click.echo(piece, nl=False)
         click.echo()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,35 @@ def engine_config(model_dir: Path, **kw: Any) -> Any:
     )
     opts.update(kw)
     return EngineConfig(**opts)
+
+
+def serve_config(monkeypatch: Any, args: list[str], env: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """``lorastar serve ARGS`` up to uvicorn, which is not started: (click's result, the app's
+    ``LoraStarConfig``, or None when the command stopped before building the app)."""
+    from click.testing import CliRunner
+
+    from lorastar.plugin import cli
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(app: Any, sock: Any, log_level: str, **uvicorn_kw: Any) -> None:
+        seen["config"] = app.plugins.get("LoraStarPlugin").config
+        sock.close()
+
+    monkeypatch.setattr(cli, "run_server", fake_run)
+    result = CliRunner().invoke(cli.main, ["serve", *args], env=env)
+    return result, seen.get("config")
+
+
+@contextlib.contextmanager
+def stdlib_server(handler: type) -> Iterator[str]:
+    """A stdlib ``ThreadingHTTPServer`` answering with ``handler`` on 127.0.0.1, in a thread: its URL."""
+    from http.server import ThreadingHTTPServer
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -8,14 +8,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from plugin_support import stdlib_server
 
 from lorastar.plugin.cli import main
 
@@ -68,14 +68,8 @@ def fake() -> Iterator[tuple[str, _Fake]]:
             self.end_headers()
             self.wfile.write(body)
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", state
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with stdlib_server(Handler) as url:
+        yield url, state
 
 
 def _cli(

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from plugin_fake_engine import FakeAsyncLLM
+from plugin_support import stdlib_server
 
 from lorastar.plugin import LoraStarConfig, LoraStarPlugin, create_app
 from lorastar.plugin.cli import main
@@ -38,14 +39,8 @@ def other_server() -> Iterator[tuple[str, dict[str, bytes]]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", bodies
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with stdlib_server(Handler) as url:
+        yield url, bodies
 
 
 @pytest.mark.parametrize("body", [b"<html><body>Grafana</body></html>", b"[1, 2]", b'{"data": [{"x": 1}]}'])
@@ -155,15 +150,10 @@ def test_list_reads_the_api_key_variables_serve_reads(
         def log_message(self, *args: Any) -> None:
             pass
 
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     for name in ("VLLM_API_KEY", "LORASTAR_API_KEY", "LORASTAR_ADMIN_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(env, value)
-    try:
-        r = CliRunner().invoke(main, ["lora", "--url", f"http://127.0.0.1:{srv.server_address[1]}", "list"])
-    finally:
-        srv.shutdown()
-        srv.server_close()
+    with stdlib_server(Handler) as url:
+        r = CliRunner().invoke(main, ["lora", "--url", url, "list"])
     assert r.exit_code == 0, r.output
     assert seen and set(seen) == {"Bearer k1"}

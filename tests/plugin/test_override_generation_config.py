@@ -5,15 +5,13 @@ transformers); bad keys and values are refused before the model loads."""
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from plugin_support import engine_config
+from plugin_support import engine_config, serve_config
 
-from lorastar.plugin import cli
 from lorastar.plugin.cli import main
 
 PROMPT = "The capital of France is"
@@ -112,19 +110,12 @@ def test_bad_overrides_fail_before_loading(tmp_path: Path, value: str, message: 
 
 def test_the_flag_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    seen: dict[str, Any] = {}
-
-    def fake_run(app: Any, sock: socket.socket, log_level: str) -> None:
-        seen["config"] = app.plugins.get("LoraStarPlugin").config
-        sock.close()
-
-    monkeypatch.setattr(cli, "run_server", fake_run)
     value = '{"temperature": 0.3, "repetition_penalty": 1.1}'
-    r = CliRunner().invoke(
-        main, ["serve", str(tmp_path), "--port", "0", "--override-generation-config", value]
+    r, config = serve_config(
+        monkeypatch, [str(tmp_path), "--port", "0", "--override-generation-config", value]
     )
     assert r.exit_code == 0, r.output
-    assert seen["config"].engine_config().override_generation_config == {
+    assert config.engine_config().override_generation_config == {
         "temperature": 0.3,
         "repetition_penalty": 1.1,
     }

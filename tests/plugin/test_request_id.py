@@ -7,17 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from click.testing import CliRunner
-from plugin_support import engine_config
+from plugin_support import engine_config, serve_config
 
-from lorastar.plugin import cli
-from lorastar.plugin.cli import main
 from lorastar.plugin.schemas import MAX_REQUEST_ID
 
 PROMPT = "The capital of France is"
@@ -137,14 +133,7 @@ def test_enable_request_id_headers_echoes_or_makes_one(tiny_model_dir: Path) -> 
 
 def test_serve_flag_reaches_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    seen: dict[str, Any] = {}
-
-    def fake_run(app: Any, sock: socket.socket, log_level: str) -> None:
-        seen["config"] = app.plugins.get("LoraStarPlugin").config
-        sock.close()
-
-    monkeypatch.setattr(cli, "run_server", fake_run)
     for flags, want in [([], False), (["--enable-request-id-headers"], True)]:
-        r = CliRunner().invoke(main, ["serve", str(tmp_path), "--port", "0", *flags])
+        r, config = serve_config(monkeypatch, [str(tmp_path), "--port", "0", *flags])
         assert r.exit_code == 0, r.output
-        assert seen["config"].enable_request_id_headers is want
+        assert config.enable_request_id_headers is want

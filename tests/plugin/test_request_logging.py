@@ -6,18 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from click.testing import CliRunner
-from plugin_support import ServerThread, engine_config
-
-from lorastar.plugin import cli
-from lorastar.plugin.cli import main
+from plugin_support import ServerThread, engine_config, serve_config
 
 PROMPT = "The capital of France is a city"
 
@@ -119,19 +114,12 @@ def test_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     from lorastar.plugin import LoraStarConfig
 
     (tmp_path / "config.json").write_text("{}")
-    seen: dict[str, Any] = {}
-
-    def fake_run(app: Any, sock: socket.socket, log_level: str) -> None:
-        seen["config"] = app.plugins.get("LoraStarPlugin").config
-        sock.close()
-
-    monkeypatch.setattr(cli, "run_server", fake_run)
-    r = CliRunner().invoke(
-        main, ["serve", str(tmp_path), "--port", "0", "--enable-log-requests", "--max-log-len", "7"]
+    r, config = serve_config(
+        monkeypatch, [str(tmp_path), "--port", "0", "--enable-log-requests", "--max-log-len", "7"]
     )
     assert r.exit_code == 0, r.output
-    assert seen["config"].log_requests and seen["config"].max_log_len == 7
-    r = CliRunner().invoke(main, ["serve", str(tmp_path), "--port", "0", "--max-log-len", "-1"])
+    assert config.log_requests and config.max_log_len == 7
+    r, _ = serve_config(monkeypatch, [str(tmp_path), "--port", "0", "--max-log-len", "-1"])
     assert r.exit_code == 2 and "--max-log-len" in r.output
     with pytest.raises(ValueError, match="max_log_len"):
         LoraStarConfig(max_log_len=-1)
