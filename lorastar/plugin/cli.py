@@ -221,11 +221,14 @@ def run_server(app: Any, sock: socket.socket, log_level: str, **uvicorn_kw: Any)
         sock.close()
 
 
-def _config_error(exc: BaseException | None) -> ValueError | None:
-    """The one ValueError ``exc`` is or holds (exception groups unwrapped), else None."""
+def _config_error(
+    exc: BaseException | None, types: tuple[type[BaseException], ...] = (ValueError,)
+) -> BaseException | None:
+    """The one exception of ``types`` (a ValueError) ``exc`` is or holds (exception groups
+    unwrapped), else None."""
     while exc is not None and len(getattr(exc, "exceptions", ())) == 1:
         exc = exc.exceptions[0]  # type: ignore[attr-defined]
-    return exc if isinstance(exc, ValueError) else None
+    return exc if isinstance(exc, types) else None
 
 
 CONFIG_MODEL_KEY = "lorastar.config_model"  # ctx.meta: the model a --config file names
@@ -1061,7 +1064,12 @@ def run_batch(input_file: str, output_file: str, **options: Any) -> None:
     )
     _check_output_file(output_file, input_file)
     _log_to_stderr(options["log_level"])
-    click.echo(f"lorastar run-batch: {len(lines)} requests from {input_file}; loading the model", err=True)
+    doing = (
+        "loading the model"
+        if options["engine_address"] is None
+        else f"connecting to the engine core at {options['engine_address']}"
+    )
+    click.echo(f"lorastar run-batch: {len(lines)} requests from {input_file}; {doing}", err=True)
     from lorastar.plugin.batch_file import BatchSummary
 
     summary = BatchSummary()
@@ -1086,6 +1094,10 @@ def run_batch(input_file: str, output_file: str, **options: Any) -> None:
             )
         )
     except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C or SIGTERM: the run was stopped
+        if not opened:
+            raise click.ClickException(
+                f"stopped before the engine started; nothing was run and {where} was not touched"
+            ) from None
         raise click.ClickException(
             f"stopped; {where} holds the answers to the first {summary.written} of {len(lines)} requests"
         ) from None
@@ -1143,15 +1155,25 @@ async def _answer_batch(
 
     loop, task = asyncio.get_running_loop(), asyncio.current_task()
     assert task is not None
-    # A cancel, not a KeyboardInterrupt raised in the handler: that one, raised inside the loop's
-    # frames, left contextlib's exit stacks looping forever on a cyclic __context__ chain.
-    previous = signal.signal(signal.SIGTERM, lambda *_: loop.call_soon_threadsafe(task.cancel))
+
+    def stop(*_: Any) -> None:
+        # A cancel, not a KeyboardInterrupt raised in the handler: that one, raised inside the
+        # loop's frames, left contextlib's exit stacks looping forever on a cyclic __context__
+        # chain. A wait for a shared core (--engine-address) runs on a thread no signal reaches:
+        # ended too (serve's uvicorn handler does the same).
+        client = sys.modules.get("lorastar.engine.core_client")
+        if client is not None:
+            client.cancel_startup()
+        loop.call_soon_threadsafe(task.cancel)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         async with contextlib.AsyncExitStack() as stack:
             try:
                 await stack.enter_async_context(app.lifespan())
             except Exception as exc:
-                if (error := _config_error(exc)) is not None:
+                error = _config_error(exc, (ValueError, ConnectionError))  # no core at --engine-address
+                if error is not None:
                     raise UsageProblem(f"cannot start: {error}") from None
                 raise
             await answer_lines(
@@ -1164,7 +1186,8 @@ async def _answer_batch(
                 summary=summary,
             )
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @main.command(
