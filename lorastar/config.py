@@ -415,10 +415,8 @@ class EngineConfig:
             if not isinstance(self.download_dir, str | os.PathLike) or not str(self.download_dir):
                 raise ValueError(f"download_dir must be a folder path or None, got {self.download_dir!r}")
             self.download_dir = os.fspath(self.download_dir)
-            if (
-                Path(self.download_dir).expanduser().exists()
-                and not Path(self.download_dir).expanduser().is_dir()
-            ):
+            folder = Path(self.download_dir).expanduser()
+            if folder.exists() and not folder.is_dir():
                 raise ValueError(f"download_dir {self.download_dir!r} exists and is not a folder")
         if self.override_generation_config is not None and not isinstance(
             self.override_generation_config, dict

@@ -22,7 +22,7 @@ from lorastar.adapters.registry import AdapterInfo, AdapterRegistry
 from lorastar.config import EngineConfig
 from lorastar.engine.beam import BeamState
 from lorastar.engine.block_manager import BlockManager, KVCacheUsage
-from lorastar.engine.generation_config import generation_defaults
+from lorastar.engine.generation_config import defaults_source, generation_defaults
 from lorastar.engine.host_memory import keep_freed_memory
 from lorastar.engine.input_processor import InputProcessor, PromptInputs, TokenizerLoader
 from lorastar.engine.kv_calibration import CALIBRATION_TEXT, calibrate_kv_scales
@@ -288,10 +288,7 @@ class LLMEngine(PromptInputs):
             logger.info(
                 "Default sampling parameters from %s: %s (requests that set them override them; "
                 "generation_config='vllm' turns the model's off)",
-                "override_generation_config"
-                if config.override_generation_config and config.generation_config == "vllm"
-                else "the model's generation_config.json"
-                + (" and override_generation_config" if config.override_generation_config else ""),
+                defaults_source(config.generation_config, config.override_generation_config),
                 self.default_sampling,
             )
         self.device = resolve_device(config.device)

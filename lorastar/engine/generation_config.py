@@ -35,6 +35,17 @@ def generation_defaults(
     return out
 
 
+def defaults_source(setting: str, override: dict[str, Any] | None) -> str:
+    """Where the defaults came from, for the start-up lines."""
+    if not override:
+        return "generation_config.json"
+    return (
+        "override_generation_config"
+        if setting == "vllm"
+        else "generation_config.json and override_generation_config"
+    )
+
+
 def check_override(override: dict[str, Any]) -> dict[str, Any]:
     """``override`` as ``SamplingParams`` fields, each key one of ``generation_config.json``'s and
     each value in its ``SamplingParams`` range (so that no request is refused for a default); a

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lorastar.engine.generation_config import defaults_source
+
 
 def engine_info(core: Any) -> dict[str, Any]:
     """The facts the operator page's header shows, for an ``LLMEngine`` (a core process sends them
@@ -68,13 +70,7 @@ def engine_summary(core: Any) -> list[str]:
         )
     if defaults := getattr(core, "default_sampling", None):  # vLLM warns of these too
         shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
-        source = (
-            "--override-generation-config"
-            if cfg.override_generation_config and cfg.generation_config == "vllm"
-            else "generation_config.json and --override-generation-config"
-            if cfg.override_generation_config
-            else "generation_config.json"
-        )
+        source = defaults_source(cfg.generation_config, cfg.override_generation_config)
         lines.append(
             f"Sampling defaults from {source}: {shown} (--generation-config vllm: none from the model)"
         )

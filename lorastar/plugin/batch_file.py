@@ -81,11 +81,14 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-def _record_line(record: dict[str, Any]) -> str:
+def _write_record(out: TextIO, record: dict[str, Any]) -> None:
     """One output line: non-ASCII text as itself, unless something in the record cannot be UTF-8
-    (a lone surrogate a route echoed back), which is then written escaped."""
-    text = json.dumps(record, ensure_ascii=False)
-    return (text if _is_unicode(text) else json.dumps(record)) + "\n"
+    (a lone surrogate a route echoed back), which is then written escaped (a text file encodes the
+    whole line before it writes any of it)."""
+    try:
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    except UnicodeEncodeError:
+        out.write(json.dumps(record) + "\n")
 
 
 def _problem(obj: Any) -> str | None:
@@ -209,7 +212,7 @@ async def run_batch(
                 summary.failed += 1
             ready[index] = record
             while summary.written in ready:
-                out.write(_record_line(ready.pop(summary.written)))
+                _write_record(out, ready.pop(summary.written))
                 summary.written += 1
             out.flush()
             if on_answer is not None:

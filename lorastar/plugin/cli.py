@@ -175,6 +175,23 @@ def _chat_template(value: str | None) -> str | None:
     return value
 
 
+def _end_core_wait() -> None:
+    """End an app start-up's wait for a shared engine core (``--engine-address``): it waits on a
+    thread, which no signal reaches (else Ctrl-C waited for the connect timeout)."""
+    client = sys.modules.get("lorastar.engine.core_client")
+    if client is not None:
+        client.cancel_startup()
+
+
+def _starting(engine_address: str | None) -> str:
+    """What a command does while its app starts, for its first line."""
+    return (
+        "loading the model"
+        if engine_address is None
+        else f"connecting to the engine core at {engine_address}"
+    )
+
+
 def run_server(app: Any, sock: socket.socket, log_level: str, **uvicorn_kw: Any) -> None:
     """uvicorn on the already bound socket (tests replace this); ``uvicorn_kw``: more
     ``uvicorn.Config`` fields (``access_log``, ``ssl_*``), passed only when a flag sets them."""
@@ -182,11 +199,7 @@ def run_server(app: Any, sock: socket.socket, log_level: str, **uvicorn_kw: Any)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # An app starting up may wait for a shared engine core on a thread, which no signal
-            # reaches: end that wait too (else Ctrl-C waited for the connect timeout).
-            client = sys.modules.get("lorastar.engine.core_client")
-            if client is not None:
-                client.cancel_startup()
+            _end_core_wait()
             super().handle_exit(sig, frame)
 
     # A startup that fails on a ValueError (the options against the model: --max-model-len past its
@@ -234,12 +247,8 @@ def _config_error(
 CONFIG_MODEL_KEY = "lorastar.config_model"  # ctx.meta: the model a --config file names
 
 
-def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
-    """``--config FILE``: vLLM's YAML of long option names (``port: 8000``, ``max-num-seqs: 32``,
-    ``lora-modules: [a=/x]``, ``enable-prefix-caching: false``) as the command's defaults, so the
-    command line wins over the file and the file over the defaults; ``model`` yields to MODEL."""
-    if value is None:
-        return
+def _read_config(value: str) -> dict[Any, Any]:
+    """The mapping a ``--config`` file holds (empty for an empty file); a usage error naming it."""
     import yaml
 
     where = f"--config {value!r}"
@@ -250,9 +259,20 @@ def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | 
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise UsageProblem(f"{where}: not YAML ({exc})") from exc
     if data is None:
-        data = {}
+        return {}
     if not isinstance(data, dict):
         raise UsageProblem(f"{where}: a mapping of option names to values is expected, e.g. 'port: 8000'")
+    return data
+
+
+def _load_config_file(ctx: click.Context, _param: click.Parameter, value: str | None) -> None:
+    """``--config FILE``: vLLM's YAML of long option names (``port: 8000``, ``max-num-seqs: 32``,
+    ``lora-modules: [a=/x]``, ``enable-prefix-caching: false``) as the command's defaults, so the
+    command line wins over the file and the file over the defaults; ``model`` yields to MODEL."""
+    if value is None:
+        return
+    where = f"--config {value!r}"
+    data = _read_config(value)
     flags: dict[str, tuple[click.Option, bool]] = {}  # long name -> (option, is its --no- form)
     for p in ctx.command.params:
         if isinstance(p, click.Option) and p.name != "config":
@@ -605,16 +625,16 @@ def _config_names_model(args: list[str]) -> bool:
     """Whether a ``--config`` file among ``args`` names the model (then, as vLLM's ``--model``, it
     makes the words after ``--served-model-name``'s value names); a bad file is reported later."""
     for i, a in enumerate(args):
-        path = args[i + 1] if a == "--config" and i + 1 < len(args) else a.partition("=")[2]
-        if a == "--config" or a.startswith("--config="):
+        if a.startswith("--config="):
+            path: str | None = a.partition("=")[2]
+        else:
+            path = args[i + 1] if a == "--config" and i + 1 < len(args) else None
+        if path is not None:
             try:
-                import yaml
-
-                data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8"))
-            except Exception:
+                if _read_config(path).get("model") is not None:
+                    return True
+            except UsageProblem:
                 continue
-            if isinstance(data, dict) and data.get("model") is not None:
-                return True
     return False
 
 
@@ -661,7 +681,8 @@ class _ServeCommand(click.Command):
             if isinstance(p, click.Option) and not p.is_flag and not p.count
             for name in p.opts
         }
-        spread = _spread_served_names(_spread_adapter_values(args), value_options, _config_names_model(args))
+        model_in_file = "--served-model-name" in args and _config_names_model(args)
+        spread = _spread_served_names(_spread_adapter_values(args), value_options, model_in_file)
         return super().parse_args(ctx, spread)
 
 
@@ -956,12 +977,7 @@ def serve(
     url = f"{scheme}://{shown}:{sock.getsockname()[1]}{config.path}"
     app.plugins.get(LoraStarPlugin).public_url = url
     _log_to_stderr(log_level)
-    doing = (
-        "loading the model"
-        if engine_address is None
-        else f"connecting to the engine core at {engine_address}"
-    )
-    click.echo(f"lorastar: listening on {url}; {doing}", err=True)
+    click.echo(f"lorastar: listening on {url}; {_starting(engine_address)}", err=True)
     run_server(app, sock, log_level, **uvicorn_kw)
 
 
@@ -1039,7 +1055,7 @@ def _uvicorn_options(
 @engine_options
 @_answer_options
 def run_batch(input_file: str, output_file: str, **options: Any) -> None:
-    from lorastar.plugin.batch_file import BatchFileError, parse_batch
+    from lorastar.plugin.batch_file import BatchFileError, BatchSummary, parse_batch
     from lorastar.plugin.plugin import create_app
 
     # The whole file is checked, then the flags and the output, before the model loads.
@@ -1064,14 +1080,10 @@ def run_batch(input_file: str, output_file: str, **options: Any) -> None:
     )
     _check_output_file(output_file, input_file)
     _log_to_stderr(options["log_level"])
-    doing = (
-        "loading the model"
-        if options["engine_address"] is None
-        else f"connecting to the engine core at {options['engine_address']}"
+    click.echo(
+        f"lorastar run-batch: {len(lines)} requests from {input_file}; {_starting(options['engine_address'])}",
+        err=True,
     )
-    click.echo(f"lorastar run-batch: {len(lines)} requests from {input_file}; {doing}", err=True)
-    from lorastar.plugin.batch_file import BatchSummary
-
     summary = BatchSummary()
     where = "stdout" if output_file == "-" else output_file
     opened: list[Any] = []  # the output, opened once the engine has started (a failed start keeps
@@ -1139,10 +1151,10 @@ def _check_output_file(output_file: str, input_file: str) -> None:
 async def _answer_batch(
     app: Any, lines: Any, open_output: Any, summary: Any, *, prefix: str, concurrency: int
 ) -> None:
-    """Start ``app`` (a start-up ``ValueError`` is a usage error, as ``serve``'s), open the output
-    (``open_output()``), answer ``lines``, stop it; progress on the ``lorastar`` log every 10 s. SIGTERM cancels the run as Ctrl-C does
-    (asyncio.run's own SIGINT handling): the app's lifespan then stops the engine, and the lines
-    written so far stay whole."""
+    """Start ``app`` (a start-up ``ValueError``, or no core at ``--engine-address``, is a usage
+    error, as ``serve``'s), open the output (``open_output()``), answer ``lines``, stop it; progress
+    on the ``lorastar`` log every 10 s. Ctrl-C and SIGTERM cancel the run: the app's lifespan then
+    stops the engine, and the lines written so far stay whole."""
     from lorastar.plugin.batch_file import run_batch as answer_lines
 
     log = logging.getLogger("lorastar")
@@ -1158,12 +1170,8 @@ async def _answer_batch(
 
     def stop(*_: Any) -> None:
         # A cancel, not a KeyboardInterrupt raised in the handler: that one, raised inside the
-        # loop's frames, left contextlib's exit stacks looping forever on a cyclic __context__
-        # chain. A wait for a shared core (--engine-address) runs on a thread no signal reaches:
-        # ended too (serve's uvicorn handler does the same).
-        client = sys.modules.get("lorastar.engine.core_client")
-        if client is not None:
-            client.cancel_startup()
+        # loop's frames, left contextlib's exit stacks looping forever on a cyclic __context__ chain.
+        _end_core_wait()
         loop.call_soon_threadsafe(task.cancel)
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}

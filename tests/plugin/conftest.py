@@ -68,3 +68,16 @@ def offline_llm(tiny_model_dir: Path, adapter_root: Path) -> Any:
     llm = LLM(config=engine_config(tiny_model_dir))
     llm.load_adapter("alpha", str(adapter_root / "alpha"))
     return llm
+
+
+@pytest.fixture
+def restore_lorastar_logger() -> Iterator[None]:
+    """For in-process CLI runs: a command adds a stderr handler to the ``lorastar`` logger
+    (CliRunner's stream, closed after) and sets its level; both are put back."""
+    import logging
+
+    log = logging.getLogger("lorastar")
+    handlers, propagate, level = list(log.handlers), log.propagate, log.level
+    yield
+    log.handlers[:] = handlers
+    log.propagate, log.level = propagate, level

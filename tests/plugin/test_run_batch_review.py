@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +16,7 @@ def line(custom_id: str, url: str = "/v1/completions", **body: Any) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
-@pytest.fixture(autouse=True)
-def _restore_lorastar_logger() -> Iterator[None]:
-    """The command adds a stderr handler to the ``lorastar`` logger (CliRunner's stream, closed after)."""
-    log = logging.getLogger("lorastar")
-    handlers, propagate, level = list(log.handlers), log.propagate, log.level
-    yield
-    log.handlers[:] = handlers
-    log.propagate, log.level = propagate, level
+pytestmark = pytest.mark.usefixtures("restore_lorastar_logger")
 
 
 def _flags(model: Path) -> list[str]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +25,7 @@ def _batch(tmp_path: Path) -> Path:
     return batch
 
 
-@pytest.fixture(autouse=True)
-def _restore_lorastar_logger() -> Iterator[None]:
-    log = logging.getLogger("lorastar")
-    handlers, propagate, level = list(log.handlers), log.propagate, log.level
-    yield
-    log.handlers[:] = handlers
-    log.propagate, log.level = propagate, level
+pytestmark = pytest.mark.usefixtures("restore_lorastar_logger")
 
 
 def test_run_batch_engine_address_with_no_core_is_a_one_line_error(
