@@ -241,6 +241,14 @@ class EngineConfig:
     admitted requests do not count. ``None``: unbounded (offline ``LLM.generate`` queues all its
     prompts at once); the plugin defaults to 256."""
 
+    scheduling_policy: str = "fcfs"
+    """Order of the waiting queue and of preemption (vLLM's ``--scheduling-policy``). ``"fcfs"``:
+    first come, first served; a request's ``priority`` must be 0. ``"priority"``: by each request's
+    ``priority`` (lower first; default 0), then arrival: running requests take each step's token
+    budget in that order, the waiting queue is admitted in it, and the lowest-priority request
+    is the one preempted when KV blocks run out. A waiting request does not preempt a running one
+    to get in (vLLM v1 likewise): it goes first when a seat or blocks free up."""
+
     max_n: int = 128
     """Largest ``n`` (samples, or beams with ``use_beam_search``) of one request. A beam search
     whose beams cannot all fit the KV cache at once is refused whatever this says."""
@@ -432,6 +440,10 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling is True:
             # refused here, as vLLM's config does (the CLI's usage error, not a failed engine start)
             raise ValueError("speculative_config and async_scheduling cannot be combined yet")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         # torch's Generator.manual_seed takes [-2**63, 2**64): anything else failed after the model load

@@ -262,10 +262,12 @@ class AsyncLLM(PromptInputs):
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs, of ``sampling_params.output_kind`` (cumulative by default;
         DELTA: each holds what is new, FINAL_ONLY: one at the end); the last has ``finished=True``.
-        Closing the iterator early (or cancelling its task) aborts the request."""
+        Closing the iterator early (or cancelling its task) aborts the request. ``priority``: lower
+        first under ``EngineConfig.scheduling_policy="priority"`` (0 otherwise)."""
         if isinstance(sampling_params, Mapping):  # as the engine takes it; its output_kind is read below
             sampling_params = SamplingParams.from_dict(sampling_params)
         self._check_available()
@@ -281,7 +283,7 @@ class AsyncLLM(PromptInputs):
             self._adding.add(wire)
         try:
             add = asyncio.ensure_future(
-                asyncio.to_thread(self._add_request, prompt, sampling_params, adapter, wire)
+                asyncio.to_thread(self._add_request, prompt, sampling_params, adapter, wire, priority)
             )
             try:
                 # Shielded: if we are cancelled mid-add, the add still completes and is aborted
@@ -313,7 +315,12 @@ class AsyncLLM(PromptInputs):
             release_id(self._open, self._streams_lock, rid, wire)
 
     def _add_request(
-        self, prompt: str | list[int], params: SamplingParams | None, adapter: str | None, rid: str
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        adapter: str | None,
+        rid: str,
+        priority: int = 0,
     ) -> None:
         try:
             grammar = None
@@ -325,7 +332,9 @@ class AsyncLLM(PromptInputs):
                 self._check_available()
                 if self._stop.is_set():  # shutdown() ran meanwhile (start() clears it)
                     raise EngineDeadError("The engine was shut down.")
-                self.engine.add_request(prompt, params, adapter=adapter, request_id=rid, grammar=grammar)
+                self.engine.add_request(
+                    prompt, params, adapter=adapter, request_id=rid, grammar=grammar, priority=priority
+                )
         finally:
             with self._streams_lock:
                 self._adding.discard(rid)

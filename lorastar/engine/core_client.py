@@ -645,9 +645,11 @@ class AsyncCoreClient(PromptInputs):
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """As ``AsyncLLM.generate``: outputs of ``sampling_params.output_kind``; the last has
-        ``finished=True``; closing the iterator early aborts the request in the core."""
+        ``finished=True``; closing the iterator early aborts the request in the core. ``priority``
+        is checked by the core (its scheduling policy)."""
         self._check_available()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -662,7 +664,11 @@ class AsyncCoreClient(PromptInputs):
         wire = f"{rid}-{next(self._wire_ids)}"
         # Encoded before anything is registered: what msgspec cannot encode (a lone surrogate, an
         # int past 64 bits) leaves nothing behind and is the caller's error (400).
-        data = self._encode_request(AddRequest(self._client_id, wire, ids, params, adapter))
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidParamError(
+                "priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}"
+            )
+        data = self._encode_request(AddRequest(self._client_id, wire, ids, params, adapter, priority))
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:
             if self._open.get(rid) in self._streams:

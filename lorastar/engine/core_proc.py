@@ -323,7 +323,7 @@ class EngineCoreProc:
                 raise EngineUnavailableError("The engine is shutting down.", 1.0)
             self.engine.add_core_request(
                 msg.prompt_token_ids, msg.params, adapter=msg.adapter, request_id=msg.request_id,
-                grammar=grammar,
+                grammar=grammar, priority=msg.priority,
             )  # fmt: skip
         except Exception as exc:  # validation, overload, unknown adapter: the client raises it
             rid = self._their_id(msg.request_id, done=True)

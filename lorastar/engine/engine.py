@@ -472,6 +472,7 @@ class LLMEngine(PromptInputs):
                 _prompt_logprobs_hits, self.block_manager, self.prompt_logprobs_cache
             ),
             max_prefix_waits=32,  # share a prefix computed in flight (scheduler docstring)
+            policy=config.scheduling_policy,
         )
         self.iteration_tokens = TokenHistogram()
         self.sampler = Sampler(seed=config.seed, device=self.device, eos_token_id=list(self.eos_token_ids))
@@ -678,13 +679,29 @@ class LLMEngine(PromptInputs):
         adapter: str | None = None,
         request_id: str | None = None,
         grammar: Any = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue one request; on any error nothing is queued or held. Its outputs
-        come from ``step`` (text, stop strings: the output processor). ``grammar``: as for
-        ``add_core_request``."""
+        come from ``step`` (text, stop strings: the output processor). ``grammar`` and
+        ``priority``: as for ``add_core_request``."""
         return self.add_core_request(
-            prompt, params, adapter=adapter, request_id=request_id, grammar=grammar, _frontend=True
-        )
+            prompt, params, adapter=adapter, request_id=request_id, grammar=grammar, priority=priority,
+            _frontend=True,
+        )  # fmt: skip
+
+    def check_priority(self, priority: Any) -> None:
+        """``InvalidParamError`` unless ``priority`` is a request priority this engine takes: an int
+        in int64's range, and 0 unless it schedules by priority (vLLM refuses one as well)."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise InvalidParamError(
+                "priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}"
+            )
+        if priority and self.scheduler.policy != "priority":
+            raise InvalidParamError(
+                "priority",
+                f"priority {priority}: this engine schedules first come, first served; start it with "
+                "--scheduling-policy priority (EngineConfig(scheduling_policy='priority')) to use priorities",
+            )
 
     def preload_adapter(self, name: str) -> None:
         """Read adapter ``name`` into host memory if it is only on disk, before ``add_request``
@@ -702,6 +719,7 @@ class LLMEngine(PromptInputs):
         adapter: str | None = None,
         request_id: str | None = None,
         grammar: Any = None,
+        priority: int = 0,
         _frontend: bool = False,
     ) -> Request:
         """``add_request`` for the core alone: its outputs come from ``step_core`` (a frontend in
@@ -709,7 +727,9 @@ class LLMEngine(PromptInputs):
         in-process output processor, under the same lock as the queueing (else a step on the
         engine thread could run the request before the processor knows it, and drop its outputs).
         ``grammar``: ``params``' structured-output constraint compiled already (``self.grammars``;
-        a core process compiles off its step loop)."""
+        a core process compiles off its step loop). ``priority``: lower is served first under
+        ``scheduling_policy="priority"`` (``EngineConfig.scheduling_policy``); must be 0 under FCFS."""
+        self.check_priority(priority)
         if params is None:
             params = SamplingParams()
         elif isinstance(params, Mapping):
@@ -742,7 +762,8 @@ class LLMEngine(PromptInputs):
                 )
             entry = self.registry.acquire(adapter) if adapter is not None else None
             req = Request(rid, text, ids, params, adapter_name=adapter, adapter_entry=entry,
-                          adapter_key=entry.content_hash if entry is not None else None)  # fmt: skip
+                          adapter_key=entry.content_hash if entry is not None else None,
+                          priority=priority)  # fmt: skip
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None] * len(ids)
                 self._num_prompt_logprobs += 1

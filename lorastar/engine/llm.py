@@ -65,6 +65,7 @@ class LLM:
         adapter: str | None | Seq[str | None] = None,
         lora_request: Any = None,
         use_tqdm: bool = False,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
@@ -73,7 +74,8 @@ class LLM:
         ``{"prompt_token_ids": ids}``). ``sampling_params`` and ``adapter`` may be one value or one
         per prompt. ``lora_request``: vLLM's ``LoRARequest`` (or a list, one per prompt) instead of
         ``adapter``: its ``lora_path`` is loaded under its ``lora_name`` unless that name is loaded.
-        Calls from several threads run one after another.
+        ``priority``: one int per prompt, lower served first (vLLM's; needs
+        ``scheduling_policy="priority"``). Calls from several threads run one after another.
         """
         if isinstance(prompts, (str, Mapping)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -83,7 +85,16 @@ class LLM:
         n = len(prompts)
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
         adapters = self._adapters(adapter, lora_request, n)
-        return self._run(prompts, params, adapters, use_tqdm)
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)):
+                raise ValueError(
+                    f"priority must be a list of ints (one per prompt), got {type(priority).__name__}"
+                )
+            if len(priority) != n:
+                raise ValueError(f"priority has {len(priority)} entries for {n} prompts")
+            for p in priority:
+                self.engine.check_priority(p)
+        return self._run(prompts, params, adapters, use_tqdm, priority)
 
     def chat(
         self,
@@ -186,13 +197,23 @@ class LLM:
         return [None if r is None else r.lora_name for r in reqs]
 
     def _run(
-        self, prompts: list[Prompt], params: list[Any], adapters: list[Any], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params: list[Any],
+        adapters: list[Any],
+        use_tqdm: bool,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         with self._run_lock:
-            return self._run_locked(prompts, params, adapters, use_tqdm)
+            return self._run_locked(prompts, params, adapters, use_tqdm, priority)
 
     def _run_locked(
-        self, prompts: list[Prompt], params: list[Any], adapters: list[Any], use_tqdm: bool
+        self,
+        prompts: list[Prompt],
+        params: list[Any],
+        adapters: list[Any],
+        use_tqdm: bool,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         eng = self.engine
         # Validate everything first, so a bad prompt queues nothing.
@@ -202,8 +223,9 @@ class LLM:
         params = [_final_only(self.get_default_sampling_params() if sp is None else sp) for sp in params]
         ids: list[str] = []
         try:
-            for p, sp, ad in zip(prompts, params, adapters):
-                ids.append(eng.add_request(p, sp, adapter=ad).request_id)
+            priorities = priority if priority is not None else [0] * len(prompts)
+            for p, sp, ad, prio in zip(prompts, params, adapters, priorities):
+                ids.append(eng.add_request(p, sp, adapter=ad, priority=prio).request_id)
         except BaseException:
             for rid in ids:
                 eng.abort_request(rid)

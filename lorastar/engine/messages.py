@@ -60,6 +60,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    priority: int = 0
 
 
 class Abort(msgspec.Struct, tag=True):

@@ -130,6 +130,7 @@ class Request:
     adapter_key: str | None = None  # the adapter's content hash: what the KV depends on
     adapter_entry: Any = None  # registry entry, released when the request ends
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower first, under the scheduler's "priority" policy (vLLM's meaning)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

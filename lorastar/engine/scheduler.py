@@ -6,6 +6,14 @@ adapters. When blocks run out, the newest running sequence is preempted by recom
 blocks are freed; it goes back to the front of the queue and recomputes prompt + output,
 mostly from the prefix cache).
 
+``policy="priority"`` (vLLM's ``--scheduling-policy priority``): every order above is by
+``(request.priority, arrival)`` instead, lower values first. Running sequences take the step's
+budget in that order (decodes before prefill chunks within one priority), the waiting queue is
+kept sorted by it (a preempted sequence is re-queued at its place), and the sequence preempted
+when blocks run out is the lowest-priority, latest-arrived one not yet scheduled this step. As in
+vLLM v1, a waiting request never preempts a running one to get in: it is admitted first when
+seats and blocks free up.
+
 In-batch prefix sharing (SGLang's idea): a waiting sequence whose next uncached prompt block is
 being computed right now by a running one (same tokens, same adapter: same block hash) waits until
 that block is committed and then takes it from the prefix cache, instead of computing it a second
@@ -16,6 +24,7 @@ one question, n parallel users of one system prompt) compute it once. A sequence
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +84,12 @@ class SchedulerStats:
     prefix_waits: int = 0  # steps a waiting sequence was held back for a block being computed
 
 
+def priority_key(seq: Sequence) -> tuple[int, float, int]:
+    """``policy="priority"``'s order: lower priority values first, then earlier arrivals (a request's
+    samples in their order)."""
+    return (seq.request.priority, seq.request.arrival_time, seq.seq_id)
+
+
 def _seats(seq: Sequence) -> int:
     """``max_num_seqs`` seats a running sequence holds: an n > 1 request not yet forked holds
     the seats of the samples it will fork into."""
@@ -94,7 +109,12 @@ class Scheduler:
         starvation_steps: int = 8,
         prompt_logprobs_hits: Callable[[Sequence, int], int] | None = None,
         max_prefix_waits: int = 0,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.policy = policy
+        self.by_priority = policy == "priority"
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -115,7 +135,10 @@ class Scheduler:
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort_right(self.waiting, seq, key=priority_key)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -206,7 +229,10 @@ class Scheduler:
         self.bm.free(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:  # at its place: ahead of later arrivals of its priority
+            bisect.insort_left(self.waiting, seq, key=priority_key)
+        else:
+            self.waiting.appendleft(seq)
         if seq.request.beam is not None:
             self._preempted_beams.add(seq.seq_id)
         self.stats.num_preemptions += 1
@@ -236,6 +262,11 @@ class Scheduler:
                 prefills.append(s)
         allocate, running, scheduled = self.bm.allocate, SeqStatus.RUNNING, out.scheduled
         bs, refs = self.bm.block_size, self.bm.ref_counts
+        if self.by_priority:  # by priority; decodes before prefill chunks within one
+            decodes.sort(key=priority_key)
+            prefills.sort(key=priority_key)
+            decodes = list(_merge_by_priority(decodes, prefills))
+            prefills = []
         for seq in decodes + prefills:
             if budget <= 0:
                 break
@@ -271,7 +302,10 @@ class Scheduler:
                 # Out of blocks: preempt the newest running sequence not yet scheduled (possibly
                 # ``seq`` itself, which is then the newest such).
                 scheduled_ids = {x.seq.seq_id for x in out.scheduled}  # (rare: built when needed)
-                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
+                if self.by_priority:  # the lowest-priority one (``seq`` is among the candidates)
+                    victim = max((s for s in self.running if s.seq_id not in scheduled_ids), key=priority_key)
+                else:
+                    victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled_ids)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -426,3 +460,18 @@ class Scheduler:
 
     def all_sequences(self) -> list[Sequence]:
         return list(self.running) + list(self.waiting)
+
+
+def _merge_by_priority(decodes: list[Sequence], prefills: list[Sequence]) -> list[Sequence]:
+    """``decodes`` and ``prefills`` (each sorted by ``priority_key``) as one list ordered by priority,
+    a priority's decodes before its prefill chunks (as all decodes come first under FCFS)."""
+    out: list[Sequence] = []
+    i = 0
+    for p in prefills:
+        prio = p.request.priority
+        while i < len(decodes) and decodes[i].request.priority <= prio:
+            out.append(decodes[i])
+            i += 1
+        out.append(p)
+    out.extend(decodes[i:])
+    return out

@@ -447,6 +447,14 @@ _ENGINE_OPTIONS = [
         type=click.Choice(["auto", "torch", "native"]),
         help="CPU decode attention and LoRA (native: C++ ops, built once; auto: native if they build).",
     ),
+    click.option(
+        "--scheduling-policy",
+        default="fcfs",
+        show_default=True,
+        type=click.Choice(["fcfs", "priority"]),
+        help="priority: requests' `priority` field (lower first, then arrival) orders the queue, "
+        "each step's budget and preemption; fcfs: first come, first served (priority must be 0).",
+    ),
     click.option("--enforce-eager", is_flag=True, help="No CUDA graphs."),
     click.option(
         "--async-scheduling/--no-async-scheduling",

@@ -39,8 +39,11 @@ class EngineClient(Protocol):
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; the last has ``finished=True``. Closing it aborts."""
+        """Cumulative outputs of one request; the last has ``finished=True``. Closing it aborts.
+        ``priority``: lower first under the engine's priority scheduling (``InvalidParamError``
+        when it is not 0 and the engine schedules first come, first served)."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -10,7 +10,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from lorastar.engine.sampling import MAX_CACHE_SALT
-from lorastar.plugin.schemas import ChatLogprobToken
+from lorastar.plugin.schemas import ChatLogprobToken, Priority
 
 # --------------------------------------------------------------------------- request
 
@@ -55,6 +55,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
+    priority: Priority | None = None  # vLLM's (lower first under --scheduling-policy priority)
 
 
 # --------------------------------------------------------------------------- response

@@ -20,7 +20,6 @@ from lorastar.engine.sampling import MAX_CACHE_SALT
 # Why each refused vLLM field is refused: the 400 that names it says f"{field}{why}".
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": " is not supported.",
-    "priority": " is not supported: requests are served first come, first served (priority 0).",
     "kv_transfer_params": " is not supported (no disaggregated serving).",
     "vllm_xargs": " is not supported.",
     "prompt_embeds": " is not supported: send text or token ids.",
@@ -28,7 +27,10 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "(lorastar serve --chat-template).",
 }
 
-MAX_REQUEST_ID = 256  # characters of a client's request id (body or X-Request-Id header)
+MAX_REQUEST_ID = 256
+Priority = Annotated[
+    int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)
+]  # the engine's int64 range  # characters of a client's request id (body or X-Request-Id header)
 
 
 # guided_choice's strings: at least one, none empty
@@ -117,11 +119,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     # vLLM's: the prompt's and each choice's token ids in the response (streamed: the prompt's in
     # the first chunk, each chunk's new ids)
     return_token_ids: bool | None = None
+    # vLLM's: lower is served first under --scheduling-policy priority (0 otherwise; else a 400)
+    priority: Priority | None = None
     # vLLM fields lorastar does not implement (UNSUPPORTED_FIELDS). Each changes what comes back,
     # so they are typed to take only their unset values (null; vLLM's defaults 0 and []): anything
     # else fails validation, a 400 naming the field (plugin/errors.py), never silently ignored.
     logits_processors: None = None
-    priority: Literal[0] | None = None
     kv_transfer_params: None = None
     vllm_xargs: None = None
 

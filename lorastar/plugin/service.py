@@ -326,9 +326,15 @@ class LoraStarService:
     # ------------------------------------------------------------------ generation
 
     async def generate(
-        self, prompt: str | list[int], params: Any, adapter: str | None, request_id: str
+        self,
+        prompt: str | list[int],
+        params: Any,
+        adapter: str | None,
+        request_id: str,
+        priority: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """``engine.generate`` plus metrics and a guaranteed abort when the consumer goes away."""
+        """``engine.generate`` plus metrics and a guaranteed abort when the consumer goes away.
+        ``priority``: the request's (vLLM's field; None: 0)."""
         engine = self.engine
         label = adapter or self.served_model_name
         self.metrics.request_started(label)
@@ -344,7 +350,9 @@ class LoraStarService:
         failure: BaseException | None = None
         try:
             async with aclosing(
-                engine.generate(prompt, params, adapter=adapter, request_id=request_id)
+                engine.generate(
+                    prompt, params, adapter=adapter, request_id=request_id, priority=priority or 0
+                )
             ) as gen:
                 async for out in gen:
                     now = time.monotonic()

@@ -178,8 +178,10 @@ class FakeAsyncLLM:
         *,
         adapter: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         sp = sampling_params or SamplingParams()
+        self.last_priority = priority
         self.last_params = sp
         if self.errored:
             raise EngineDeadError("engine is dead")

@@ -248,7 +248,6 @@ def test_stream_options_without_stream_is_400_as_in_vllm(http: httpx.Client) -> 
     ("field", "value"),
     [
         ("logits_processors", ["m.P"]),
-        ("priority", 1),
         ("kv_transfer_params", {"a": 1}),
         ("vllm_xargs", {"a": 1}),
     ],

@@ -514,7 +514,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         tokenizer = engine.tokenizer
         lp_names = logprobs_tokenizer(tokenizer, data)
         want_ids = bool(data.return_token_ids)
-        stream = service.generate(prompt_ids, params, plan.adapter, engine_id)
+        stream = service.generate(prompt_ids, params, plan.adapter, engine_id, data.priority)
         n = params.n
         # vLLM's: with the reasoning hidden, so are logprobs (their tokens would spell it out)
         want_lp = bool(data.logprobs) and (data.include_reasoning or not reasoning_style)

@@ -245,7 +245,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         created = int(time.time())
         model_name = data.model or service.served_model_name
         streams = [
-            service.generate(ids, _with_max_tokens(params, limit), adapter, f"{engine_id}-{i}")
+            service.generate(ids, _with_max_tokens(params, limit), adapter, f"{engine_id}-{i}", data.priority)
             for i, (ids, limit) in enumerate(zip(token_ids, limits, strict=True))
         ]
         n = params.n

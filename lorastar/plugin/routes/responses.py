@@ -614,7 +614,7 @@ def build_responses_handlers(service: LoraStarService, guards: list[Any]) -> lis
         want_lp, num_top = wants_logprobs(data), data.top_logprobs or 0
         tokenizer = plan.engine.tokenizer
         response_id, created = new_id("resp"), int(time.time())
-        stream = service.generate(plan.prompt_ids, plan.params, plan.adapter, response_id)
+        stream = service.generate(plan.prompt_ids, plan.params, plan.adapter, response_id, data.priority)
 
         if data.stream:
             # a client gone before the first output (queued, prefilling) aborts the request
