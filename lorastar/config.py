@@ -246,8 +246,9 @@ class EngineConfig:
     first come, first served; a request's ``priority`` must be 0. ``"priority"``: by each request's
     ``priority`` (lower first; default 0), then arrival: running requests take each step's token
     budget in that order, the waiting queue is admitted in it, and the lowest-priority request
-    is the one preempted when KV blocks run out. A waiting request does not preempt a running one
-    to get in (vLLM v1 likewise): it goes first when a seat or blocks free up."""
+    is the one preempted when KV blocks run out; a waiting request that finds every
+    ``max_num_seqs`` seat taken preempts running ones of a strictly lower priority to get in
+    (vLLM v1 waits for a seat: its issue #40004). Equal priorities never preempt each other."""
 
     max_n: int = 128
     """Largest ``n`` (samples, or beams with ``use_beam_search``) of one request. A beam search

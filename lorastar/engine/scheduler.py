@@ -10,9 +10,12 @@ mostly from the prefix cache).
 ``(request.priority, arrival)`` instead, lower values first. Running sequences take the step's
 budget in that order (decodes before prefill chunks within one priority), the waiting queue is
 kept sorted by it (a preempted sequence is re-queued at its place), and the sequence preempted
-when blocks run out is the lowest-priority, latest-arrived one not yet scheduled this step. As in
-vLLM v1, a waiting request never preempts a running one to get in: it is admitted first when
-seats and blocks free up.
+when blocks run out is the lowest-priority, latest-arrived one not yet scheduled this step. A
+waiting request that finds every ``max_num_seqs`` seat taken preempts running sequences of a
+strictly lower priority (the lowest first) to get in, before the step schedules anyone: an
+interactive request does not wait for a batch job's requests to finish (vLLM v1 waits: its issue
+#40004). Equal priorities never preempt each other (no ping-pong), and beam searches and sequences
+about to end are left alone.
 
 In-batch prefix sharing (SGLang's idea): a waiting sequence whose next uncached prompt block is
 being computed right now by a running one (same tokens, same adapter: same block hash) waits until
@@ -115,6 +118,8 @@ class Scheduler:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         self.policy = policy
         self.by_priority = policy == "priority"
+        # False: a waiting request waits for a free seat, as in vLLM v1 (benchmarks/priority.py)
+        self.preempt_for_seats = True
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -245,6 +250,10 @@ class Scheduler:
         # Adapters of running sequences hold their slots; new ones may only take free/LRU slots.
         pinned: set[str] = {k for s in self.running if (k := s.request.adapter_key)}
 
+        if self.by_priority and self.preempt_for_seats and self.waiting and self.running:
+            self._make_seats(out, pinned)
+        preempted_to_admit = len(out.preempted)
+
         # 1) Running sequences: decodes first (1 token each, oldest first), then the remaining
         #    prefill chunks (oldest first), so a long prompt's chunks never starve decodes.
         decodes: list[Sequence] = []
@@ -329,14 +338,14 @@ class Scheduler:
         #    an adapter that can't get a slot only holds up its own requests, unless one of
         #    them has starved for `starvation_steps`, then new adapters stop being admitted
         #    until the running ones drain and free a slot.
-        #    Nothing new is admitted in a step that had to preempt (blocks are short).
+        #    Nothing new is admitted in a step that had to preempt for blocks (they are short).
         if self._preempted_beams:
             self._beams_first()
         starving = any(n >= self.starvation_steps for n in self._blocked_steps.values())
         seats = sum(_seats(s) for s in self.running) if self.waiting else 0
         inflight = self._inflight_blocks() if self.waiting else {}
         j = 0
-        while j < len(self.waiting) and budget > 0 and not out.preempted:
+        while j < len(self.waiting) and budget > 0 and len(out.preempted) == preempted_to_admit:
             seq = self.waiting[j]
             if seats + _seats(seq) > self.max_num_seqs and self.running:
                 break
@@ -396,6 +405,44 @@ class Scheduler:
         if not out.scheduled and not out.preempted and self.waiting and self.running:
             self._unstall_beams(out)
         return out
+
+    def _make_seats(self, out: SchedulerOutput, pinned: set[str]) -> None:
+        """``policy="priority"``: waiting sequences (in queue order) that are more important than
+        some running one and find no free seat preempt the lowest-priority running sequences of
+        a strictly lower priority until they fit. One whose adapter could not get a slot anyway
+        preempts no one; the admission below may still hold a seated one back (blocks, budget)."""
+        seats = sum(_seats(s) for s in self.running)
+        worst = max(s.request.priority for s in self.running)
+        j = 0
+        while j < len(self.waiting):  # (victims are queued behind the sequence they make room for)
+            seq = self.waiting[j]
+            j += 1
+            prio, need, key = seq.request.priority, _seats(seq), seq.adapter_key
+            if prio >= worst:
+                return  # the queue is in priority order: no one after it outranks a running one
+            if seq.request.beam is not None:  # (preempted beams are queued first, out of order)
+                continue
+            if key is not None and key not in pinned and len(pinned) >= self.max_loras:
+                continue
+            while seats + need > self.max_num_seqs:
+                victims = [
+                    s for s in self.running
+                    if s.request.priority > prio and s.request.beam is None and not s.ends_pending
+                ]  # fmt: skip
+                if not victims:
+                    return  # none to make room with, for this one or any after it
+                victim = max(victims, key=priority_key)
+                self._preempt(victim, out)
+                seats -= _seats(victim)
+                vkey = victim.adapter_key
+                if vkey is not None and all(s.adapter_key != vkey for s in self.running):
+                    pinned.discard(vkey)
+                if not self.running:
+                    break
+                worst = max(s.request.priority for s in self.running)
+            seats += need
+            if key is not None:
+                pinned.add(key)
 
     def _unstall_beams(self, out: SchedulerOutput) -> None:
         """Every running sequence is a beam waiting for a preempted sibling's proposal, and the

@@ -110,3 +110,43 @@ def test_a_core_process_takes_the_priority_from_its_clients(
     else:
         assert isinstance(got, InvalidParamError) and got.param == "priority", got
         assert "first come, first served" in str(got)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_urgent_arrival_preempts_for_a_seat_and_everything_stays_hf(
+    base: Any, async_scheduling: bool
+) -> None:
+    """Both seats held by priority-1 requests; a priority-0 request arriving mid-way preempts one of
+    them (the latest), starts at once and ends before it. Every output is still HF's (the preempted request
+    recomputes), with async scheduling too (its victim has a token in flight), and nothing leaks."""
+    from lorastar.engine.engine import LLMEngine
+
+    path, prompts, refs = base
+    eng = LLMEngine(
+        EngineConfig(
+            model=path, device="cpu", num_kv_blocks=64, max_model_len=128, max_num_seqs=2,
+            scheduling_policy="priority", async_scheduling=async_scheduling,
+        )
+    )  # fmt: skip
+    done: dict[str, Any] = {}
+
+    def step() -> None:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+
+    eng.add_request(prompts[3], GREEDY, request_id="low-a", priority=1)
+    eng.add_request(prompts[1], GREEDY, request_id="low-b", priority=1)
+    for _ in range(3):
+        step()
+    eng.add_request(prompts[0], GREEDY, request_id="urgent", priority=0)
+    while eng.has_unfinished():
+        step()
+    assert [done[r].outputs[0].token_ids for r in ("urgent", "low-a", "low-b")] == [refs[0], refs[3], refs[1]]
+    assert eng.scheduler.stats.num_preemptions >= 1
+    m = {r: done[r].metrics for r in done}
+    # it ran beside low-a (the earlier of the two) and instead of low-b, the latest
+    assert m["urgent"].first_token_time < m["low-a"].finished_time
+    assert m["urgent"].finished_time < m["low-b"].finished_time
+    eng.check_invariants()
+    assert not eng.requests and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -169,3 +169,59 @@ def test_random_priority_workload_keeps_invariants_and_order(prefix: bool) -> No
     h.run(max_steps=3000)
     h.assert_all_done()
     assert preempted > 0  # the pool is small enough for the workload to preempt
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_more_important_request_takes_a_seat_from_a_less_important_one(policy: str) -> None:
+    """Every seat taken by priority-1 requests: a priority-0 arrival preempts the latest of them and
+    runs in the same step (vLLM v1 would wait for one to finish); FCFS waits."""
+    prio = policy == "priority"
+    h = _harness(policy, max_num_seqs=2, prefix=False)
+    _add(h, 6, 1 if prio else 0, max_tokens=20)
+    _add(h, 6, 1 if prio else 0, max_tokens=20)
+    h.step()
+    h.step()
+    _add(h, 5, 0, max_tokens=3)  # r2
+    out = h.step()
+    if prio:
+        assert [s.request.request_id for s in out.preempted] == ["r1"]
+        assert tokens_of(out) == {"r0/0": 1, "r2/0": 5}
+        assert [s.request.request_id for s in h.sched.waiting] == ["r1"]
+    else:
+        assert not out.preempted and tokens_of(out) == {"r0/0": 1, "r1/0": 1}
+    h.run()
+    h.assert_all_done()
+
+
+def test_equal_priorities_and_ending_sequences_are_not_preempted_for_a_seat() -> None:
+    h = _harness("priority", max_num_seqs=2, prefix=False)
+    _add(h, 6, 1, max_tokens=20)
+    _add(h, 6, 0, max_tokens=20)
+    h.step()
+    _add(h, 5, 0, max_tokens=3)  # r2: outranks only r0, whose last token is in flight
+    h.requests[0].sequences[0].ends_pending = True
+    out = h.step()
+    assert not out.preempted and "r2/0" not in tokens_of(out)
+    h.requests[0].sequences[0].ends_pending = False
+    out = h.step()
+    assert [s.request.request_id for s in out.preempted] == ["r0"] and "r2/0" in tokens_of(out)
+    _add(h, 5, 0, max_tokens=3)  # r3: as important as everyone running: waits for a free seat
+    out = h.step()
+    assert not out.preempted and "r3/0" not in tokens_of(out)
+    h.run()
+    h.assert_all_done()
+
+
+def test_no_seat_is_taken_for_a_request_whose_adapter_cannot_get_a_slot() -> None:
+    h = _harness("priority", max_num_seqs=1, max_loras=1, prefix=False)
+    low = Request("low", None, list(range(6)), SamplingParams(max_tokens=8), adapter_key="A", priority=1)
+    h.requests.append(low)
+    h.sched.add(low.sequences[0])
+    h.step()
+    high = Request("high", None, list(range(5)), SamplingParams(max_tokens=2), adapter_key="B", priority=0)
+    h.requests.append(high)
+    h.sched.add(high.sequences[0])
+    out = h.step()  # B cannot get the only slot while A is held: preempting would buy nothing
+    assert not out.preempted
+    h.run()
+    h.assert_all_done()
