@@ -248,7 +248,8 @@ class EngineConfig:
     budget in that order, the waiting queue is admitted in it, and the lowest-priority request
     is the one preempted when KV blocks run out; a waiting request that finds every
     ``max_num_seqs`` seat taken preempts running ones of a strictly lower priority to get in
-    (vLLM v1 waits for a seat: its issue #40004). Equal priorities never preempt each other."""
+    (vLLM v1 waits for a seat: its issue #40004). Equal priorities never preempt each other; beam
+    searches neither take seats this way nor give theirs."""
 
     max_n: int = 128
     """Largest ``n`` (samples, or beams with ``use_beam_search``) of one request. A beam search

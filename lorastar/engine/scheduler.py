@@ -14,8 +14,10 @@ when blocks run out is the lowest-priority, latest-arrived one not yet scheduled
 waiting request that finds every ``max_num_seqs`` seat taken preempts running sequences of a
 strictly lower priority (the lowest first) to get in, before the step schedules anyone: an
 interactive request does not wait for a batch job's requests to finish (vLLM v1 waits: its issue
-#40004). Equal priorities never preempt each other (no ping-pong), and beam searches and sequences
-about to end are left alone.
+#40004), when enough of them free enough seats (else no one is preempted). Equal priorities never
+preempt each other (no ping-pong); beam searches neither take seats this way nor give theirs, and
+sequences about to end keep theirs; a sequence preempted for a seat does not get one back in the
+same step.
 
 In-batch prefix sharing (SGLang's idea): a waiting sequence whose next uncached prompt block is
 being computed right now by a running one (same tokens, same adapter: same block hash) waits until
@@ -140,8 +142,8 @@ class Scheduler:
     # ---- queue management ---------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        if self.by_priority:
-            bisect.insort_right(self.waiting, seq, key=priority_key)
+        if self.by_priority:  # (behind any preempted beams moved to the front)
+            bisect.insort_right(self.waiting, seq, self._num_beams_first(), key=priority_key)
         else:
             self.waiting.append(seq)
 
@@ -235,7 +237,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         if self.by_priority:  # at its place: ahead of later arrivals of its priority
-            bisect.insort_left(self.waiting, seq, key=priority_key)
+            bisect.insort_left(self.waiting, seq, self._num_beams_first(), key=priority_key)
         else:
             self.waiting.appendleft(seq)
         if seq.request.beam is not None:
@@ -253,6 +255,8 @@ class Scheduler:
         if self.by_priority and self.preempt_for_seats and self.waiting and self.running:
             self._make_seats(out, pinned)
         preempted_to_admit = len(out.preempted)
+        # (a sequence preempted for a seat is not given one back in this step)
+        seat_victims = {s.seq_id for s in out.preempted} if preempted_to_admit else set()
 
         # 1) Running sequences: decodes first (1 token each, oldest first), then the remaining
         #    prefill chunks (oldest first), so a long prompt's chunks never starve decodes.
@@ -347,6 +351,9 @@ class Scheduler:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(out.preempted) == preempted_to_admit:
             seq = self.waiting[j]
+            if seat_victims and seq.seq_id in seat_victims:
+                j += 1
+                continue
             if seats + _seats(seq) > self.max_num_seqs and self.running:
                 break
             key = seq.adapter_key
@@ -409,40 +416,60 @@ class Scheduler:
     def _make_seats(self, out: SchedulerOutput, pinned: set[str]) -> None:
         """``policy="priority"``: waiting sequences (in queue order) that are more important than
         some running one and find no free seat preempt the lowest-priority running sequences of
-        a strictly lower priority until they fit. One whose adapter could not get a slot anyway
-        preempts no one; the admission below may still hold a seated one back (blocks, budget)."""
+        a strictly lower priority, when those free enough seats (else no one). One whose adapter
+        could not get a slot preempts no one. Admission below still reserves each one's adapter
+        and blocks, and may hold a seated one back (blocks, budget)."""
         seats = sum(_seats(s) for s in self.running)
         worst = max(s.request.priority for s in self.running)
-        j = 0
-        while j < len(self.waiting):  # (victims are queued behind the sequence they make room for)
+        held = set(pinned)  # adapters counted against max_loras here (``pinned`` is admission's)
+        j = self._num_beams_first()  # (preempted beams ahead of the sorted queue: they neither
+        while j < len(self.waiting):  # preempt nor are preempted for seats)
             seq = self.waiting[j]
-            j += 1
+            j += 1  # (victims are queued behind the sequence they make room for)
             prio, need, key = seq.request.priority, _seats(seq), seq.adapter_key
             if prio >= worst:
                 return  # the queue is in priority order: no one after it outranks a running one
-            if seq.request.beam is not None:  # (preempted beams are queued first, out of order)
+            if seq.request.beam is not None:
                 continue
-            if key is not None and key not in pinned and len(pinned) >= self.max_loras:
+            if key is not None and key not in held and len(held) >= self.max_loras:
                 continue
-            while seats + need > self.max_num_seqs:
-                victims = [
-                    s for s in self.running
-                    if s.request.priority > prio and s.request.beam is None and not s.ends_pending
-                ]  # fmt: skip
-                if not victims:
-                    return  # none to make room with, for this one or any after it
-                victim = max(victims, key=priority_key)
-                self._preempt(victim, out)
-                seats -= _seats(victim)
-                vkey = victim.adapter_key
-                if vkey is not None and all(s.adapter_key != vkey for s in self.running):
-                    pinned.discard(vkey)
+            if seats + need > self.max_num_seqs:
+                victims = sorted(
+                    (s for s in self.running
+                     if s.request.priority > prio and s.request.beam is None and not s.ends_pending),
+                    key=priority_key, reverse=True,
+                )  # fmt: skip
+                chosen, freed = [], 0
+                for v in victims:
+                    if seats - freed + need <= self.max_num_seqs:
+                        break
+                    chosen.append(v)
+                    freed += _seats(v)
+                if seats - freed + need > self.max_num_seqs:
+                    return  # not enough less important ones for it, nor for any after it
+                for v in chosen:
+                    self._preempt(v, out)
+                    seats -= _seats(v)
+                    vkey = v.adapter_key
+                    if vkey is not None and all(s.adapter_key != vkey for s in self.running):
+                        held.discard(vkey)
                 if not self.running:
-                    break
+                    return
                 worst = max(s.request.priority for s in self.running)
             seats += need
             if key is not None:
-                pinned.add(key)
+                held.add(key)
+
+    def _num_beams_first(self) -> int:
+        """How many preempted beams lead the waiting queue (``_beams_first`` moved them there; the
+        queue after them stays sorted under ``policy="priority"``)."""
+        n = 0
+        if self._preempted_beams:
+            for s in self.waiting:
+                if s.seq_id not in self._preempted_beams:
+                    break
+                n += 1
+        return n
 
     def _unstall_beams(self, out: SchedulerOutput) -> None:
         """Every running sequence is a beam waiting for a preempted sibling's proposal, and the
