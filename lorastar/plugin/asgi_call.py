@@ -86,6 +86,10 @@ async def call_asgi(app: Any, scope: dict[str, Any], body: bytes) -> AsyncIterat
                     yield chunk
                 if not message.get("more_body", False):
                     break
+        # The response is complete: as a server does, receive() now answers http.disconnect (a
+        # Litestar stream waits for it after its last chunk: without it, a consumer that reads a
+        # streamed answer to its end, as curl does through Ray, waited forever).
+        disconnected.set()
         await task  # re-raises what the app raised after its response
     finally:
         disconnected.set()

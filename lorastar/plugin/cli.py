@@ -931,6 +931,11 @@ def _plugin_config(options: dict[str, Any], **plugin_kw: Any) -> Any:
     help="Answer with an X-Request-Id header: the request's own or a new one (vLLM's flag).",
 )
 @click.option(
+    "--enable-server-load-tracking",
+    is_flag=True,
+    help='GET /load answers {"server_load": N}: the generation requests being answered (vLLM\'s flag).',
+)
+@click.option(
     "--shutdown-drain-timeout",
     default=5.0,
     show_default=True,
@@ -952,6 +957,7 @@ def serve(
     responses_store_size: int,
     shutdown_drain_timeout: float,
     enable_request_id_headers: bool,
+    enable_server_load_tracking: bool,
     disable_uvicorn_access_log: bool,
     ssl_keyfile: str | None,
     ssl_certfile: str | None,
@@ -976,6 +982,8 @@ def serve(
         responses_store_size=responses_store_size,
         shutdown_drain_timeout=shutdown_drain_timeout,
         enable_request_id_headers=enable_request_id_headers,
+        enable_server_load_tracking=enable_server_load_tracking,
+        sagemaker_routes=True,  # as `vllm serve` (/ping, /invocations)
     )
     engine_address, log_level = options["engine_address"], options["log_level"]
     sock = _bind(host, port)

@@ -28,7 +28,13 @@ from lorastar.plugin.request_id import request_id_hook
 from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.ops import build_ops_handlers
-from lorastar.plugin.routes.system import build_health_handler, build_metrics_handler
+from lorastar.plugin.routes.sagemaker import build_invocations_handler
+from lorastar.plugin.routes.system import (
+    build_health_handler,
+    build_load_handler,
+    build_metrics_handler,
+    load_tracking,
+)
 from lorastar.plugin.routes.tokenize import build_tokenize_handlers
 from lorastar.plugin.service import LoraStarService
 from lorastar.plugin.shutdown import drain_on_signal
@@ -99,6 +105,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
                 exception_handlers=own_handlers,
                 include_in_schema=cfg.include_in_schema,
                 tags=["lorastar"],
+                middleware=[load_tracking(service, cfg.path)] if cfg.enable_server_load_tracking else [],
             )
         )
         system: list[Any] = []
@@ -113,6 +120,11 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
             system.append(
                 build_metrics_handler(service, cfg.metrics_path, cfg.include_in_schema, metrics_guards)
             )
+        if cfg.sagemaker_routes:
+            system.append(build_health_handler(service, "/ping", cfg.include_in_schema, ("GET", "POST")))
+            system.append(build_invocations_handler(cfg.path))
+        if cfg.enable_server_load_tracking:
+            system.append(build_load_handler(service, cfg.include_in_schema))
         system += build_tokenize_handlers(service, guards=api_guards)  # vLLM serves these at the root
         system += build_ops_handlers(service, guards=api_guards)  # the live page: /lorastar/
         # The app's own route on a path of ours (its /health, say) wins: ours would stop it starting.

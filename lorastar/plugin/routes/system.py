@@ -1,21 +1,26 @@
-"""``/health`` and ``/metrics``."""
+"""``/health`` (and SageMaker's ``/ping``), ``/metrics`` and ``/load``."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from litestar import MediaType, Response, get
+from litestar import MediaType, Response, get, route
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from lorastar.plugin.errors import APIError, error_responses
+from lorastar.plugin.errors import APIError, app_path, error_responses
 from lorastar.plugin.metrics import CONTENT_TYPE
 from lorastar.plugin.service import LoraStarService
 
 
-def build_health_handler(service: LoraStarService, path: str, include_in_schema: bool) -> Any:
-    @get(
+def build_health_handler(
+    service: LoraStarService, path: str, include_in_schema: bool, methods: tuple[str, ...] = ("GET",)
+) -> Any:
+    """``methods``: SageMaker's ``/ping`` takes GET and POST."""
+
+    @route(
         path,
+        http_method=list(methods),
         sync_to_thread=False,
         include_in_schema=include_in_schema,
         summary="Engine liveness",
@@ -63,3 +68,34 @@ def build_metrics_handler(
         return Response(service.metrics.render(), status_code=HTTP_200_OK, media_type=CONTENT_TYPE)
 
     return metrics
+
+
+def build_load_handler(service: LoraStarService, include_in_schema: bool) -> Any:
+    @get("/load", sync_to_thread=False, include_in_schema=include_in_schema, summary="Server load")
+    def load() -> dict[str, int]:
+        # vLLM's --enable-server-load-tracking answer
+        return {"server_load": service.server_load}
+
+    return load
+
+
+def load_tracking(service: LoraStarService, api_path: str) -> Any:
+    """ASGI middleware (for the OpenAI router) counting the generation requests being answered in
+    ``service.server_load``: from the request's arrival to the response's end (a stream's last
+    event), errors included, as vLLM's ``load_aware_call`` counts them."""
+    counted = {f"{api_path}{r}" for r in ("/chat/completions", "/completions", "/responses", "/messages")}
+
+    def middleware(app: Any) -> Any:
+        async def tracked(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or scope["method"] != "POST" or app_path(scope) not in counted:
+                await app(scope, receive, send)
+                return
+            service.server_load += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                service.server_load -= 1
+
+        return tracked
+
+    return middleware
