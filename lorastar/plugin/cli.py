@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -811,6 +812,35 @@ _ANSWER_FIELDS = (
 )
 
 
+def _engine_flags_given() -> list[str]:
+    """The engine's flags (and MODEL) the current command was given on its command line or by an
+    environment variable (not by default, nor by a --config file an engine and its app workers may
+    share): with --engine-address none of them has an effect."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return []
+    from click.core import ParameterSource
+
+    ignored = _engine_flag_names() | {"model", "model_opt"}
+    given = []
+    for p in ctx.command.params:
+        if p.name in ignored and ctx.get_parameter_source(p.name) in (
+            ParameterSource.COMMANDLINE,
+            ParameterSource.ENVIRONMENT,
+        ):
+            given.append(p.opts[0] if p.opts[0].startswith("-") else "MODEL")
+    return given
+
+
+@functools.cache
+def _engine_flag_names() -> frozenset[str]:
+    """Parameter names of ``_ENGINE_OPTIONS`` that configure the engine (not the accepted no-ops,
+    nor --disable-log-stats, which also stops the app's stats line)."""
+    params = engine_options(lambda: None).__click_params__
+    skip = {*_VLLM_ACCEPTED, "tensor_parallel_size", "pipeline_parallel_size"}
+    return frozenset(p.name for p in params if p.name not in skip)
+
+
 def _plugin_config(options: dict[str, Any], **plugin_kw: Any) -> Any:
     """The ``LoraStarConfig`` of a command's ``_model_options``, ``_answer_options`` and engine
     flags (``options``: all of its flags but its own, which ``plugin_kw`` gives as config fields),
@@ -824,6 +854,12 @@ def _plugin_config(options: dict[str, Any], **plugin_kw: Any) -> Any:
     served_model_names, adapter_root = engine_kw.pop("served_model_names"), engine_kw.pop("adapter_root")
     engine_address = engine_kw.pop("engine_address")
     answer = {name: engine_kw.pop(name) for name in _ANSWER_FIELDS}
+    if engine_address is not None and (given := _engine_flags_given()):
+        click.echo(
+            f"lorastar: {', '.join(given)} ignored: the engine core at --engine-address {engine_address} "
+            "keeps the model and settings `lorastar engine` was started with (give them there)",
+            err=True,
+        )
     for name in ("enable_lora", "log_level"):  # vLLM's flag, accepted; the command's logging
         engine_kw.pop(name)
 
