@@ -396,6 +396,11 @@ class AsyncLLM(PromptInputs):
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()
 
+    async def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache`` (it waits for the step lock: off the event loop)."""
+        self._check_available()
+        return await asyncio.to_thread(self.engine.reset_prefix_cache)
+
     def has_adapter(self, name: str) -> bool:
         """Whether adapter ``name`` is registered (``name in list_adapters()`` without the listing)."""
         return name in self.engine.registry

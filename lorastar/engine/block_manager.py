@@ -331,6 +331,16 @@ class BlockManager:
         cached_free = sum(1 for b in self._free if self.block_hash[b] is not None)
         return KVCacheUsage(self.block_size, self.num_blocks, used, sum(fill.values()), cached_free)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block's hash, so no later lookup hits. Only when no block is in use
+        (False otherwise, nothing forgotten): a running sequence's blocks are still being computed
+        or read, and the hashes it registers as it goes would outlive the reset."""
+        if any(self.ref_counts):
+            return False
+        self._cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Raise if reference counts disagree with the block tables (tests call this)."""
         expected = [0] * self.num_blocks

@@ -738,6 +738,11 @@ class AsyncCoreClient(PromptInputs):
         if name not in self._row_names:  # (not where another client loaded it again since)
             self._adapters.pop(name, None)
 
+    async def reset_prefix_cache(self) -> bool:
+        """``LLMEngine.reset_prefix_cache`` in the core (of every client of a shared one)."""
+        self._check_available()
+        return bool(await asyncio.wrap_future(self._start_call("reset_prefix_cache", [])))
+
     def list_adapters(self) -> list[AdapterInfo]:
         busy = self._state.adapters_in_flight if self._state is not None else {}
         return [dataclasses.replace(a, in_flight=busy[a.name]) if a.name in busy else a for a in self._rows]

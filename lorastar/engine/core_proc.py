@@ -371,6 +371,8 @@ class EngineCoreProc:
         try:
             if msg.method == "unload_adapter" and len(msg.args) == 1:
                 self.engine.unload_adapter(msg.args[0])
+            elif msg.method == "reset_prefix_cache" and not msg.args:
+                reply.result = self.engine.reset_prefix_cache()
             else:
                 raise ValueError(f"unknown call {msg.method!r} with {len(msg.args)} arguments")
         except Exception as exc:

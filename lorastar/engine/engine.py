@@ -555,6 +555,16 @@ class LLMEngine(PromptInputs):
     def list_adapters(self) -> list[AdapterInfo]:
         return self.registry.list()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block and the prompt logprobs kept with them (vLLM's
+        ``reset_prefix_cache``: benchmarks run cold again); False, with nothing forgotten, while any
+        request holds KV blocks."""
+        with self.lock:
+            if not self.block_manager.reset_prefix_cache():
+                return False
+            self.prompt_logprobs_cache.clear()
+            return True
+
     # ---- requests -------------------------------------------------------------------------
     @property
     def tokenizer(self) -> Any:

@@ -56,6 +56,11 @@ class LLM:
     def list_adapters(self) -> list[AdapterInfo]:
         return self.engine.list_adapters()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's): the next prompts are computed again. False while a
+        request holds KV blocks (never between ``generate`` calls)."""
+        return self.engine.reset_prefix_cache()
+
     # ---- generation -------------------------------------------------------------------------
     def generate(
         self,

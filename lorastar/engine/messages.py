@@ -78,7 +78,7 @@ class FinishSamples(msgspec.Struct, tag=True):
 class Call(msgspec.Struct, tag=True):
     client_id: str
     call_id: int
-    method: str  # "load_adapter" | "unload_adapter"
+    method: str  # "load_adapter" | "unload_adapter" | "reset_prefix_cache"
     args: list[str]
 
 

@@ -106,6 +106,10 @@ class PromptLogprobsCache:
         chain is over the budget would evict its own prefix and never be hit."""
         return chain * self._top(block) <= self.max_top
 
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.num_top = 0
+
     def __len__(self) -> int:
         return len(self._blocks)
 

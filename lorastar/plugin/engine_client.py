@@ -62,6 +62,10 @@ class EngineClient(Protocol):
 
     async def unload_adapter(self, name: str) -> None: ...
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing forgotten) while a request holds blocks."""
+        ...
+
     def list_adapters(self) -> Sequence[AdapterInfo]: ...
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:

@@ -25,7 +25,12 @@ from lorastar.plugin.config import LoraStarConfig
 from lorastar.plugin.errors import APIError, handler_map, make_exception_handler, scoped_handler, unauthorized
 from lorastar.plugin.lora_cli import make_lora_group
 from lorastar.plugin.request_id import request_id_hook
-from lorastar.plugin.routes.admin import bearer_token, build_admin_handlers, token_matches
+from lorastar.plugin.routes.admin import (
+    bearer_token,
+    build_admin_handlers,
+    build_reset_prefix_cache_handler,
+    token_matches,
+)
 from lorastar.plugin.routes.openai import build_openai_handlers
 from lorastar.plugin.routes.ops import build_ops_handlers
 from lorastar.plugin.routes.sagemaker import build_invocations_handler
@@ -125,6 +130,7 @@ class LoraStarPlugin(InitPlugin, CLIPlugin):
             system.append(build_invocations_handler(cfg.path))
         if cfg.enable_server_load_tracking:
             system.append(build_load_handler(service, cfg.include_in_schema))
+        system.append(build_reset_prefix_cache_handler(service))  # admin token
         system += build_tokenize_handlers(service, guards=api_guards)  # vLLM serves these at the root
         system += build_ops_handlers(service, guards=api_guards)  # the live page: /lorastar/
         # The app's own route on a path of ours (its /health, say) wins: ours would stop it starting.

@@ -171,6 +171,9 @@ class FakeAsyncLLM:
             self.aborted.append(request_id)
             self.running.pop(request_id, None)
 
+    async def reset_prefix_cache(self) -> bool:
+        return not self.running
+
     async def generate(
         self,
         prompt: str | list[int],

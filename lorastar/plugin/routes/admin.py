@@ -14,7 +14,7 @@ from typing import Any
 from litestar import MediaType, Response, post
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
-from litestar.status_codes import HTTP_200_OK
+from litestar.status_codes import HTTP_200_OK, HTTP_409_CONFLICT
 
 from lorastar.adapters.info import check_name  # torch-free, unlike the registry
 from lorastar.errors import AdapterError, AdapterExistsError, AdapterNotFoundError
@@ -134,3 +134,26 @@ def build_admin_handlers(service: LoraStarService) -> list[Any]:
         return _text(f"Success: LoRA adapter '{name}' removed successfully.")
 
     return [load_lora_adapter, unload_lora_adapter]
+
+
+def build_reset_prefix_cache_handler(service: LoraStarService) -> Any:
+    """vLLM's ``POST /reset_prefix_cache`` (behind its dev mode there; behind the admin token here)."""
+
+    @post(
+        "/reset_prefix_cache",
+        guards=[admin_guard(service)],
+        status_code=HTTP_200_OK,
+        summary="Forget every cached prefix (admin token)",
+        media_type=MediaType.TEXT,
+        responses=error_responses(401, 409, 503),
+    )
+    async def reset_prefix_cache() -> Response[str]:
+        engine = await service.ready()
+        if not await engine.reset_prefix_cache():
+            raise APIError(
+                "Requests are running: the prefix cache was not reset (retry when the server is idle).",
+                HTTP_409_CONFLICT,
+            )
+        return _text("Success: the prefix cache was reset.")
+
+    return reset_prefix_cache
