@@ -77,6 +77,7 @@ from lorastar.engine.messages import (
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.request import check_priority_value
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams
 from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
 from lorastar.errors import (
@@ -664,10 +665,7 @@ class AsyncCoreClient(PromptInputs):
         wire = f"{rid}-{next(self._wire_ids)}"
         # Encoded before anything is registered: what msgspec cannot encode (a lone surrogate, an
         # int past 64 bits) leaves nothing behind and is the caller's error (400).
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
-            raise InvalidParamError(
-                "priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}"
-            )
+        check_priority_value(priority)
         data = self._encode_request(AddRequest(self._client_id, wire, ids, params, adapter, priority))
         q: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         with self._streams_lock:

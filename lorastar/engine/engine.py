@@ -30,7 +30,7 @@ from lorastar.engine.metrics import EngineStats, SpecDecodeStats, TokenHistogram
 from lorastar.engine.output_processor import OutputProcessor
 from lorastar.engine.outputs import EngineCoreOutput, RawLogprobs, RequestMetrics, RequestOutput, SampleDelta
 from lorastar.engine.prompt_logprobs import KeptBlock, PromptLogprobsCache, score_prompt_rows
-from lorastar.engine.request import OutputIds, Request, SeqStatus, Sequence
+from lorastar.engine.request import OutputIds, Request, SeqStatus, Sequence, check_priority_value
 from lorastar.engine.runner import KVCacheSpec, ModelRunner, ModelRunnerOutput
 from lorastar.engine.sampler import (
     BadWords,
@@ -702,11 +702,8 @@ class LLMEngine(PromptInputs):
     def check_priority(self, priority: Any) -> None:
         """``InvalidParamError`` unless ``priority`` is a request priority this engine takes: an int
         in int64's range, and 0 unless it schedules by priority (vLLM refuses one as well)."""
-        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
-            raise InvalidParamError(
-                "priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}"
-            )
-        if priority and self.scheduler.policy != "priority":
+        check_priority_value(priority)
+        if priority and not self.scheduler.by_priority:
             raise InvalidParamError(
                 "priority",
                 f"priority {priority}: this engine schedules first come, first served; start it with "

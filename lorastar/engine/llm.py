@@ -210,55 +210,45 @@ class LLM:
         priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         with self._run_lock:
-            return self._run_locked(prompts, params, adapters, use_tqdm, priority)
-
-    def _run_locked(
-        self,
-        prompts: list[Prompt],
-        params: list[Any],
-        adapters: list[Any],
-        use_tqdm: bool,
-        priority: Seq[int] | None = None,
-    ) -> list[RequestOutput]:
-        eng = self.engine
-        # Validate everything first, so a bad prompt queues nothing.
-        for p in prompts:
-            eng.validate_prompt(p)
-        # Only the final outputs are read here: the engine builds no per-step output for them.
-        params = [_final_only(self.get_default_sampling_params() if sp is None else sp) for sp in params]
-        ids: list[str] = []
-        try:
-            priorities = priority if priority is not None else [0] * len(prompts)
-            for p, sp, ad, prio in zip(prompts, params, adapters, priorities):
-                ids.append(eng.add_request(p, sp, adapter=ad, priority=prio).request_id)
-        except BaseException:
-            for rid in ids:
-                eng.abort_request(rid)
-            raise
-        done: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="generating")
-        try:
-            while len(done) < len(ids):
-                for out in eng.step():
-                    if out.finished and out.request_id in ids:
-                        done[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
-                if not eng.has_unfinished() and len(done) < len(ids):
-                    raise RuntimeError("engine went idle with unfinished requests")
-        except BaseException:
-            for rid in ids:
-                if rid not in done:
+            eng = self.engine
+            # Validate everything first, so a bad prompt queues nothing.
+            for p in prompts:
+                eng.validate_prompt(p)
+            # Only the final outputs are read here: the engine builds no per-step output for them.
+            params = [_final_only(self.get_default_sampling_params() if sp is None else sp) for sp in params]
+            ids: list[str] = []
+            try:
+                priorities = priority if priority is not None else [0] * len(prompts)
+                for p, sp, ad, prio in zip(prompts, params, adapters, priorities):
+                    ids.append(eng.add_request(p, sp, adapter=ad, priority=prio).request_id)
+            except BaseException:
+                for rid in ids:
                     eng.abort_request(rid)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-        return [done[r] for r in ids]
+                raise
+            done: dict[str, RequestOutput] = {}
+            bar = None
+            if use_tqdm:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(ids), desc="generating")
+            try:
+                while len(done) < len(ids):
+                    for out in eng.step():
+                        if out.finished and out.request_id in ids:
+                            done[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
+                    if not eng.has_unfinished() and len(done) < len(ids):
+                        raise RuntimeError("engine went idle with unfinished requests")
+            except BaseException:
+                for rid in ids:
+                    if rid not in done:
+                        eng.abort_request(rid)
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
+            return [done[r] for r in ids]
 
     def kv_cache_usage(self) -> dict[str, float | int]:
         return self.engine.kv_cache_usage().as_dict()

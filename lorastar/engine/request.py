@@ -16,6 +16,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lorastar.errors import InvalidParamError
+
 if TYPE_CHECKING:
     from lorastar.engine.sampling import SamplingParams
 
@@ -117,6 +119,15 @@ class Sequence:
         return (
             f"Sequence(id={self.seq_id}, req={self.request.request_id}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table}, status={self.status.value})"
+        )
+
+
+def check_priority_value(priority: Any) -> None:
+    """``InvalidParamError`` unless ``priority`` is an int in int64's range (what crosses to a core
+    process; the engine also checks it against its scheduling policy)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+        raise InvalidParamError(
+            "priority", f"priority must be an integer in [-2**63, 2**63), got {priority!r}"
         )
 
 

@@ -30,6 +30,7 @@ one question, n parallel users of one system prompt) compute it once. A sequence
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,7 +119,6 @@ class Scheduler:
     ) -> None:
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
-        self.policy = policy
         self.by_priority = policy == "priority"
         # False: a waiting request waits for a free seat, as in vLLM v1 (benchmarks/priority.py)
         self.preempt_for_seats = True
@@ -275,12 +275,13 @@ class Scheduler:
                 prefills.append(s)
         allocate, running, scheduled = self.bm.allocate, SeqStatus.RUNNING, out.scheduled
         bs, refs = self.bm.block_size, self.bm.ref_counts
-        if self.by_priority:  # by priority; decodes before prefill chunks within one
+        if self.by_priority:  # by priority; decodes before prefill chunks within one (merge is stable)
             decodes.sort(key=priority_key)
             prefills.sort(key=priority_key)
-            decodes = list(_merge_by_priority(decodes, prefills))
-            prefills = []
-        for seq in decodes + prefills:
+            work = list(heapq.merge(decodes, prefills, key=lambda s: s.request.priority))
+        else:
+            work = decodes + prefills
+        for seq in work:
             if budget <= 0:
                 break
             if seq.status is not running:
@@ -534,18 +535,3 @@ class Scheduler:
 
     def all_sequences(self) -> list[Sequence]:
         return list(self.running) + list(self.waiting)
-
-
-def _merge_by_priority(decodes: list[Sequence], prefills: list[Sequence]) -> list[Sequence]:
-    """``decodes`` and ``prefills`` (each sorted by ``priority_key``) as one list ordered by priority,
-    a priority's decodes before its prefill chunks (as all decodes come first under FCFS)."""
-    out: list[Sequence] = []
-    i = 0
-    for p in prefills:
-        prio = p.request.priority
-        while i < len(decodes) and decodes[i].request.priority <= prio:
-            out.append(decodes[i])
-            i += 1
-        out.append(p)
-    out.extend(decodes[i:])
-    return out

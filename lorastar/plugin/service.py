@@ -94,9 +94,8 @@ class LoraStarService:
         # loaded or tried would grow without bound)
         self._adapter_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.created = int(time.time())
-        self.server_load = (
-            0  # generation requests being answered (LoraStarConfig.enable_server_load_tracking)
-        )
+        # generation requests being answered (LoraStarConfig.enable_server_load_tracking)
+        self.server_load = 0
         self.adapter_created: dict[str, int] = {}
         # config.thinking_budget_message's token ids, encoded at start (None: no message)
         self.thinking_message_ids: list[int] | None = None
