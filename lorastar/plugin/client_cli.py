@@ -15,26 +15,33 @@ from urllib.parse import urlsplit
 import click
 import httpx
 
+from lorastar.plugin.tls_client import TLS_FIELDS, ssl_verify, tls_hint, tls_options
+
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
 API_KEY_ENVS = ("LORASTAR_API_KEY", "OPENAI_API_KEY")
 
 
 class _Client:
-    def __init__(self, url: str, api_key: str | None, timeout: float) -> None:
+    def __init__(self, url: str, api_key: str | None, timeout: float, **tls: Any) -> None:
         base = url.rstrip("/")
         if urlsplit(base).path in ("", "/"):  # http://host:8000: the routes are under /v1
             base += "/v1"
         if api_key and not api_key.isascii():
             raise click.ClickException("the API key has non-ASCII characters")
         self.base, self.timeout = base, timeout
+        self.verify, self.client_cert = ssl_verify(**tls), tls.get("client_cert")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def _fail(self, exc: Exception) -> click.ClickException:
-        return click.ClickException(f"cannot reach {self.base}: {exc}")
+        return click.ClickException(
+            f"cannot reach {self.base}: {exc}{tls_hint(exc, self.base, self.client_cert)}"
+        )
 
     def first_model(self) -> str:
         try:
-            resp = httpx.get(f"{self.base}/models", headers=self.headers, timeout=self.timeout)
+            resp = httpx.get(
+                f"{self.base}/models", headers=self.headers, timeout=self.timeout, verify=self.verify
+            )
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             raise self._fail(exc) from exc
         _check(resp)
@@ -52,6 +59,7 @@ class _Client:
                 json={**body, "stream": True},
                 headers=self.headers,
                 timeout=self.timeout,
+                verify=self.verify,
             ) as resp:
                 if resp.status_code != 200:
                     resp.read()
@@ -147,7 +155,7 @@ def _client_options(f: Any) -> Any:
         ]
     ):
         f = option(f)
-    return f
+    return tls_options()(f)
 
 
 def _chat_piece(choice: dict[str, Any]) -> tuple[str, bool] | None:
@@ -163,7 +171,7 @@ def _chat_piece(choice: dict[str, Any]) -> tuple[str, bool] | None:
 
 def _session(opts: dict[str, Any]) -> tuple[_Client, dict[str, Any], Iterator[str]]:
     """The client, each request's fields (model, --max-tokens, --temperature) and the turns."""
-    client = _Client(opts["url"], opts["api_key"], opts["timeout"])
+    client = _Client(opts["url"], opts["api_key"], opts["timeout"], **{k: opts[k] for k in TLS_FIELDS})
     fields = {"model": opts["model_name"] or client.first_model()}
     fields.update({k: opts[k] for k in ("max_tokens", "temperature") if opts[k] is not None})
     return client, fields, _turns(opts["quick"])

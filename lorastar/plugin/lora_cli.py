@@ -3,7 +3,8 @@
 Kept apart from ``cli.py`` (which builds apps) so that ``plugin.py`` can add the group to the
 ``litestar`` CLI without an import cycle. ``--url`` is the server's base URL; the plugin's path
 (``/v1`` or wherever it is mounted) is found by probing, so ``http://host:8000`` and
-``http://host:8000/v1`` both work.
+``http://host:8000/v1`` both work. An ``https://`` server with a self-signed certificate or one
+that asks for client certificates takes ``--ca-certs``/``--insecure``/``--client-cert`` (``tls_client``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import click
 import httpx
 
 from lorastar.plugin.config import ADMIN_TOKEN_ENV
+from lorastar.plugin.tls_client import TLS_FIELDS, ssl_verify, tls_hint, tls_options
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "LORASTAR_URL"
@@ -45,9 +47,18 @@ def _api_bases(url: str, plugin_path: str) -> list[str]:
 
 
 class _Client:
-    def __init__(self, url: str, plugin_path: str, token: str | None, api_key: str | None, timeout: float):
+    def __init__(
+        self,
+        url: str,
+        plugin_path: str,
+        token: str | None,
+        api_key: str | None,
+        timeout: float,
+        **tls: Any,
+    ):
         self.url, self.plugin_path, self.timeout = url, plugin_path, timeout
         self.token, self.api_key = token, api_key or token
+        self.verify, self.client_cert = ssl_verify(**tls), tls.get("client_cert")
         self._base: str | None = None
 
     def _send(self, method: str, url: str, token: str | None, json: Any = None) -> httpx.Response:
@@ -55,11 +66,15 @@ class _Client:
             raise click.ClickException("the token / API key has non-ASCII characters")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            return httpx.request(method, url, json=json, headers=headers, timeout=self.timeout)
+            return httpx.request(
+                method, url, json=json, headers=headers, timeout=self.timeout, verify=self.verify
+            )
         except httpx.InvalidURL as exc:  # not an httpx.HTTPError: e.g. a typo in the port
             raise click.ClickException(f"invalid --url {self.url!r}: {exc}") from exc
         except httpx.HTTPError as exc:
-            raise click.ClickException(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+            raise click.ClickException(
+                f"cannot reach {url}: {exc or type(exc).__name__}{tls_hint(exc, url, self.client_cert)}"
+            ) from exc
 
     def base(self) -> str:
         """The OpenAI base: the first candidate whose ``/models`` route exists (404 means: not here)."""
@@ -106,10 +121,12 @@ def _first_key(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def _connection_options(group: bool, default_url: str) -> Callable[[F], F]:
-    """``--url/--token/--api-key/--timeout``: on the group (with env and defaults) and on each command."""
+    """``--url/--token/--api-key/--timeout`` and the TLS options: on the group (with env and
+    defaults) and on each command."""
 
     def deco(f: F) -> F:
         env = (lambda name: name) if group else (lambda name: None)
+        f = tls_options(env=group)(f)
         f = click.option(
             "--timeout",
             type=float,
@@ -162,11 +179,12 @@ def make_lora_group(default_url: str = DEFAULT_URL, plugin_path: str = "/v1") ->
 
     @click.group("lora", help="Manage the LoRA adapters of a running lorastar server.")
     @_connection_options(True, default_url)
-    def lora(url: str, token: str | None, api_key: str | None, timeout: float) -> None:
+    def lora(url: str, token: str | None, api_key: str | None, timeout: float, **tls: Any) -> None:
         # No click.pass_context / `ctx` parameters: the litestar CLI wraps callbacks and injects `ctx` itself.
         click.get_current_context().meta[_META_KEY] = dict(
-            url=url, plugin_path=plugin_path, token=token, api_key=api_key, timeout=timeout
-        )
+            url=url, plugin_path=plugin_path, token=token, api_key=api_key, timeout=timeout,
+            **{k: tls[k] for k in TLS_FIELDS},
+        )  # fmt: skip
 
     @lora.command("list", help="List the base model and the loaded adapters.")
     @_connection_options(False, default_url)
