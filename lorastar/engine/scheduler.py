@@ -476,16 +476,19 @@ class Scheduler:
         """Every running sequence is a beam waiting for a preempted sibling's proposal, and the
         first such sibling in the queue does not fit in the blocks the waiting beams hold: no step
         would ever run again (two beam searches, each with a beam preempted, can fill the cache so).
-        The newest other beam search's running beams are preempted whole and queued behind the
-        stalled one's, which then runs first; the preempted search resumes after it."""
+        The newest other beam search's running beams (under ``policy="priority"``, the lowest
+        priority's) are preempted whole and queued behind the stalled one's, which then runs first;
+        the preempted search resumes after it."""
         head = self.waiting[0]
         if head.request.beam is None or head.seq_id not in self._preempted_beams:
             return
         if any(s.request.beam is None or s.num_tokens != s.num_computed_tokens for s in self.running):
             return
-        victim = next((s.request for s in reversed(self.running) if s.request is not head.request), None)
-        if victim is None:  # the stalled search alone holds the cache
+        others = [s for s in self.running if s.request is not head.request]
+        if not others:  # the stalled search alone holds the cache
             return
+        # the newest search's; under policy="priority" the lowest priority's (then the newest)
+        victim = (max(others, key=priority_key) if self.by_priority else others[-1]).request
         seqs = [s for s in self.running if s.request is victim]
         for seq in seqs:
             self._preempt(seq, out)

@@ -8,10 +8,11 @@ import random
 
 import pytest
 
-from lorastar.engine.request import Request
+from lorastar.engine.block_manager import BlockManager
+from lorastar.engine.request import Request, SeqStatus, Sequence
 from lorastar.engine.sampling import SamplingParams
-from lorastar.engine.scheduler import Scheduler, priority_key
-from tests.engine.test_scheduler import Harness, tokens_of
+from lorastar.engine.scheduler import Scheduler, SchedulerOutput, priority_key
+from tests.engine.test_scheduler import BS, Harness, tokens_of
 
 
 def _harness(policy: str, **kw: object) -> Harness:
@@ -225,3 +226,46 @@ def test_no_seat_is_taken_for_a_request_whose_adapter_cannot_get_a_slot() -> Non
     assert not out.preempted
     h.run()
     h.assert_all_done()
+
+
+@pytest.mark.parametrize(("policy", "victim"), [("fcfs", "c"), ("priority", "b")])
+def test_a_stalled_beam_search_takes_the_cache_from_the_lowest_priority_search(
+    policy: str, victim: str
+) -> None:
+    """Every running sequence is a beam waiting for a preempted sibling that does not fit (see
+    test_scheduler's two-search stall): one other search gives up its beams. FCFS takes the newest
+    search's; the priority policy takes the lowest priority's, though it arrived first."""
+    bm = BlockManager(12, BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1, policy=policy)
+
+    def search(rid: str, prompt_len: int, outputs: int, priority: int) -> list[Sequence]:
+        sp = SamplingParams(n=2, use_beam_search=True, max_tokens=8)
+        req = Request(rid, None, list(range(prompt_len)), sp, priority=priority)
+        req.beam = object()  # a BeamState in the engine; the scheduler only asks whether there is one
+        first = req.sequences[0]
+        sched.add(first)
+        sched.update(sched.schedule())
+        beams = [first, Sequence(req, 0, list(first.token_ids), prompt_len)]
+        sched.add_forked(first, beams[1])
+        req.forked = True
+        for k in range(outputs):  # lockstep beam steps: each beam gets a token, then computes it
+            for i, s in enumerate(beams):
+                s.token_ids.append(100 * i + k)
+            sched.update(sched.schedule())
+        return beams
+
+    a = search("a", 8, 5, 0)  # 13 tokens a beam: 2 shared prompt blocks + 2 own blocks each
+    b = search("b", 4, 1, 1)  # 5 tokens a beam: 1 shared prompt block + 1 own block each
+    c = search("c", 4, 1, 0)  # as b, later, at a higher priority (a lower value)
+    assert bm.num_used_blocks == 12
+    out = SchedulerOutput()
+    sched._preempt(a[1], out)  # what running out of blocks did to it: it needs 4, 2 are free
+    step = sched.schedule()  # every running beam waits for a proposal; the queue head does not fit
+    assert not step.scheduled
+    assert {s.request.request_id for s in step.preempted} == {victim}
+    step = sched.schedule()
+    assert [s.seq for s in step.scheduled] == [a[1]]
+    others = {"b": b, "c": c}
+    assert all(s.status is SeqStatus.RUNNING for s in others["c" if victim == "b" else "b"])
+    assert all(s.status is SeqStatus.WAITING for s in others[victim])
+    bm.check_invariants(sched.all_sequences())
