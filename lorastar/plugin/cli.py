@@ -777,6 +777,28 @@ _answer_options = _options(
             "(llama.cpp's --reasoning-budget-message; default: </think> alone).",
         ),
         click.option(
+            "--return-tokens-as-token-ids",
+            is_flag=True,
+            help="Logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's flag).",
+        ),
+        click.option(
+            "--enable-force-include-usage",
+            is_flag=True,
+            help="Every chat and completions stream ends with a usage chunk, asked for or not (vLLM's flag).",
+        ),
+        click.option(
+            "--response-role",
+            default="assistant",
+            show_default=True,
+            help="The role of chat answers (vLLM's flag).",
+        ),
+        click.option(
+            "--enable-prompt-tokens-details",
+            is_flag=True,
+            hidden=True,
+            help="Accepted for vLLM compatibility (usage always has prompt_tokens_details.cached_tokens).",
+        ),
+        click.option(
             "--enable-log-requests",
             "log_requests",
             is_flag=True,
@@ -809,6 +831,9 @@ _ANSWER_FIELDS = (
     "thinking_budget_message",
     "log_requests",
     "max_log_len",
+    "return_tokens_as_token_ids",
+    "enable_force_include_usage",
+    "response_role",
 )
 
 
@@ -860,7 +885,8 @@ def _plugin_config(options: dict[str, Any], **plugin_kw: Any) -> Any:
             "keeps the model and settings `lorastar engine` was started with (give them there)",
             err=True,
         )
-    for name in ("enable_lora", "log_level"):  # vLLM's flag, accepted; the command's logging
+    # vLLM's flags, accepted (lorastar does so always); the command's logging
+    for name in ("enable_lora", "enable_prompt_tokens_details", "log_level"):
         engine_kw.pop(name)
 
     model = _check_model(

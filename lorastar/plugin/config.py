@@ -123,6 +123,20 @@ class LoraStarConfig:
     on, chat and completions answers take their ``id`` from a request's ``X-Request-Id`` (or its
     body's ``request_id``), as vLLM's do."""
 
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name each token ``token_id:{id}`` for requests that leave
+    ``return_tokens_as_token_ids`` out (vLLM's ``--return-tokens-as-token-ids``: RL trainers read the
+    sampled ids back; text cannot tell apart tokens that decode alike). A request's own value wins."""
+
+    enable_force_include_usage: bool = False
+    """Chat and completions streams end with a usage chunk even when the request does not ask
+    (``stream_options.include_usage``), as vLLM's ``--enable-force-include-usage``: a gateway that
+    bills by tokens gets them from every client."""
+
+    response_role: str = "assistant"
+    """The role of chat answers (vLLM's ``--response-role``). A request with
+    ``add_generation_prompt: false`` is answered in its last message's role, as vLLM does."""
+
     enable_adapter_resolver: bool = False
     """A request whose ``model`` names no loaded adapter but a folder directly under ``adapter_root``
     loads that folder under that name first (vLLM's LoRA resolver)."""
@@ -187,6 +201,8 @@ class LoraStarConfig:
         if not isinstance(self.path, str) or not self.path.startswith("/"):
             raise ValueError(f"path must start with '/', got {self.path!r}")
         self.path = "/" + self.path.strip("/") if self.path.strip("/") else "/"
+        if not isinstance(self.response_role, str) or not self.response_role.strip():
+            raise ValueError(f"response_role must be a non-empty string, got {self.response_role!r}")
         if self.max_waiting is not None and (
             not isinstance(self.max_waiting, int)
             or isinstance(self.max_waiting, bool)

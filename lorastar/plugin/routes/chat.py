@@ -43,6 +43,7 @@ from lorastar.plugin.routes.common import (
     stream_usage,
     truncate_prompt,
     usage_of,
+    usage_wanted,
 )
 from lorastar.plugin.schemas import (
     ChatChoiceLogprobs,
@@ -512,7 +513,13 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
         created = int(time.time())
         model_name = data.model or service.served_model_name
         tokenizer = engine.tokenizer
-        lp_names = logprobs_tokenizer(tokenizer, data)
+        lp_names = logprobs_tokenizer(tokenizer, data, service.config.return_tokens_as_token_ids)
+        # vLLM's get_chat_request_role: a request that leaves the answer open continues its last message
+        role_name = (
+            service.config.response_role
+            if data.add_generation_prompt or not messages
+            else str(messages[-1].get("role") or service.config.response_role)
+        )
         want_ids = bool(data.return_token_ids)
         stream = service.generate(prompt_ids, params, plan.adapter, engine_id, data.priority)
         n = params.n
@@ -527,10 +534,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 echo_text = "\n".join(p["text"] for p in echo_text)
 
         if data.stream:
-            include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            continuous = include_usage and bool(
-                data.stream_options and data.stream_options.continuous_usage_stats
-            )
+            include_usage, continuous = usage_wanted(data, service.config.enable_force_include_usage)
             # a client gone before the first output (queued, prefilling) aborts the request
             primed = await run_until_disconnect(
                 prime_or_404(merge_streams([stream]), data.model), request.receive
@@ -553,7 +557,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
                 # prompt's ids in the very first).
                 held: dict[int, list[int]] = {}  # return_token_ids: ids of chunks held back, per choice
                 for i in range(n):
-                    role = ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                    role = ChatStreamChoice(index=i, delta=DeltaMessage(role=role_name, content=""))
                     yield chunk(role, prompt=list(prompt_ids) if want_ids and i == 0 else UNSET)
                 for i in range(n if echo_text else 0):  # vLLM's: the echoes after every choice's role
                     yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo_text)))
@@ -653,7 +657,7 @@ def build_chat_handler(service: LoraStarService, guards: list[Any]) -> Any:
             return ChatCompletionResponseChoice(
                 index=o.index,
                 message=ChatMessage(
-                    role="assistant",
+                    role=role_name,
                     content=content,
                     reasoning_content=reasoning if data.include_reasoning else None,
                     reasoning=reasoning if data.include_reasoning else None,

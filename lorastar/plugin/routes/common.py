@@ -257,9 +257,19 @@ class TokenIdNames:
         return "".join(f"token_id:{i}" for i in ids)
 
 
-def logprobs_tokenizer(tokenizer: Any, req: Any) -> Any:
-    """What names the tokens in ``req``'s logprobs: its ids (``return_tokens_as_token_ids``) or text."""
-    return TokenIdNames() if getattr(req, "return_tokens_as_token_ids", None) else tokenizer
+def logprobs_tokenizer(tokenizer: Any, req: Any, default: bool = False) -> Any:
+    """What names the tokens in ``req``'s logprobs: its ids (``return_tokens_as_token_ids``, else
+    ``default``: the server's ``--return-tokens-as-token-ids``) or text."""
+    own = getattr(req, "return_tokens_as_token_ids", None)
+    return TokenIdNames() if (default if own is None else own) else tokenizer
+
+
+def usage_wanted(req: Any, force: bool) -> tuple[bool, bool]:
+    """A stream's ``(include_usage, continuous_usage_stats)``: what ``stream_options`` asks, usage
+    always under ``force`` (vLLM's ``--enable-force-include-usage``; its ``should_include_usage``)."""
+    opts = req.stream_options
+    include = bool(opts and opts.include_usage) or force
+    return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 def decoded(tokenizer: Any, token_id: int, lp: Logprob | None) -> str:

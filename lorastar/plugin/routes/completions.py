@@ -39,6 +39,7 @@ from lorastar.plugin.routes.common import (
     tokenize,
     truncate_prompt,
     usage_of,
+    usage_wanted,
     vocab_size,
 )
 from lorastar.plugin.schemas import (
@@ -189,7 +190,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         if data.best_of is not None and data.best_of != data.n:
             raise APIError("best_of is not supported (it must equal n).", param="best_of")
         tokenizer = engine.tokenizer
-        lp_names = logprobs_tokenizer(tokenizer, data)
+        lp_names = logprobs_tokenizer(tokenizer, data, service.config.return_tokens_as_token_ids)
         want_ids = bool(data.return_token_ids)
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
         limit = engine.max_waiting
@@ -262,10 +263,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             return decoded_prompts[i]
 
         if data.stream:
-            include_usage = bool(data.stream_options and data.stream_options.include_usage)
-            continuous = include_usage and bool(
-                data.stream_options and data.stream_options.continuous_usage_stats
-            )
+            include_usage, continuous = usage_wanted(data, service.config.enable_force_include_usage)
             # a client gone before the first output (queued, prefilling) aborts the requests
             merged = await run_until_disconnect(
                 prime_or_404(merge_streams(streams), data.model), request.receive
