@@ -25,6 +25,8 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
 ]
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ if TYPE_CHECKING:
         BeamSearchOutput,
         BeamSearchSequence,
         CompletionOutput,
+        EmbeddingOutput,
+        EmbeddingRequestOutput,
         Logprob,
         RequestOutput,
     )
@@ -52,6 +56,8 @@ _LAZY = {
     "BeamSearchParams": "lorastar.engine.sampling",
     "BeamSearchOutput": "lorastar.engine.outputs",
     "BeamSearchSequence": "lorastar.engine.outputs",
+    "EmbeddingOutput": "lorastar.engine.outputs",
+    "EmbeddingRequestOutput": "lorastar.engine.outputs",
 }
 
 

@@ -872,6 +872,7 @@ class LLMEngine(PromptInputs):
         if prompt_logprobs:
             self._seed_prompt_logprobs(out)
         result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
+        self._keep_embeddings(out, result)
         self.iteration_tokens.observe(tokens)
         self.scheduler.update(out)
         if prompt_logprobs:
@@ -1013,6 +1014,7 @@ class LLMEngine(PromptInputs):
         result = self.runner.execute(
             out, self._adapter_slots(out), patch, prompt_logprobs=self._num_prompt_logprobs > 0
         )
+        self._keep_embeddings(out, result)
         self.iteration_tokens.observe(tokens)
         self.scheduler.update(out, commit=False)
         if prev is not None and complete_into is not None:  # the device runs the forward meanwhile
@@ -1410,9 +1412,10 @@ class LLMEngine(PromptInputs):
             end = len(seq.token_ids)
         else:
             end = pos + 1
-        self.generation_tokens_total += 1
-        if req.adapter_name:
-            self.adapter_tokens[req.adapter_name] = self.adapter_tokens.get(req.adapter_name, 0) + 1
+        if not p.embed:  # an embedding request's one token is no output: counted by none
+            self.generation_tokens_total += 1
+            if req.adapter_name:
+                self.adapter_tokens[req.adapter_name] = self.adapter_tokens.get(req.adapter_name, 0) + 1
         if lp is not None:
             seq.logprobs.append([(t, v, rank) for t, (v, rank) in lp.items()])
             if tok in lp:
@@ -1425,6 +1428,14 @@ class LLMEngine(PromptInputs):
             self.scheduler.finish(seq, "stop", tok)
         elif n_out >= p.max_tokens or end >= self.max_model_len:
             self.scheduler.finish(seq, "length", None)
+
+    @staticmethod
+    def _keep_embeddings(out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Embedding requests' hidden rows onto their requests (sent with the final output)."""
+        if result.embeddings:
+            for s in out.scheduled:
+                if (row := result.embeddings.get(s.seq.seq_id)) is not None:
+                    s.seq.request.embedding = row
 
     def _core_output(self, req: Request, finished: bool) -> EngineCoreOutput:
         """The request's step for the frontend: each sample's tokens since the last output (beam
@@ -1457,6 +1468,7 @@ class LLMEngine(PromptInputs):
         return EngineCoreOutput(
             req.request_id, samples, finished, beam is not None, req.num_cached_tokens,
             self._prompt_logprobs_output(req) if req.num_outputs == 1 else None, _metrics(req),
+            req.embedding.tolist() if finished and req.embedding is not None else None,
         )  # fmt: skip
 
     @staticmethod

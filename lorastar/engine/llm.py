@@ -11,7 +11,14 @@ from typing import Any
 from lorastar.adapters.registry import AdapterInfo
 from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
-from lorastar.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from lorastar.engine.outputs import (
+    BeamSearchOutput,
+    BeamSearchSequence,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    normalized,
+)
 from lorastar.engine.sampling import BeamSearchParams, RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | Mapping[str, Any]  # a dict: vLLM's TextPrompt / TokensPrompt
@@ -172,6 +179,36 @@ class LLM:
                 seqs.append(BeamSearchSequence(tokens, o.logprobs or [], req, o.cumulative_logprob or 0.0,
                                                tok.decode(tokens), o.finish_reason, o.stop_reason))  # fmt: skip
             results.append(BeamSearchOutput(seqs))
+        return results
+
+    def embed(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        *,
+        adapter: str | None | Seq[str | None] = None,
+        lora_request: Any = None,
+        normalize: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's embedding, the last prompt token's final hidden state
+        (the pooling of decoder embedding models such as Qwen3-Embedding), L2-normalized unless
+        ``normalize=False``; with an adapter, the adapted model's. Prompts as in ``generate``
+        (tokenized with the tokenizer's special tokens, as vLLM does)."""
+        if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        adapters = self._adapters(adapter, lora_request, len(prompts))
+        sp = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+        outs = self._run(prompts, [sp] * len(prompts), adapters, use_tqdm)
+        results = []
+        for out in outs:
+            v = out.embedding or []
+            results.append(EmbeddingRequestOutput(
+                out.request_id, EmbeddingOutput(normalized(v) if normalize else v),
+                out.prompt_token_ids, True, out.adapter, out.num_cached_tokens,
+            ))  # fmt: skip
         return results
 
     def _adapters(self, adapter: Any, lora_request: Any, n: int) -> list[str | None]:

@@ -241,6 +241,8 @@ class OutputProcessor:
             if s.finish_reason is None and p.stop:
                 text = text[: len(text) - hold_back(text, p.stop, s.held)]  # never stream a partial stop
             ids, lps = s.token_ids, s.logprobs
+            if p.embed:  # its one sampled token is no result (the embedding is)
+                text, ids, lps = "", [], []
             if delta:
                 text, s.sent_chars = text[s.sent_chars :], max(s.sent_chars, len(text))
                 ids, lps = ids[s.sent_tokens :], lps[s.sent_tokens :]
@@ -270,4 +272,5 @@ class OutputProcessor:
             num_cached_tokens=co.num_cached_tokens,
             prompt_logprobs=None if delta and st.num_outputs > 1 else st.prompt_logprobs,
             metrics=co.metrics,
+            embedding=co.embedding,
         )

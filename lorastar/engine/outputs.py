@@ -56,6 +56,34 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
+    # SamplingParams(embed=True): the last prompt token's final hidden state (not normalized)
+    embedding: list[float] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """vLLM's: one prompt's embedding."""
+
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result: ``outputs.embedding`` is the last prompt token's final hidden
+    state (the decoder models' "last" pooling), L2-normalized unless asked otherwise."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    adapter: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
+
+
+def normalized(v: list[float]) -> list[float]:
+    """``v / ||v||_2`` (a zero vector as it is), in float64 arithmetic."""
+    norm = sum(x * x for x in v) ** 0.5
+    return [x / norm for x in v] if norm > 0 else list(v)
 
 
 @dataclass(slots=True)
@@ -110,3 +138,4 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # (token_id, logprob, rank) first, then the top k.
     prompt_logprobs: list[RawLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # an embedding request's, with its final output

@@ -164,6 +164,7 @@ class Request:
     # (position -> [hidden] tensor) waiting for their block's entries to complete.
     prompt_blocks_kept: int = 0
     prompt_hidden: dict[int, Any] = field(default_factory=dict)
+    embedding: Any = None  # params.embed: the last prompt token's final hidden state ([hidden], fp32)
 
     def __post_init__(self) -> None:
         if not self.sequences:

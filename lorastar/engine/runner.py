@@ -41,6 +41,8 @@ class ModelRunnerOutput:
     # {seq_id: {position: [hidden] row}} for prompt positions that end a KV block (kept with the
     # block's prompt logprobs so a later prefix-cache hit can score the position after it).
     prompt_hidden: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    # {seq_id: [hidden]} the last prompt token's final hidden state, for embedding requests
+    embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # Async scheduling: input ids still on the device, ``(sampled ids [R], their rows, the schedule
@@ -186,7 +188,13 @@ class ModelRunner:
             else []
         )
         wants_prompt = any(wants)
-        if self.graphs is not None and not wants_prompt and all(s.num_new_tokens == 1 for s in out.scheduled):
+        embeds = [i for i, s in enumerate(out.scheduled) if s.seq.request.params.embed and s.samples]
+        if (
+            self.graphs is not None
+            and not wants_prompt
+            and not embeds
+            and all(s.num_new_tokens == 1 for s in out.scheduled)
+        ):
             logits = self._execute_graph(self.graphs, out, adapter_slot, patch)
             if logits is not None:
                 return ModelRunnerOutput(logits)
@@ -205,6 +213,8 @@ class ModelRunner:
         else:
             sample_hidden = hidden[to_device(sampling, self.device, torch.int64)]
         result = ModelRunnerOutput(self.model.compute_logits(sample_hidden).float())  # [B, vocab]
+        for i in embeds:  # (a sampling row is the prompt's last token: embedding requests never decode)
+            result.embeddings[out.scheduled[i].seq.seq_id] = hidden[last_row[i]].float().cpu()  # [hidden]
         if wants_prompt:
             bs = self.block_size
             spans = [_prompt_span(s) for s in out.scheduled]

@@ -186,10 +186,15 @@ class SamplingParams:
     cache_salt: str | None = None
     # Which outputs the engine builds for the request (no per-step copy for DELTA / FINAL_ONLY).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # An embedding request (LLM.embed, /v1/embeddings): its final output carries the last prompt
+    # token's final hidden state (RequestOutput.embedding); the one token it samples is no result.
+    embed: bool = False
 
     def __post_init__(self) -> None:
         # --- counts ---
         _check_int("n", self.n, 1, _MAX_INT)
+        if self.embed and (self.n != 1 or self.use_beam_search):
+            raise InvalidParamError("n", "an embedding request has one output: n must be 1, no beam search")
         _check_int("max_tokens", self.max_tokens, 1, _MAX_INT)
         _check_int("min_tokens", self.min_tokens, 0, _MAX_INT)
         if self.min_tokens > self.max_tokens:

@@ -124,7 +124,7 @@ def _merge_run(first: RequestOutput, rest: list[RequestOutput]) -> RequestOutput
     b = rest[-1]
     return RequestOutput(
         b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished, b.adapter, b.num_cached_tokens,
-        prompt_logprobs, b.metrics,
+        prompt_logprobs, b.metrics, b.embedding,
     )  # fmt: skip
 
 
@@ -163,4 +163,5 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         b.num_cached_tokens,
         a.prompt_logprobs or b.prompt_logprobs,
         b.metrics,
+        b.embedding,
     )

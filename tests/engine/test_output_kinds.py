@@ -176,7 +176,7 @@ def test_merge_deltas_keeps_every_field() -> None:
     a = RequestOutput("r", "p", [1, 2], [CompletionOutput(0, "x", [7], -0.5, lp_a)], False, "ad", 3,
                       [None, {2: Logprob(-1.0)}], RequestMetrics(0.5))  # fmt: skip
     new = CompletionOutput(0, "y", [8], -0.75, lp_b, "stop", "</s>")
-    b = RequestOutput("r", "p", [1, 2], [new], True, "ad", 4, None, metrics)
+    b = RequestOutput("r", "p", [1, 2], [new], True, "ad", 4, None, metrics, [0.5, -0.25])
     m = merge_deltas(a, b)
     joined = {"text": "xy", "token_ids": [7, 8], "logprobs": lp_a + lp_b}
     for f in dataclasses.fields(CompletionOutput):
@@ -185,7 +185,7 @@ def test_merge_deltas_keeps_every_field() -> None:
         want = {"outputs": m.outputs, "prompt_logprobs": a.prompt_logprobs}.get(f.name, getattr(b, f.name))
         assert getattr(m, f.name) == want, f.name
     # a new field: give it a value above and carry it in merge_deltas, then count it here
-    assert len(dataclasses.fields(CompletionOutput)) == 7 and len(dataclasses.fields(RequestOutput)) == 9
+    assert len(dataclasses.fields(CompletionOutput)) == 7 and len(dataclasses.fields(RequestOutput)) == 10
 
 
 async def test_async_delta_stream_with_a_slow_reader_loses_nothing(tiny_model_dir: Any) -> None:
