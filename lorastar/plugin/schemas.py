@@ -396,3 +396,37 @@ class ModelCard(msgspec.Struct, kw_only=True):
 class ModelList(msgspec.Struct, kw_only=True):
     object: str = "list"
     data: list[ModelCard]
+
+
+# ---- /v1/embeddings (OpenAI's, with vLLM's extras) --------------------------------------------------
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    input: str | list[Any]
+    model: str | None = None
+    adapter_id: str | None = None  # LoRAX's way to pick an adapter (instead of `model`)
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka: the first `dimensions` values, normalized again (meaningful for models trained so)
+    dimensions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    user: str | None = None
+    # vLLM's extras
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # None: True (L2), as vLLM's embedding pooler
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
+    priority: Priority | None = None
+
+
+class EmbeddingData(msgspec.Struct):
+    index: int
+    embedding: list[float] | str  # base64: the float32 values, little-endian
+    object: str = "embedding"
+
+
+class EmbeddingResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+    object: str = "list"

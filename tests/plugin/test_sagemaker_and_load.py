@@ -59,7 +59,7 @@ def test_invocations_answers_as_the_route_its_body_is_for() -> None:
         r = c.post("/invocations", json={**CHAT, "max_tokens": -1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         for bad, words in (
-            (b'{"input": "hi"}', "with 'messages'"),
+            (b'{"text": "hi"}', "with 'messages'"),  # ('input' is an embeddings request)
             (b"[1, 2]", "with 'prompt'"),
             (b"{nope", "not valid JSON"),
         ):

@@ -54,18 +54,19 @@ from lorastar.plugin.service import LoraStarService, merge_streams, run_until_di
 from lorastar.plugin.sse import sse_response
 
 
-def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]:
-    """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]]."""
+def _parse_prompts(prompt: Any, vocab_size: int | None, param: str = "prompt") -> list[str | list[int]]:
+    """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]] (``param``: the
+    field's name in errors; ``input`` for embeddings)."""
 
     def is_tok(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
     def check_ids(ids: list[Any]) -> list[int]:
         if not ids:
-            raise APIError("prompt must not be empty.", param="prompt")
+            raise APIError(f"{param} must not be empty.", param=param)
         for t in ids:
             if not is_tok(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise APIError(f"prompt contains an invalid token id: {t!r}.", param="prompt")
+                raise APIError(f"{param} contains an invalid token id: {t!r}.", param=param)
         return list(ids)
 
     if isinstance(prompt, str):
@@ -79,15 +80,15 @@ def _parse_prompts(prompt: Any, vocab_size: int | None) -> list[str | list[int]]
             prompts = [check_ids(p) for p in prompt]
         else:
             raise APIError(
-                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                f"{param} must be a string, a list of strings, a list of token ids or a list of "
                 "lists of token ids.",
-                param="prompt",
+                param=param,
             )
     else:
-        raise APIError("prompt must not be empty.", param="prompt")
+        raise APIError(f"{param} must not be empty.", param=param)
     for p in prompts:
         if isinstance(p, str) and not p:
-            raise APIError("prompt must not be empty.", param="prompt")
+            raise APIError(f"{param} must not be empty.", param=param)
     return prompts
 
 

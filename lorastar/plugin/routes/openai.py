@@ -1,5 +1,5 @@
-"""vLLM's OpenAI routes under the plugin's path: models, completions, chat completions, responses,
-and Anthropic's messages."""
+"""vLLM's OpenAI routes under the plugin's path: models, completions, chat completions, embeddings,
+responses, and Anthropic's messages."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from lorastar.plugin.routes.chat import build_chat_handler
 from lorastar.plugin.routes.completions import build_completion_handler
+from lorastar.plugin.routes.embeddings import build_embeddings_handler
 from lorastar.plugin.routes.messages import build_messages_handlers
 from lorastar.plugin.routes.models import build_model_handlers
 from lorastar.plugin.routes.responses import build_responses_handlers
@@ -20,6 +21,7 @@ def build_openai_handlers(service: LoraStarService, guards: list[Any] | None = N
         *build_model_handlers(service, guards),
         build_completion_handler(service, guards),
         build_chat_handler(service, guards),
+        build_embeddings_handler(service, guards),
         *build_responses_handlers(service, guards),
         *build_messages_handlers(service, guards),
     ]

@@ -1,6 +1,7 @@
 """Amazon SageMaker's container contract, as ``vllm serve`` serves it: ``/ping`` (in
 ``plugin.py``: the health answer) and ``POST /invocations``, which hands the body to the chat
-completions route (a body with ``messages``) or the completions route (one with ``prompt``).
+completions route (a body with ``messages``), the completions route (one with ``prompt``) or the
+embeddings route (one with ``input``), as vLLM's.
 
 ``/invocations`` is a raw ASGI route: it reads the body, picks the route, and runs the app again
 on the same connection with the path rewritten, so the chosen route answers as itself (its
@@ -35,9 +36,11 @@ def invocations_target(body: bytes, api_path: str) -> str:
             return f"{api_path}/chat/completions"
         if "prompt" in data:
             return f"{api_path}/completions"
+        if "input" in data:
+            return f"{api_path}/embeddings"
     raise APIError(
-        "/invocations takes a chat completions request (with 'messages') or a completions request "
-        "(with 'prompt').",
+        "/invocations takes a chat completions request (with 'messages'), a completions request "
+        "(with 'prompt') or an embeddings request (with 'input').",
         HTTP_400_BAD_REQUEST,
     )
 

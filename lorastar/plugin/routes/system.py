@@ -83,7 +83,10 @@ def load_tracking(service: LoraStarService, api_path: str) -> Any:
     """ASGI middleware (for the OpenAI router) counting the generation requests being answered in
     ``service.server_load``: from the request's arrival to the response's end (a stream's last
     event), errors included, as vLLM's ``load_aware_call`` counts them."""
-    counted = {f"{api_path}{r}" for r in ("/chat/completions", "/completions", "/responses", "/messages")}
+    counted = {
+        f"{api_path}{r}"
+        for r in ("/chat/completions", "/completions", "/embeddings", "/responses", "/messages")
+    }
 
     def middleware(app: Any) -> Any:
         async def tracked(scope: Any, receive: Any, send: Any) -> None:
