@@ -35,6 +35,7 @@ from lorastar.plugin.asgi_call import ResponseStart, call_asgi, http_scope
 BATCH_URLS = {
     "/v1/chat/completions": "/chat/completions",
     "/v1/completions": "/completions",
+    "/v1/embeddings": "/embeddings",
     "/v1/responses": "/responses",
     "/v1/messages": "/messages",
 }

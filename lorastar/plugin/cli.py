@@ -1123,7 +1123,7 @@ def _uvicorn_options(
     cls=_ServeCommand,
     help="Answer an OpenAI batch file with MODEL and its adapters, as vLLM's run-batch: each input line "
     '{"custom_id", "method": "POST", "url", "body"} (url: /v1/chat/completions, /v1/completions, '
-    "/v1/responses or /v1/messages; the adapter by the body's model) gets one output line, in input "
+    "/v1/embeddings, /v1/responses or /v1/messages; the adapter by the body's model) gets one output line, in input "
     "order, answered as `lorastar serve` answers it.",
 )
 @_CONFIG_OPTION

@@ -130,3 +130,27 @@ def test_an_embedding_has_one_output() -> None:
     for kw in ({"n": 2}, {"n": 2, "use_beam_search": True}):
         with pytest.raises(InvalidParamError, match="embedding"):
             SamplingParams(max_tokens=1, embed=True, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+def test_embeddings_on_cuda_beside_graph_decodes(tiny_model_dir: Any) -> None:
+    """On a GPU with decode graphs: a one-token embedding input (a step of one-token rows, which
+    a graph would replay without hidden states) and longer ones beside decoding requests equal HF."""
+    model_dir = tiny_model_dir("llama-gqa")
+    llm = LLM(model_dir, device="cuda", dtype="float32", num_kv_blocks=128, max_model_len=256)
+    eng = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    gen = [eng.add_request(p, greedy).request_id for p in PROMPTS[:2]]
+    for _ in range(3):  # the generations are decoding: their steps replay graphs
+        eng.step()
+    emb = SamplingParams(max_tokens=1, temperature=0, embed=True)
+    ids = {eng.add_request(p, emb).request_id: p for p in ([42], PROMPTS[0])}
+    finals: dict[str, Any] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert all(len(finals[r].outputs[0].token_ids) == 12 for r in gen)
+    for rid, p in ids.items():
+        _close(finals[rid].embedding, _hf_last(model_dir, p))
+    _finish(llm)

@@ -5,7 +5,11 @@ client asks for it; Matryoshka ``dimensions``; each bad input a 400 naming its f
 from __future__ import annotations
 
 import base64
+import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +155,41 @@ def test_sagemaker_invocations_and_load_count_embeddings(tiny_model_dir: Path) -
         assert via.status_code == direct.status_code == 200, via.text
         assert via.json()["data"] == direct.json()["data"]
         assert c.get("/load").json() == {"server_load": 0}
+
+
+def test_run_batch_embeds(tiny_model_dir: Path, adapter_root: Path, tmp_path: Path) -> None:
+    """vLLM's run-batch takes /v1/embeddings lines: the base's and an adapter's, as HF and PEFT."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    batch = [
+        {"custom_id": "base", "url": "/v1/embeddings", "body": {"model": "tiny", "input": ["hello", "x y"]}},
+        {
+            "custom_id": "alpha",
+            "url": "/v1/embeddings",
+            "body": {"model": "alpha", "input": "hello", "normalize": False},
+        },
+        {"custom_id": "bad", "url": "/v1/embeddings", "body": {"model": "tiny", "input": ""}},
+    ]
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorastar.plugin.cli", "run-batch", "-i", "-", "-o", str(out), str(tiny_model_dir),
+         "--served-model-name", "tiny", "--lora-modules", f"alpha={adapter_root / 'alpha'}", "--device", "cpu",
+         "--no-engine-process", "--disable-log-stats"],
+        input="".join(json.dumps({**b, "method": "POST"}) + "\n" for b in batch),
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    base = records["base"]["response"]["body"]["data"]
+    for d, text in zip(base, ["hello", "x y"]):
+        _close(d["embedding"], _unit(_hf_last(tiny_model_dir, list(tok(text)["input_ids"]))))
+    ids = list(tok("hello")["input_ids"])
+    _close(
+        records["alpha"]["response"]["body"]["data"][0]["embedding"],
+        _hf_last(tiny_model_dir, ids, adapter_root / "alpha"),
+    )
+    assert (
+        records["bad"]["response"]["status_code"] == 400
+        and records["bad"]["error"]["error"]["param"] == "input"
+    )
