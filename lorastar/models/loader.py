@@ -178,6 +178,15 @@ def _stores_its_own_lm_head(names: dict[Path, list[str]], key_map: KeyMap) -> bo
     return tables[0].shape != tables[1].shape or not torch.equal(tables[0], tables[1])
 
 
+def _bare_backbone(names: dict[Path, list[str]]) -> bool:
+    """Whether the checkpoint stores a decoder without its ``model.`` prefix and without an lm_head
+    (``embed_tokens.weight``, ``layers.*``, ``norm.weight``): Qwen3-Embedding's released checkpoints,
+    and sentence-transformers' save of a decoder backbone. vLLM loads them under ``model.`` for its
+    pooling runner; so does this loader."""
+    keys = [k for ks in names.values() for k in ks]
+    return "embed_tokens.weight" in keys and not any(k.startswith(("model.", "lm_head.")) for k in keys)
+
+
 def _lfs_hint(f: Path) -> str:
     """A hint where ``f`` is a Git LFS pointer (a repo cloned without git-lfs), else ''."""
     with open(f, "rb") as fh:
@@ -215,6 +224,18 @@ def load_model(
         ):
             names[f] = list(sf.keys())
     cls = model_class(cfg)
+    bare = _bare_backbone(names)
+    if bare:
+        logger.info(
+            "%s: a decoder stored without the 'model.' prefix (an embedding model's backbone)", model_dir
+        )
+        if not cfg.get("tie_word_embeddings"):
+            logger.warning(
+                "%s: the checkpoint stores no lm_head (an embedding model): its embeddings are exact, "
+                "and the embedding table stands in for the lm_head, so generated text means nothing",
+                model_dir,
+            )
+            cfg = {**cfg, "tie_word_embeddings": True}
     if cfg.get("tie_word_embeddings") and _stores_its_own_lm_head(names, cls.key_map):
         logger.warning(
             "%s: config.json ties the lm_head to embed_tokens but the checkpoint stores a different "
@@ -232,7 +253,7 @@ def load_model(
         try:
             with safe_open(str(f), framework="pt", device="cpu") as sf:
                 for name in sf.keys():
-                    loader.load(name, sf.get_tensor(name).to(device))
+                    loader.load(f"model.{name}" if bare else name, sf.get_tensor(name).to(device))
                     bar.update()
         except (OSError, RuntimeError, SafetensorError) as e:  # safetensors raises these for corrupt files
             if isinstance(e, SafetensorError) or "safetensors" in str(e).lower():
