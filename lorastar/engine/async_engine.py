@@ -32,8 +32,8 @@ from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.input_processor import InputProcessor, PromptInputs
 from lorastar.engine.metrics import EngineStats
-from lorastar.engine.outputs import RequestOutput
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput, embedding_result
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams, embedding_params
 from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
 from lorastar.engine.summary import engine_info
 from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
@@ -255,6 +255,26 @@ class AsyncLLM(PromptInputs):
             self._put(stream, out)
 
     # ---- requests ------------------------------------------------------------------------------
+    async def embed(
+        self,
+        prompt: str | list[int],
+        *,
+        adapter: str | None = None,
+        normalize: bool = True,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """One prompt's embedding (``LLM.embed``'s: the last token's final hidden state, L2-normalized
+        unless ``normalize=False``), awaited; closing the awaiting task aborts it."""
+        final: RequestOutput | None = None
+        async for out in self.generate(
+            prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
+        ):
+            final = out
+        if final is None or final.embedding is None:
+            raise RuntimeError("the embedding request ended without an embedding (aborted)")
+        return embedding_result(final, normalize)
+
     async def generate(
         self,
         prompt: str | list[int] | Mapping[str, Any],

@@ -76,9 +76,9 @@ from lorastar.engine.messages import (
 )
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.output_processor import OutputProcessor
-from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput, embedding_result
 from lorastar.engine.request import check_priority_value
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams, embedding_params
 from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
 from lorastar.errors import (
     EngineDeadError,
@@ -638,6 +638,26 @@ class AsyncCoreClient(PromptInputs):
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
         shutil.rmtree(self._tmp, ignore_errors=True)
+
+    async def embed(
+        self,
+        prompt: str | list[int],
+        *,
+        adapter: str | None = None,
+        normalize: bool = True,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """One prompt's embedding (``LLM.embed``'s: the last token's final hidden state, L2-normalized
+        unless ``normalize=False``), awaited; closing the awaiting task aborts it."""
+        final: RequestOutput | None = None
+        async for out in self.generate(
+            prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
+        ):
+            final = out
+        if final is None or final.embedding is None:
+            raise RuntimeError("the embedding request ended without an embedding (aborted)")
+        return embedding_result(final, normalize)
 
     async def generate(
         self,

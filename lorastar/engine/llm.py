@@ -14,12 +14,11 @@ from lorastar.engine.engine import LLMEngine
 from lorastar.engine.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
-    EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
-    normalized,
+    embedding_result,
 )
-from lorastar.engine.sampling import BeamSearchParams, RequestOutputKind, SamplingParams
+from lorastar.engine.sampling import BeamSearchParams, RequestOutputKind, SamplingParams, embedding_params
 
 Prompt = str | list[int] | Mapping[str, Any]  # a dict: vLLM's TextPrompt / TokensPrompt
 
@@ -200,16 +199,8 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         adapters = self._adapters(adapter, lora_request, len(prompts))
-        sp = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-        outs = self._run(prompts, [sp] * len(prompts), adapters, use_tqdm)
-        results = []
-        for out in outs:
-            v = out.embedding or []
-            results.append(EmbeddingRequestOutput(
-                out.request_id, EmbeddingOutput(normalized(v) if normalize else v),
-                out.prompt_token_ids, True, out.adapter, out.num_cached_tokens,
-            ))  # fmt: skip
-        return results
+        outs = self._run(prompts, [embedding_params()] * len(prompts), adapters, use_tqdm)
+        return [embedding_result(out, normalize) for out in outs]
 
     def _adapters(self, adapter: Any, lora_request: Any, n: int) -> list[str | None]:
         """One adapter name (or None) per prompt, from ``adapter`` or vLLM's ``lora_request``; the

@@ -80,6 +80,15 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
 
 
+def embedding_result(out: RequestOutput, normalize: bool = True) -> EmbeddingRequestOutput:
+    """An embedding request's final output as vLLM's ``EmbeddingRequestOutput``."""
+    v = out.embedding or []
+    return EmbeddingRequestOutput(
+        out.request_id, EmbeddingOutput(normalized(v) if normalize else list(v)), out.prompt_token_ids,
+        out.finished, out.adapter, out.num_cached_tokens,
+    )  # fmt: skip
+
+
 def normalized(v: list[float]) -> list[float]:
     """``v / ||v||_2`` (a zero vector as it is), in float64 arithmetic."""
     norm = sum(x * x for x in v) ** 0.5

@@ -100,6 +100,11 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
 
+def embedding_params() -> SamplingParams:
+    """An embedding request's parameters: one greedy token (no result), its final output only."""
+    return SamplingParams(max_tokens=1, temperature=0.0, embed=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Defaults match vLLM (top_k=0 means off)."""

@@ -154,3 +154,25 @@ def test_embeddings_on_cuda_beside_graph_decodes(tiny_model_dir: Any) -> None:
     for rid, p in ids.items():
         _close(finals[rid].embedding, _hf_last(model_dir, p))
     _finish(llm)
+
+
+async def test_async_engines_embed(tiny_model_dir: Any) -> None:
+    """``AsyncLLM.embed`` and ``AsyncCoreClient.embed`` (the core in its own process) equal HF."""
+    from lorastar import AsyncLLM
+    from lorastar.config import EngineConfig
+    from lorastar.engine.core_client import AsyncCoreClient
+
+    model_dir = tiny_model_dir("llama-gqa")
+    want = _hf_last(model_dir, PROMPTS[0])
+    cfg = EngineConfig(model=model_dir, num_kv_blocks=64, max_model_len=256)
+    engines = [AsyncLLM(config=cfg), AsyncCoreClient(cfg)]
+    try:
+        for eng in engines:
+            out = await eng.embed(PROMPTS[0], normalize=False)
+            _close(out.outputs.embedding, want)
+            unit = await eng.embed(PROMPTS[0], request_id="mine")
+            assert unit.request_id == "mine" and unit.num_cached_tokens > 0  # the prompt's blocks, cached
+            _close(unit.outputs.embedding, torch.nn.functional.normalize(want, dim=0))
+    finally:
+        for eng in engines:
+            await eng.shutdown(drain_timeout=0)

@@ -13,7 +13,7 @@ from litestar.openapi import ResponseSpec
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from lorastar.engine.outputs import normalized
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.sampling import embedding_params
 from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.request_id import request_ids
 from lorastar.plugin.routes.common import (
@@ -75,9 +75,7 @@ def build_embeddings_handler(service: LoraStarService, guards: list[Any]) -> Any
                     "(or set truncate_prompt_tokens).",
                     param="input",
                 )
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, embed=True, output_kind=RequestOutputKind.FINAL_ONLY
-        )
+        params = embedding_params()
         request_id, engine_id = request_ids("embd", request, data.request_id)
         streams = [
             service.generate(ids, params, adapter, f"{engine_id}-{i}", data.priority)
