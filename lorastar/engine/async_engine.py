@@ -32,9 +32,9 @@ from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.input_processor import InputProcessor, PromptInputs
 from lorastar.engine.metrics import EngineStats
-from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput, embedding_result
+from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams, embedding_params
-from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
+from lorastar.engine.streams import Stream, deliver, final_embedding, release_id, stream_outputs
 from lorastar.engine.summary import engine_info
 from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
 from lorastar.errors import (
@@ -266,14 +266,10 @@ class AsyncLLM(PromptInputs):
     ) -> EmbeddingRequestOutput:
         """One prompt's embedding (``LLM.embed``'s: the last token's final hidden state, L2-normalized
         unless ``normalize=False``), awaited; closing the awaiting task aborts it."""
-        final: RequestOutput | None = None
-        async for out in self.generate(
+        outputs = self.generate(
             prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
-        ):
-            final = out
-        if final is None or final.embedding is None:
-            raise RuntimeError("the embedding request ended without an embedding (aborted)")
-        return embedding_result(final, normalize)
+        )
+        return await final_embedding(outputs, normalize)
 
     async def generate(
         self,

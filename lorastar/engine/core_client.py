@@ -76,10 +76,10 @@ from lorastar.engine.messages import (
 )
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.output_processor import OutputProcessor
-from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput, embedding_result
+from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from lorastar.engine.request import check_priority_value
 from lorastar.engine.sampling import RequestOutputKind, SamplingParams, embedding_params
-from lorastar.engine.streams import Stream, deliver, release_id, stream_outputs
+from lorastar.engine.streams import Stream, deliver, final_embedding, release_id, stream_outputs
 from lorastar.errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -648,16 +648,11 @@ class AsyncCoreClient(PromptInputs):
         request_id: str | None = None,
         priority: int = 0,
     ) -> EmbeddingRequestOutput:
-        """One prompt's embedding (``LLM.embed``'s: the last token's final hidden state, L2-normalized
-        unless ``normalize=False``), awaited; closing the awaiting task aborts it."""
-        final: RequestOutput | None = None
-        async for out in self.generate(
+        """``AsyncLLM.embed``'s, computed by the core process."""
+        stream = self.generate(
             prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
-        ):
-            final = out
-        if final is None or final.embedding is None:
-            raise RuntimeError("the embedding request ended without an embedding (aborted)")
-        return embedding_result(final, normalize)
+        )
+        return await final_embedding(stream, normalize)
 
     async def generate(
         self,

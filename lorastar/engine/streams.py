@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from lorastar.engine.outputs import CompletionOutput, RequestOutput
+from lorastar.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, embedding_result
 
 Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
@@ -165,3 +165,13 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         b.metrics,
         b.embedding,
     )
+
+
+async def final_embedding(outputs: AsyncIterator[RequestOutput], normalize: bool) -> EmbeddingRequestOutput:
+    """An embedding request's stream read to its end (``AsyncLLM.embed``, ``AsyncCoreClient.embed``)."""
+    final: RequestOutput | None = None
+    async for out in outputs:
+        final = out
+    if final is None or final.embedding is None:
+        raise RuntimeError("the embedding request ended without an embedding (aborted)")
+    return embedding_result(final, normalize)

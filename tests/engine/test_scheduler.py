@@ -649,6 +649,26 @@ def test_a_preempted_beam_is_readmitted_before_a_queue_head_that_does_not_fit() 
     bm.check_invariants(sched.all_sequences())
 
 
+def beam_search_seqs(
+    sched: Scheduler, rid: str, prompt_len: int, outputs: int, priority: int = 0
+) -> list[Sequence]:
+    """A two-beam search ``rid`` run ``outputs`` lockstep steps on ``sched``: its two beams, running."""
+    sp = SamplingParams(n=2, use_beam_search=True, max_tokens=8)
+    req = Request(rid, None, list(range(prompt_len)), sp, priority=priority)
+    req.beam = object()  # a BeamState in the engine; the scheduler only asks whether there is one
+    first = req.sequences[0]
+    sched.add(first)
+    sched.update(sched.schedule())
+    beams = [first, Sequence(req, 0, list(first.token_ids), prompt_len)]
+    sched.add_forked(first, beams[1])
+    req.forked = True
+    for k in range(outputs):  # lockstep beam steps: each beam gets a token, then computes it
+        for i, s in enumerate(beams):
+            s.token_ids.append(100 * i + k)
+        sched.update(sched.schedule())
+    return beams
+
+
 def test_two_beam_searches_each_with_a_preempted_beam_do_not_stall() -> None:
     """Two beam searches, each with a beam preempted, can fill the cache with beams that wait for
     their preempted siblings' proposals while the first such sibling needs more blocks than are
@@ -658,25 +678,8 @@ def test_two_beam_searches_each_with_a_preempted_beam_do_not_stall() -> None:
     bm = BlockManager(9, BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1)
 
-    def search(rid: str, prompt_len: int, outputs: int) -> list[Sequence]:
-        req = Request(
-            rid, None, list(range(prompt_len)), SamplingParams(n=2, use_beam_search=True, max_tokens=8)
-        )
-        req.beam = object()  # a BeamState in the engine; the scheduler only asks whether there is one
-        first = req.sequences[0]
-        sched.add(first)
-        sched.update(sched.schedule())
-        beams = [first, Sequence(req, 0, list(first.token_ids), prompt_len)]
-        sched.add_forked(first, beams[1])
-        req.forked = True
-        for k in range(outputs):  # lockstep beam steps: each beam gets a token, then computes it
-            for i, s in enumerate(beams):
-                s.token_ids.append(100 * i + k)
-            sched.update(sched.schedule())
-        return beams
-
-    a = search("a", 8, 5)  # 13 tokens a beam: 2 shared prompt blocks + 2 own blocks each
-    b = search("b", 4, 1)  # 5 tokens a beam: 1 shared prompt block + 1 own block each
+    a = beam_search_seqs(sched, "a", 8, 5)  # 13 tokens a beam: 2 shared prompt blocks + 2 own blocks each
+    b = beam_search_seqs(sched, "b", 4, 1)  # 5 tokens a beam: 1 shared prompt block + 1 own block each
     assert bm.num_used_blocks == 9
     out = SchedulerOutput()
     sched._preempt(b[1], out)  # what running out of blocks did to them

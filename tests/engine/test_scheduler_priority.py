@@ -9,10 +9,10 @@ import random
 import pytest
 
 from lorastar.engine.block_manager import BlockManager
-from lorastar.engine.request import Request, SeqStatus, Sequence
+from lorastar.engine.request import Request, SeqStatus
 from lorastar.engine.sampling import SamplingParams
 from lorastar.engine.scheduler import Scheduler, SchedulerOutput, priority_key
-from tests.engine.test_scheduler import BS, Harness, tokens_of
+from tests.engine.test_scheduler import BS, Harness, beam_search_seqs, tokens_of
 
 
 def _harness(policy: str, **kw: object) -> Harness:
@@ -238,25 +238,9 @@ def test_a_stalled_beam_search_takes_the_cache_from_the_lowest_priority_search(
     bm = BlockManager(12, BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_loras=1, policy=policy)
 
-    def search(rid: str, prompt_len: int, outputs: int, priority: int) -> list[Sequence]:
-        sp = SamplingParams(n=2, use_beam_search=True, max_tokens=8)
-        req = Request(rid, None, list(range(prompt_len)), sp, priority=priority)
-        req.beam = object()  # a BeamState in the engine; the scheduler only asks whether there is one
-        first = req.sequences[0]
-        sched.add(first)
-        sched.update(sched.schedule())
-        beams = [first, Sequence(req, 0, list(first.token_ids), prompt_len)]
-        sched.add_forked(first, beams[1])
-        req.forked = True
-        for k in range(outputs):  # lockstep beam steps: each beam gets a token, then computes it
-            for i, s in enumerate(beams):
-                s.token_ids.append(100 * i + k)
-            sched.update(sched.schedule())
-        return beams
-
-    a = search("a", 8, 5, 0)  # 13 tokens a beam: 2 shared prompt blocks + 2 own blocks each
-    b = search("b", 4, 1, 1)  # 5 tokens a beam: 1 shared prompt block + 1 own block each
-    c = search("c", 4, 1, 0)  # as b, later, at a higher priority (a lower value)
+    a = beam_search_seqs(sched, "a", 8, 5, 0)  # 13 tokens a beam: 2 shared prompt blocks + 2 own each
+    b = beam_search_seqs(sched, "b", 4, 1, 1)  # 5 tokens a beam: 1 shared prompt block + 1 own each
+    c = beam_search_seqs(sched, "c", 4, 1, 0)  # as b, later, at a higher priority (a lower value)
     assert bm.num_used_blocks == 12
     out = SchedulerOutput()
     sched._preempt(a[1], out)  # what running out of blocks did to it: it needs 4, 2 are free

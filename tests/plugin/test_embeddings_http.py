@@ -193,3 +193,12 @@ def test_run_batch_embeds(tiny_model_dir: Path, adapter_root: Path, tmp_path: Pa
         records["bad"]["response"]["status_code"] == 400
         and records["bad"]["error"]["error"]["param"] == "input"
     )
+
+
+def test_more_inputs_than_the_queue_takes_is_a_400(tiny_model_dir: Path) -> None:
+    cfg = LoraStarConfig(engine=EngineConfig(model=str(tiny_model_dir), **FAST), max_waiting=2)
+    with TestClient(create_app(cfg)) as c:
+        r = c.post("/v1/embeddings", json={"input": ["a", "b", "c"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert "3 inputs" in r.json()["error"]["message"] and "max_waiting" in r.json()["error"]["message"]
+        assert c.post("/v1/embeddings", json={"input": ["a", "b"]}).status_code == 200

@@ -299,6 +299,17 @@ def capped_max_tokens(max_tokens: int, defaults: Mapping[str, Any]) -> int:
     return min(max_tokens, cap) if isinstance(cap, int) and cap >= 1 else max_tokens
 
 
+def check_batch_size(count: int, limit: int | None, param: str, noun: str) -> None:
+    """A 400 for a batch of more requests (prompts, inputs) than the queue takes at once: it would
+    meet the queue bound (503) on every retry, however idle the server."""
+    if limit is not None and count > limit:
+        raise APIError(
+            f"{param} holds {count} {noun}; this server queues at most {limit} requests "
+            f"(max_waiting): send at most {limit} {noun} per request.",
+            param=param,
+        )
+
+
 def check_length(max_model_len: int, prompt_len: int, max_tokens: int | None, *, chat: bool) -> int:
     """vLLM's context-length checks; returns the max_tokens to use (None: all that fits)."""
     param = "messages" if chat else "prompt"

@@ -22,6 +22,7 @@ from lorastar.plugin.request_id import request_ids
 from lorastar.plugin.routes.common import (
     ChoiceDelta,
     capped_max_tokens,
+    check_batch_size,
     check_length,
     choice_deltas,
     choice_usage,
@@ -194,15 +195,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         lp_names = logprobs_tokenizer(tokenizer, data, service.config.return_tokens_as_token_ids)
         want_ids = bool(data.return_token_ids)
         prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
-        limit = engine.max_waiting
-        if limit is not None and len(prompts) > limit:
-            # Each prompt is a request of its own: this batch would meet the queue bound (503) on
-            # every retry, however idle the server.
-            raise APIError(
-                f"prompt holds {len(prompts)} prompts; this server queues at most {limit} requests "
-                f"(max_waiting): send at most {limit} prompts per request.",
-                param="prompt",
-            )
+        check_batch_size(len(prompts), engine.max_waiting, "prompt", "prompts")  # a request each
         max_model_len = int(engine.max_model_len)
         max_tokens = data.max_tokens
         echo = bool(data.echo)

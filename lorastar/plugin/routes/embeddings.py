@@ -18,6 +18,7 @@ from lorastar.plugin.errors import APIError, error_responses
 from lorastar.plugin.request_id import request_ids
 from lorastar.plugin.routes.common import (
     OK_DOC,
+    check_batch_size,
     collect,
     in_thread,
     make_usage,
@@ -52,13 +53,7 @@ def build_embeddings_handler(service: LoraStarService, guards: list[Any]) -> Any
         engine = await service.ready()
         adapter = await service.resolve_adapter(data.model, data.adapter_id)
         inputs = _parse_prompts(data.input, vocab_size(engine.tokenizer), "input")
-        limit = engine.max_waiting
-        if limit is not None and len(inputs) > limit:
-            raise APIError(
-                f"input holds {len(inputs)} inputs; this server queues at most {limit} requests "
-                f"(max_waiting): send at most {limit} inputs per request.",
-                param="input",
-            )
+        check_batch_size(len(inputs), engine.max_waiting, "input", "inputs")  # a request each
         max_model_len = int(engine.max_model_len)
         token_ids = [
             p if isinstance(p, list) else await in_thread(tokenize, engine, p, data.add_special_tokens)
