@@ -77,7 +77,9 @@ def multimodal_text_config(cfg: dict[str, Any], config_class: str) -> dict[str, 
 
 def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SUPPORTED_ARCHITECTURES) -> str:
     """The config's first architecture in ``supported`` (HF class name -> model_type); a config saved
-    without ``architectures`` is matched by its ``model_type``."""
+    without ``architectures`` is matched by its ``model_type``. A decoder saved as its backbone
+    (``Qwen3Model``: sentence-transformers' save of an embedding model) is served by its
+    ``*ForCausalLM`` (the loader reads its tensors without the ``model.`` prefix)."""
     archs = hf_config.get("architectures")
     if not archs:
         model_type = hf_config.get("model_type", "?")
@@ -88,6 +90,13 @@ def check_architecture(hf_config: dict[str, Any], supported: dict[str, str] = SU
     for a in archs:
         if a in supported:
             return a
+        if (
+            isinstance(a, str)
+            and a.endswith("Model")
+            and (causal := a[: -len("Model")] + "ForCausalLM") in supported
+            and supported[causal] == hf_config.get("model_type")  # (Gemma3Model: the multimodal one)
+        ):
+            return causal
     raise ValueError(f"unsupported architecture {archs[0]!r}; supported: {', '.join(sorted(supported))}")
 
 

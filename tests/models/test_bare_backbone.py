@@ -80,3 +80,21 @@ def test_an_adapter_of_the_backbone_equals_peft(tiny_model_dir: Any, tmp_path: P
     want = _hf_backbone(bare, ids, tmp_path / "adapter")
     assert (got - want).abs().max().item() <= TOL
     assert (want - _hf_backbone(bare, ids)).abs().max().item() > 1e-3  # the adapter changes it
+
+
+def test_a_backbone_saved_as_its_own_class_is_served(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """``AutoModel(...).save_pretrained`` writes ``architectures: ["Qwen3Model"]`` and bare tensors
+    (a full sentence-transformers fine-tune): served by Qwen3ForCausalLM, embeddings as HF's."""
+    from transformers import AutoModel
+
+    full = Path(tiny_model_dir("qwen3-tied"))
+    out = tmp_path / "backbone"
+    AutoModel.from_pretrained(str(full), dtype=torch.float32).save_pretrained(out)
+    for f in full.iterdir():  # the tokenizer's files
+        if f.name.startswith("tokenizer") or f.name.endswith((".jinja", "special_tokens_map.json")):
+            shutil.copy(f, out / f.name)
+    assert "Qwen3Model" in (out / "config.json").read_text()
+    ids = list(range(50, 80))
+    llm = LLM(str(out), num_kv_blocks=64, max_model_len=128)
+    got = torch.tensor(llm.embed([ids], normalize=False)[0].outputs.embedding)
+    assert (got - _hf_backbone(out, ids)).abs().max().item() <= TOL
