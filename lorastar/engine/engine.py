@@ -488,10 +488,12 @@ class LLMEngine(PromptInputs):
         self._inflight: _InFlight | None = None  # async scheduling: the step launched last
         self._num_sync_requests = 0  # live requests that make async scheduling wait (_needs_sync)
         self._num_host_readers = 0  # live requests whose sampling reads the output on the host (_reads_host)
-        # Live requests with prompt logprobs, and with an adapter: while there are none, a step
-        # skips the passes over its sequences that only those need (check_invariants counts both).
+        # Live requests with prompt logprobs, with an adapter, and embedding ones: while there are
+        # none, a step skips the passes over its sequences that only those need (check_invariants
+        # counts them).
         self._num_prompt_logprobs = 0
         self._num_adapter_requests = 0
+        self._num_embeds = 0
 
     # ---- setup helpers --------------------------------------------------------------------
     def _auto_num_blocks(self, spec: KVCacheSpec) -> int:
@@ -775,6 +777,7 @@ class LLMEngine(PromptInputs):
                 req.prompt_logprobs = [None] * len(ids)
                 self._num_prompt_logprobs += 1
             self._num_adapter_requests += entry is not None
+            self._num_embeds += params.embed
             if params.use_beam_search:
                 req.beam = BeamState(params.n, params.length_penalty, self.eos_token_ids, params.ignore_eos,
                                      tuple(params.stop_token_ids or ()), num_logprobs=params.logprobs)  # fmt: skip
@@ -871,7 +874,9 @@ class LLMEngine(PromptInputs):
         prompt_logprobs = self._num_prompt_logprobs > 0
         if prompt_logprobs:
             self._seed_prompt_logprobs(out)
-        result = self.runner.execute(out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs)
+        result = self.runner.execute(
+            out, self._adapter_slots(out), prompt_logprobs=prompt_logprobs, embeddings=self._num_embeds > 0
+        )
         self._keep_embeddings(out, result)
         self.iteration_tokens.observe(tokens)
         self.scheduler.update(out)
@@ -1012,8 +1017,9 @@ class LLMEngine(PromptInputs):
             raise RuntimeError("async scheduling: a placeholder token has no step in flight")
         patch = (prev.sample.token_ids, patch_src, patch_dst) if prev is not None and patch_src else None
         result = self.runner.execute(
-            out, self._adapter_slots(out), patch, prompt_logprobs=self._num_prompt_logprobs > 0
-        )
+            out, self._adapter_slots(out), patch, prompt_logprobs=self._num_prompt_logprobs > 0,
+            embeddings=self._num_embeds > 0,
+        )  # fmt: skip
         self._keep_embeddings(out, result)
         self.iteration_tokens.observe(tokens)
         self.scheduler.update(out, commit=False)
@@ -1509,6 +1515,7 @@ class LLMEngine(PromptInputs):
             self._num_host_readers -= req.reads_host
             req.reads_host = False
             self._num_prompt_logprobs -= req.prompt_logprobs is not None
+            self._num_embeds -= req.params.embed
             if not self.requests:  # the step in flight has only ended sequences left: nothing to read
                 self._inflight = None
         for seq in req.sequences:  # ended with a step in flight (async scheduling): not tokens
@@ -1595,6 +1602,9 @@ class LLMEngine(PromptInputs):
                 raise AssertionError(
                     f"{self._num_prompt_logprobs} prompt-logprob requests counted, {scoring} live"
                 )
+            embeds = sum(r.params.embed for r in self.requests.values())
+            if embeds != self._num_embeds:
+                raise AssertionError(f"{self._num_embeds} embedding requests counted, {embeds} live")
             adapted = sum(r.adapter_entry is not None for r in self.requests.values())
             if adapted != self._num_adapter_requests:
                 raise AssertionError(f"{self._num_adapter_requests} adapter requests counted, {adapted} live")

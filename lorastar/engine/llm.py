@@ -88,11 +88,7 @@ class LLM:
         ``priority``: one int per prompt, lower served first (vLLM's; needs
         ``scheduling_policy="priority"``). Calls from several threads run one after another.
         """
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         n = len(prompts)
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams)
         adapters = self._adapters(adapter, lora_request, n)
@@ -161,11 +157,7 @@ class LLM:
             ignore_eos=params.ignore_eos, length_penalty=params.length_penalty,
             include_stop_str_in_output=params.include_stop_str_in_output, logprobs=2 * params.beam_width,
         )  # fmt: skip
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         reqs = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         adapters = self._adapters(None, lora_request, len(prompts))
         outs = self._run(prompts, [sp] * len(prompts), adapters, use_tqdm)
@@ -193,11 +185,7 @@ class LLM:
         (the pooling of decoder embedding models such as Qwen3-Embedding), L2-normalized unless
         ``normalize=False``; with an adapter, the adapted model's. Prompts as in ``generate``
         (tokenized with the tokenizer's special tokens, as vLLM does)."""
-        if isinstance(prompts, (str, Mapping)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = _prompt_list(prompts)
         adapters = self._adapters(adapter, lora_request, len(prompts))
         outs = self._run(prompts, [embedding_params()] * len(prompts), adapters, use_tqdm)
         return [embedding_result(out, normalize) for out in outs]
@@ -280,6 +268,15 @@ class LLM:
 
     def kv_cache_usage(self) -> dict[str, float | int]:
         return self.engine.kv_cache_usage().as_dict()
+
+
+def _prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (text, a dict, or one list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _final_only(sp: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -171,11 +171,12 @@ class ModelRunner:
         patch: InputPatch | None = None,
         *,
         prompt_logprobs: bool = True,
+        embeddings: bool = True,
     ) -> ModelRunnerOutput:
         """Run one step: the sampling rows' logits and any prompt logprobs it produced. ``patch``:
         input ids that are the previous step's sampled ids, still on the device.
         ``prompt_logprobs=False``: no scheduled request asks for them (the engine counts them), so
-        the pass that looks is skipped."""
+        the pass that looks is skipped; ``embeddings=False`` likewise for embedding requests."""
         self.copy_blocks(out.copies)
         wants = (
             [
@@ -188,7 +189,11 @@ class ModelRunner:
             else []
         )
         wants_prompt = any(wants)
-        embeds = [i for i, s in enumerate(out.scheduled) if s.seq.request.params.embed and s.samples]
+        embeds = (
+            [i for i, s in enumerate(out.scheduled) if s.samples and s.seq.request.params.embed]
+            if embeddings
+            else []
+        )
         if (
             self.graphs is not None
             and not wants_prompt
@@ -213,8 +218,10 @@ class ModelRunner:
         else:
             sample_hidden = hidden[to_device(sampling, self.device, torch.int64)]
         result = ModelRunnerOutput(self.model.compute_logits(sample_hidden).float())  # [B, vocab]
-        for i in embeds:  # (a sampling row is the prompt's last token: embedding requests never decode)
-            result.embeddings[out.scheduled[i].seq.seq_id] = hidden[last_row[i]].float().cpu()  # [hidden]
+        if embeds:  # (a sampling row is the prompt's last token: embedding requests never decode)
+            rows = hidden[to_device([last_row[i] for i in embeds], self.device, torch.int64)].float().cpu()
+            for i, row in zip(embeds, rows):  # one copy to the host for the step's rows
+                result.embeddings[out.scheduled[i].seq.seq_id] = row  # [hidden]
         if wants_prompt:
             bs = self.block_size
             spans = [_prompt_span(s) for s in out.scheduled]

@@ -170,12 +170,12 @@ class LoraStarConfig:
     sagemaker_routes: bool = False
     """Mount Amazon SageMaker's container routes, as ``vllm serve`` does: ``GET``/``POST /ping`` (the
     liveness answer of ``health_path``) and ``POST /invocations`` (a chat completions body, with
-    ``messages``, or a completions body, with ``prompt``, answered by that route, streaming
-    included; the API key, when set, is checked there). ``lorastar serve`` mounts them."""
+    ``messages``, a completions body, with ``prompt``, or an embeddings body, with ``input``,
+    answered by that route, streaming included; the API key, when set, is checked there). ``lorastar serve`` mounts them."""
 
     enable_server_load_tracking: bool = False
-    """Count the generation requests being answered (chat, completions, Responses, Messages; a
-    stream until its end) and serve the count at ``GET /load`` as ``{"server_load": N}`` (vLLM's
+    """Count the generation requests being answered (chat, completions, embeddings, Responses,
+    Messages; a stream until its end) and serve the count at ``GET /load`` as ``{"server_load": N}`` (vLLM's
     ``--enable-server-load-tracking``), a cheap signal for a load balancer's least-loaded routing."""
 
     engine_dependency_key: str = "lorastar_engine"

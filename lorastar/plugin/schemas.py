@@ -27,10 +27,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "(lorastar serve --chat-template).",
 }
 
-MAX_REQUEST_ID = 256
-Priority = Annotated[
-    int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)
-]  # the engine's int64 range  # characters of a client's request id (body or X-Request-Id header)
+MAX_REQUEST_ID = 256  # characters of a client's request id (body or X-Request-Id header)
+# A request's priority: the engine's int64 range (engine/request.py: check_priority_value)
+Priority = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 # guided_choice's strings: at least one, none empty
