@@ -171,7 +171,7 @@ class GpuLoRASlots(LoRASlots):
         for buf in (self.a, self.b):
             if buf is not None:
                 buf[slot].zero_()
-        self.ranks[slot] = 0
+        self.ranks[slot].zero_()
 
     def _write(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if self.a is None:
@@ -181,7 +181,9 @@ class GpuLoRASlots(LoRASlots):
         r, lo = a.shape[0], i * self.max_rank
         self.a[slot, lo : lo + r].copy_(a)
         self.b[slot, self.offsets[i] : self.offsets[i] + b.shape[0], :r].copy_(b)
-        self.ranks[slot, i] = r
+        # fill_ passes r to a kernel; `ranks[slot, i] = r` copied a host scalar and synchronized
+        # (an upload with a step in flight held the host; the H200's sync-debug test caught it)
+        self.ranks[slot, i].fill_(r)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMetadata) -> None:
         """Semantics: ``for slot's rows, slice i: y[rows, cols_i] += (x[rows] @ A_i[slot, :r].T) @ B_i[slot, :, :r].T``

@@ -467,7 +467,9 @@ def _generate_strictly(
             or (
                 not prefill
                 and graphs is not None
-                and (graphs.padded_size(len(out.scheduled)), False) not in graphs.graphs
+                # a step with adapters replays the graph captured with them (key (size, True))
+                and (graphs.padded_size(len(out.scheduled)), eng._adapter_slots(out) is not None)
+                not in graphs.graphs
             )
         ):  # a prefill (unless asked), or a batch size without a graph yet: its capture synchronizes
             return launch(out, prev, *rest)
