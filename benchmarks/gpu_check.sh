@@ -6,7 +6,8 @@
 # OUT_DIR: logs, tables and plots; OTHER_LORASTAR_PARENT: a folder holding another checkout's
 # lorastar/ package (e.g. `git archive <rev> lorastar | tar -x -C DIR`), run by the same throughput
 # script right after this tree's for a side-by-side before/after. Time boxes (seconds, env):
-# TESTS_S 240, TPUT_S 400 (with one-step-at-a-time and separate-shrink columns; COMPACT=1 adds runs with the
+# TESTS_S 240 (TEST_ARGS: more pytest arguments, e.g. "-n 3 --dist loadfile"), TPUT_S 400 (TPUT_ARGS, default "--sync --unstacked": one-step-at-a-time and separate-shrink
+# columns; e.g. TPUT_ARGS="--targets q_proj,k_proj,v_proj,o_proj --batches 1,16,64,64"; COMPACT=1 adds runs with the
 # expand's compact grid, REGEX=1 one request of each batch under a regex), PROFILE_S 0 (> 0: gpu_step_profile.py first, adapters on q/k/v/o, both
 # expand grids), KERN_S 120 each for kernels and LoRA step;
 # a session's device time is 900 s in all, machine start included: KERN_S=0 skips those two.
@@ -29,13 +30,13 @@ if [ "${PROFILE_S:-0}" -gt 0 ]; then
   echo "step profile rc=$? in $(( $(date +%s) - t0 )) s"; grep "^|" "$out/gpu_step_profile.log" | head -24
 fi
 t0=$(date +%s)
-[ "${TESTS_S:-240}" != skip ] && PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cacheprovider $per_test -rfE \
+[ "${TESTS_S:-240}" != skip ] && PYTHONPATH=$base$PWD timeout "${TESTS_S:-240}" $py -m pytest -q -m gpu -p no:cacheprovider $per_test -rfE ${TEST_ARGS:-} \
   tests/kernels tests/engine/test_cuda_graphs.py tests/engine/test_async_scheduling.py tests/models/test_gpu_engine.py \
-  tests/quant tests/engine/test_structured_outputs.py > "$out/gpu_tests.log" 2>&1
+  tests/quant tests/engine/test_structured_outputs.py tests/engine/test_spec_decode_gpu.py tests/engine/test_embed.py > "$out/gpu_tests.log" 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/gpu_tests.log"
 t0=$(date +%s)
 [ "${TPUT_S:-400}" != skip ] && PYTHONPATH=$base$PWD timeout "${TPUT_S:-400}" $py benchmarks/gpu_throughput.py --tokenizer "$tok" --out "$out" ${PEFT:---no-peft} \
-  --sync --unstacked ${COMPACT:+--compact} ${REGEX:+--regex} > "$out/gpu_throughput.log" 2>&1
+  ${TPUT_ARGS---sync --unstacked} ${COMPACT:+--compact} ${REGEX:+--regex} > "$out/gpu_throughput.log" 2>&1
 echo "throughput rc=$? in $(( $(date +%s) - t0 )) s"; grep "^B=\|roof" "$out/gpu_throughput.log"
 if [ -n "$other" ] && [ "${TPUT_S:-300}" != skip ]; then
   mkdir -p "$out/other"; t0=$(date +%s)

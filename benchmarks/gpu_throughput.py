@@ -2,7 +2,8 @@
 
 The embedded SmolLM2 can't be converted on the GPU box (no gguf there), so this builds a random
 1.1B Llama (TinyLlama's shape) in bf16 plus SmolLM2's tokenizer (--tokenizer folder) and runs
-B requests of 128 prompt tokens + 64 new tokens (greedy, ignore_eos), measured side by side:
+B requests of 128 prompt tokens + 64 new tokens (greedy, ignore_eos; the median of --timed-runs
+runs after two warm-ups), measured side by side:
   lorastar base | the same with eager steps (no CUDA graphs) | lorastar with 16 distinct rank-16
   adapters (graphs, eager) | HF static batch (no padding needed) | PEFT's mixed-adapter batch
   (``generate(adapter_names=...)``) over the same adapters. Every run is warmed up on its batch.
@@ -13,7 +14,7 @@ here as bytes read + written by a large device-to-device copy) / (those weights'
 LoRA tax (tokens/s with adapters over without) is set against its own roof, the same bytes
 argument with the adapters' weights added (``lora_tax_roof``).
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR] [--batches 1,16,64] [--no-peft] [--sync]
-       [--unstacked] [--compact] [--regex] [--targets q_proj,k_proj,v_proj,o_proj]
+       [--unstacked] [--compact] [--regex] [--targets q_proj,k_proj,v_proj,o_proj] [--timed-runs 3]
 Writes gpu_throughput.md, .json and .png under --out.
 """
 
@@ -23,6 +24,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -136,6 +138,9 @@ def make_adapters(
     return out
 
 
+TIMED_RUNS = 3  # --timed-runs
+
+
 def run_lorastar(
     path: Path,
     prompts: list[list[int]],
@@ -165,16 +170,18 @@ def run_lorastar(
     # CUDA graphs and fills the prefix cache; the second takes the timed run's path, every prompt
     # block cached, whose kernels may be specializations the first did not compile (Triton JIT in
     # the timed window would read as a slow configuration).
+    # Then TIMED_RUNS timed runs, their median taken: one run of 64 requests lasts ~0.2 s on an
+    # H200, and single runs of one configuration drifted by up to a third within a lease.
     times = []
-    for _ in range(3):
+    for _ in range(2 + TIMED_RUNS):
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, adapter=names)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    dt = times[-1]
+    dt = statistics.median(times[2:])
     print(f"  {len(prompts)} requests, {len(adapters or ())} adapters: warm-ups {times[0]:.3f} s, {times[1]:.3f} s; "
-          f"timed {dt:.3f} s", flush=True)  # fmt: skip
+          f"timed {', '.join(f'{x:.3f}' for x in times[2:])} s (median {dt:.3f})", flush=True)  # fmt: skip
     del llm
     torch.cuda.empty_cache()
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
@@ -250,7 +257,12 @@ def main() -> None:
         help="also run the adapters with the expand on each grid, plain then compact (kernels/lora.py "
              "EXPAND_COMPACT_GRID), after the run on the default one",
     )  # fmt: skip
+    ap.add_argument(
+        "--timed-runs", type=int, default=3, help="timed runs per lorastar configuration (median)"
+    )
     args = ap.parse_args()
+    global TIMED_RUNS
+    TIMED_RUNS = args.timed_runs
     root = Path(tempfile.mkdtemp())
     bw = copy_bandwidth()
     path = build_model(root, args.tokenizer)
