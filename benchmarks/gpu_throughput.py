@@ -15,6 +15,7 @@ LoRA tax (tokens/s with adapters over without) is set against its own roof, the 
 argument with the adapters' weights added (``lora_tax_roof``).
 Usage: python benchmarks/gpu_throughput.py --tokenizer DIR [--out DIR] [--batches 1,16,64] [--no-peft] [--sync]
        [--unstacked] [--compact] [--regex] [--targets q_proj,k_proj,v_proj,o_proj] [--timed-runs 3]
+       [--interleave ROUNDS]
 Writes gpu_throughput.md, .json and .png under --out.
 """
 
@@ -187,6 +188,48 @@ def run_lorastar(
     return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
+def run_interleaved(
+    path: Path, prompts: list[list[int]], adapters: list[Path], rounds: int
+) -> dict[str, float]:
+    """The LoRA tax measured inside one engine: with the adapters loaded, the batch runs without
+    adapters and then with them (request ``i`` on adapter ``i % len(adapters)``), alternately,
+    ``rounds`` times after two warm-ups of each. Separate engines, one per configuration, differ by
+    more than the adapters cost at 64 requests (H200, 2026-11-29: the base engine's medians of five
+    runs were 0.141-0.194 s from one engine to the next), so the ratio of two engines' figures
+    could not resolve the tax. A step without adapters replays the graph captured without them and
+    reads none of their buffers (the stacked linears' weights are views of the same memory).
+    Returns the medians' tokens/s and the median of the rounds' ratios."""
+    from lorastar import LLM, SamplingParams
+
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=256, max_loras=16, max_lora_rank=16,
+              kv_cache_memory=8 << 30)  # fmt: skip
+    for i, a in enumerate(adapters):
+        llm.load_adapter(f"a{i}", str(a))
+    names = [f"a{i % len(adapters)}" for i in range(len(prompts))]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+    def once(llm: LLM, adapter: list[str] | None) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        llm.generate(prompts, sp, adapter=adapter)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    for _ in range(2):
+        once(llm, None), once(llm, names)
+    base, lora = [], []
+    for _ in range(rounds):
+        base.append(once(llm, None))
+        lora.append(once(llm, names))
+    print(f"  {len(prompts)} requests, interleaved in one engine: base {', '.join(f'{x:.3f}' for x in base)} s; "
+          f"{len(adapters)} adapters {', '.join(f'{x:.3f}' for x in lora)} s", flush=True)  # fmt: skip
+    del llm
+    torch.cuda.empty_cache()
+    tokens = len(prompts) * 64
+    return {"base": tokens / statistics.median(base), "lora": tokens / statistics.median(lora),
+            "tax": statistics.median(b / x for b, x in zip(base, lora))}  # fmt: skip
+
+
 def run_hf(path: Path, prompts: list[list[int]]) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -256,6 +299,11 @@ def main() -> None:
         "--compact", action="store_true",
         help="also run the adapters with the expand on each grid, plain then compact (kernels/lora.py "
              "EXPAND_COMPACT_GRID), after the run on the default one",
+    )  # fmt: skip
+    ap.add_argument(
+        "--interleave", type=int, default=0, metavar="ROUNDS",
+        help="also measure the LoRA tax inside one engine: the batch without and with the adapters, "
+             "alternately, ROUNDS times (run_interleaved)",
     )  # fmt: skip
     ap.add_argument(
         "--timed-runs", type=int, default=3, help="timed runs per lorastar configuration (median)"
@@ -328,6 +376,13 @@ def main() -> None:
             print(f"B={b}: +{min(16, b)} adapters, expand on the plain grid {grids['plain']:.0f}, compact grid "
                   f"{grids['compact']:.0f} tok/s (LoRA tax {grids['compact'] / base:.2f}; default grid "
                   f"{lora:.0f})", flush=True)  # fmt: skip
+        if args.interleave:
+            il = run_interleaved(path, prompts, adapters[: min(16, b)], args.interleave)
+            rows[-1].update(
+                interleaved_base=il["base"], interleaved_lora=il["lora"], interleaved_tax=il["tax"]
+            )
+            print(f"B={b}: interleaved in one engine: base {il['base']:.0f}, +{min(16, b)} adapters {il['lora']:.0f} "
+                  f"tok/s (LoRA tax {il['tax']:.2f}, median of {args.interleave} rounds)", flush=True)  # fmt: skip
         if args.sync:
             sync = run_lorastar(path, prompts, None, asyn=False)
             lora_sync = run_lorastar(path, prompts, adapters[: min(16, b)], asyn=False)
@@ -377,6 +432,14 @@ def main() -> None:
             lines.append(f"| {r['batch']} | {r['lorastar_16_lora']:.0f} | {r['lorastar_16_lora'] / r['lorastar']:.2f} | "
                          f"{r['lora_roof']:.3f} | {u:.0f} | {u / r['lorastar']:.2f} | {r['lora_roof_unstacked']:.3f} | "
                          f"{r['lorastar_16_lora'] / u:.2f}x |")  # fmt: skip
+    if args.interleave:
+        lines += ["", f"The LoRA tax inside one engine (`--interleave {args.interleave}`: with the adapters loaded, "
+                  "the batch without and with them alternately; medians), same run:", "",
+                  "| requests | base tok/s | 16 adapters tok/s | LoRA tax (median of the rounds' ratios) | roof | "
+                  "tax / roof |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['batch']} | {r['interleaved_base']:.0f} | {r['interleaved_lora']:.0f} | "
+                  f"{r['interleaved_tax']:.2f} | {r['lora_roof']:.3f} | {r['interleaved_tax'] / r['lora_roof']:.2f} |"
+                  for r in rows]  # fmt: skip
     if args.regex:
         lines += ["", "One request of each batch under `guided_regex` (its grammar mask is filled on the host; "
                   "the step before completes between the forward and sampling), same run:", "",
