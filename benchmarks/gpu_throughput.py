@@ -194,8 +194,8 @@ def run_interleaved(
     """The LoRA tax measured inside one engine: with the adapters loaded, the batch runs without
     adapters and then with them (request ``i`` on adapter ``i % len(adapters)``), alternately,
     ``rounds`` times after two warm-ups of each. Separate engines, one per configuration, differ by
-    more than the adapters cost at 64 requests (H200, 2026-11-29: the base engine's medians of five
-    runs were 0.141-0.194 s from one engine to the next), so the ratio of two engines' figures
+    more than the adapters cost at 64 requests (H200, 2026-11-29: three base engines' medians of five
+    runs were 0.162-0.191 s at 64 requests), so the ratio of two engines' figures
     could not resolve the tax. A step without adapters replays the graph captured without them and
     reads none of their buffers (the stacked linears' weights are views of the same memory).
     Returns the medians' tokens/s and the median of the rounds' ratios."""
