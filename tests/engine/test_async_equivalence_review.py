@@ -192,12 +192,25 @@ def _joined(outs: list[Any]) -> list[tuple[int, list[int], str, str | None, Any]
 
 def _close(a: Any, b: Any) -> bool:
     """``a == b``, floats (logprobs) within 1e-3: a prefix-cache hit or another chunking sums
-    the attention in another order (a few 1e-5 apart)."""
+    the attention in another order (a few 1e-5 apart). A ``(token, logprob, rank)`` entry's rank
+    is compared when either is among the top 5 (as test_schedule_invariance_review does): deep in
+    the tail neighbours sit within that noise (an AVX-512 Xeon ranked a prompt token at -10.8297
+    19255th on one schedule and 19254th on the other, the logprobs 1e-6 apart)."""
+    if _is_entry(a) and _is_entry(b):
+        return a[0] == b[0] and _close(a[1], b[1]) and (min(a[2], b[2]) > 5 or a[2] == b[2])
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) <= 1e-3
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
     return bool(a == b)
+
+
+def _is_entry(x: Any) -> bool:
+    """A logprob entry of ``_full``: ``(token id, logprob, rank)``."""
+    return (
+        isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], int) and isinstance(x[1], float)
+        and isinstance(x[2], int)
+    )  # fmt: skip
 
 
 def _same(got: list[Any], want: list[Any]) -> None:

@@ -137,8 +137,13 @@ def test_quantized_outputs_do_not_depend_on_the_schedule(bases, name: str) -> No
     engine = _engine(bases[name], opts, _ASYNC if "kv_cache_dtype" in opts else _TIGHT)
     outs = _run(engine, _REQS)
     assert engine.scheduler.stats.num_preemptions > 0 and engine.scheduler.stats.prefix_hits > 0
+    # e5m2 keeps 2 mantissa bits: a K/V element whose float value differs by noise between the
+    # schedules (GEMMs over other row counts) can round to the neighbouring e5m2 value, 25% away,
+    # and move later logprobs by ~1e-2 (0.0082 on an AVX-512 Xeon, tokens equal; the e4m3 caches
+    # there: 2e-6). The bug this guards against (a prefill over unquantized K/V) is not that.
+    tol = 2e-2 if "e5m2" in name else 2e-3
     for a, b in zip(ref, outs):
-        _same(a, b)
+        _same(a, b, tol=tol)
 
 
 @pytest.mark.skipif("fp8_kv+kv-fp8-checkpoint-scales" not in _CASES, reason="fp8_kv fixture missing")
