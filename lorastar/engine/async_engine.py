@@ -32,9 +32,9 @@ from lorastar.config import EngineConfig
 from lorastar.engine.engine import LLMEngine
 from lorastar.engine.input_processor import InputProcessor, PromptInputs
 from lorastar.engine.metrics import EngineStats
-from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams, embedding_params
-from lorastar.engine.streams import Stream, deliver, final_embedding, release_id, stream_outputs
+from lorastar.engine.outputs import RequestOutput
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.streams import Embeds, Stream, deliver, release_id, stream_outputs
 from lorastar.engine.summary import engine_info
 from lorastar.engine.threads import run_in_fresh_thread, to_fresh_thread
 from lorastar.errors import (
@@ -46,7 +46,7 @@ from lorastar.errors import (
 logger = logging.getLogger("lorastar")
 
 
-class AsyncLLM(PromptInputs):
+class AsyncLLM(PromptInputs, Embeds):
     # Rebuild backoff: first wait, cap (seconds); the wait doubles per failed rebuild and resets
     # after a step succeeds. Rebuilds are retried until one works or shutdown() is called.
     restart_backoff: tuple[float, float] = (0.5, 30.0)
@@ -255,22 +255,6 @@ class AsyncLLM(PromptInputs):
             self._put(stream, out)
 
     # ---- requests ------------------------------------------------------------------------------
-    async def embed(
-        self,
-        prompt: str | list[int],
-        *,
-        adapter: str | None = None,
-        normalize: bool = True,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> EmbeddingRequestOutput:
-        """One prompt's embedding (``LLM.embed``'s: the last token's final hidden state, L2-normalized
-        unless ``normalize=False``), awaited; closing the awaiting task aborts it."""
-        outputs = self.generate(
-            prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
-        )
-        return await final_embedding(outputs, normalize)
-
     async def generate(
         self,
         prompt: str | list[int] | Mapping[str, Any],

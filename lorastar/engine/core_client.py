@@ -76,10 +76,10 @@ from lorastar.engine.messages import (
 )
 from lorastar.engine.metrics import EngineStats
 from lorastar.engine.output_processor import OutputProcessor
-from lorastar.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from lorastar.engine.outputs import RequestOutput
 from lorastar.engine.request import check_priority_value
-from lorastar.engine.sampling import RequestOutputKind, SamplingParams, embedding_params
-from lorastar.engine.streams import Stream, deliver, final_embedding, release_id, stream_outputs
+from lorastar.engine.sampling import RequestOutputKind, SamplingParams
+from lorastar.engine.streams import Embeds, Stream, deliver, release_id, stream_outputs
 from lorastar.errors import (
     EngineDeadError,
     EngineUnavailableError,
@@ -115,7 +115,7 @@ def cancel_startup() -> int:
     return len(events)
 
 
-class AsyncCoreClient(PromptInputs):
+class AsyncCoreClient(PromptInputs, Embeds):
     """``EngineClient`` over an engine core process (see the module docstring)."""
 
     def __init__(
@@ -638,21 +638,6 @@ class AsyncCoreClient(PromptInputs):
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
         shutil.rmtree(self._tmp, ignore_errors=True)
-
-    async def embed(
-        self,
-        prompt: str | list[int],
-        *,
-        adapter: str | None = None,
-        normalize: bool = True,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> EmbeddingRequestOutput:
-        """``AsyncLLM.embed``'s, computed by the core process."""
-        stream = self.generate(
-            prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
-        )
-        return await final_embedding(stream, normalize)
 
     async def generate(
         self,

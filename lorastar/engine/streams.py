@@ -1,6 +1,7 @@
 """A request's outputs from the step loop's thread to its asyncio caller: ``deliver`` hands a
-step's outputs to their streams, ``stream_outputs`` reads one stream. Shared by ``AsyncLLM`` (engine
-in a thread) and ``AsyncCoreClient`` (engine core in a process). Torch-free, as ``AsyncCoreClient``'s
+step's outputs to their streams, ``stream_outputs`` reads one stream, ``Embeds`` awaits an
+embedding. Shared by ``AsyncLLM`` (engine in a thread) and ``AsyncCoreClient`` (engine core in a
+process). Torch-free, as ``AsyncCoreClient``'s
 imports are: a server whose core runs in a process of its own imports torch (through transformers'
 tokenizer) on the thread that warms it up while the core starts, not before it spawns the core.
 """
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from lorastar.engine.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput, embedding_result
+from lorastar.engine.sampling import embedding_params
 
 Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
 
@@ -167,11 +169,28 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     )
 
 
-async def final_embedding(outputs: AsyncIterator[RequestOutput], normalize: bool) -> EmbeddingRequestOutput:
-    """An embedding request's stream read to its end (``AsyncLLM.embed``, ``AsyncCoreClient.embed``)."""
-    final: RequestOutput | None = None
-    async for out in outputs:
-        final = out
-    if final is None or final.embedding is None:
-        raise RuntimeError("the embedding request ended without an embedding (aborted)")
-    return embedding_result(final, normalize)
+class Embeds:
+    """``embed`` for ``AsyncLLM`` and ``AsyncCoreClient``: an embedding request through their own
+    ``generate``, its stream read to the end."""
+
+    generate: Callable[..., AsyncIterator[RequestOutput]]
+
+    async def embed(
+        self,
+        prompt: str | list[int],
+        *,
+        adapter: str | None = None,
+        normalize: bool = True,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingRequestOutput:
+        """One prompt's embedding (``LLM.embed``'s: the last token's final hidden state, L2-normalized
+        unless ``normalize=False``), awaited; closing the awaiting task aborts it."""
+        final: RequestOutput | None = None
+        async for out in self.generate(
+            prompt, embedding_params(), adapter=adapter, request_id=request_id, priority=priority
+        ):
+            final = out
+        if final is None or final.embedding is None:
+            raise RuntimeError("the embedding request ended without an embedding (aborted)")
+        return embedding_result(final, normalize)

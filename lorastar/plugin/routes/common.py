@@ -299,6 +299,44 @@ def capped_max_tokens(max_tokens: int, defaults: Mapping[str, Any]) -> int:
     return min(max_tokens, cap) if isinstance(cap, int) and cap >= 1 else max_tokens
 
 
+def parse_prompts(prompt: Any, vocab_size: int | None, param: str = "prompt") -> list[str | list[int]]:
+    """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]] (``param``: the
+    field's name in errors: ``prompt`` for completions, ``input`` for embeddings)."""
+
+    def is_tok(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def check_ids(ids: list[Any]) -> list[int]:
+        if not ids:
+            raise APIError(f"{param} must not be empty.", param=param)
+        for t in ids:
+            if not is_tok(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise APIError(f"{param} contains an invalid token id: {t!r}.", param=param)
+        return list(ids)
+
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts = list(prompt)
+        elif all(is_tok(p) for p in prompt):
+            prompts = [check_ids(prompt)]
+        elif all(isinstance(p, list) for p in prompt):
+            prompts = [check_ids(p) for p in prompt]
+        else:
+            raise APIError(
+                f"{param} must be a string, a list of strings, a list of token ids or a list of "
+                "lists of token ids.",
+                param=param,
+            )
+    else:
+        raise APIError(f"{param} must not be empty.", param=param)
+    for p in prompts:
+        if isinstance(p, str) and not p:
+            raise APIError(f"{param} must not be empty.", param=param)
+    return prompts
+
+
 def check_batch_size(count: int, limit: int | None, param: str, noun: str) -> None:
     """A 400 for a batch of more requests (prompts, inputs) than the queue takes at once: it would
     meet the queue bound (503) on every retry, however idle the server."""

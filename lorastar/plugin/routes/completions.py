@@ -32,6 +32,7 @@ from lorastar.plugin.routes.common import (
     generation_route,
     in_thread,
     logprobs_tokenizer,
+    parse_prompts,
     prime_or_404,
     prompt_logprobs_of,
     ranked,
@@ -53,44 +54,6 @@ from lorastar.plugin.schemas import (
 )
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
 from lorastar.plugin.sse import sse_response
-
-
-def _parse_prompts(prompt: Any, vocab_size: int | None, param: str = "prompt") -> list[str | list[int]]:
-    """OpenAI's four prompt forms: str, list[str], list[int], list[list[int]] (``param``: the
-    field's name in errors; ``input`` for embeddings)."""
-
-    def is_tok(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    def check_ids(ids: list[Any]) -> list[int]:
-        if not ids:
-            raise APIError(f"{param} must not be empty.", param=param)
-        for t in ids:
-            if not is_tok(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise APIError(f"{param} contains an invalid token id: {t!r}.", param=param)
-        return list(ids)
-
-    if isinstance(prompt, str):
-        prompts: list[str | list[int]] = [prompt]
-    elif isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            prompts = list(prompt)
-        elif all(is_tok(p) for p in prompt):
-            prompts = [check_ids(prompt)]
-        elif all(isinstance(p, list) for p in prompt):
-            prompts = [check_ids(p) for p in prompt]
-        else:
-            raise APIError(
-                f"{param} must be a string, a list of strings, a list of token ids or a list of "
-                "lists of token ids.",
-                param=param,
-            )
-    else:
-        raise APIError(f"{param} must not be empty.", param=param)
-    for p in prompts:
-        if isinstance(p, str) and not p:
-            raise APIError(f"{param} must not be empty.", param=param)
-    return prompts
 
 
 def _top(tokenizer: Any, step: dict[int, Logprob], tid: int, num_top: int) -> dict[str, float]:
@@ -194,7 +157,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         tokenizer = engine.tokenizer
         lp_names = logprobs_tokenizer(tokenizer, data, service.config.return_tokens_as_token_ids)
         want_ids = bool(data.return_token_ids)
-        prompts = _parse_prompts(data.prompt, vocab_size(tokenizer))
+        prompts = parse_prompts(data.prompt, vocab_size(tokenizer))
         check_batch_size(len(prompts), engine.max_waiting, "prompt", "prompts")  # a request each
         max_model_len = int(engine.max_model_len)
         max_tokens = data.max_tokens

@@ -22,11 +22,11 @@ from lorastar.plugin.routes.common import (
     collect,
     in_thread,
     make_usage,
+    parse_prompts,
     tokenize,
     truncate_prompt,
     vocab_size,
 )
-from lorastar.plugin.routes.completions import _parse_prompts
 from lorastar.plugin.schemas import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from lorastar.plugin.service import LoraStarService, merge_streams, run_until_disconnect
 
@@ -52,7 +52,7 @@ def build_embeddings_handler(service: LoraStarService, guards: list[Any]) -> Any
     async def create_embedding(data: EmbeddingRequest, request: Request[Any, Any, Any]) -> Response[Any]:
         engine = await service.ready()
         adapter = await service.resolve_adapter(data.model, data.adapter_id)
-        inputs = _parse_prompts(data.input, vocab_size(engine.tokenizer), "input")
+        inputs = parse_prompts(data.input, vocab_size(engine.tokenizer), "input")
         check_batch_size(len(inputs), engine.max_waiting, "input", "inputs")  # a request each
         max_model_len = int(engine.max_model_len)
         token_ids = [
