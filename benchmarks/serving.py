@@ -63,6 +63,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--routes", default="completions", help=f"the APIs each server is driven through: {', '.join(ROUTES)}"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="timed offline and HTTP passes, alternated on one engine and one server per route; the "
+        "table gives each figure's median over the rounds and the range of the per-round ratios",
+    )
     p.add_argument("--out", type=Path, default=common.RESULTS)
     return p.parse_args()
 
@@ -126,19 +133,31 @@ ROUTES = {
 }
 
 
-def offline(model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> float:
-    """Output tokens/s of ``LLM.generate`` on the prompts (after a warm-up on the first few)."""
-    from lorastar import LLM, SamplingParams
+class Offline:
+    """``LLM.generate`` on the prompts, warmed up on the first few; ``run`` times one pass.
 
-    llm = LLM(model=model, dtype="float32", max_num_seqs=max_num_seqs, enable_prefix_caching=False)
-    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate(prompts[:2], sp)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    wall = time.perf_counter() - t0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    llm.engine.close()
-    return n / wall
+    It stays open beside the server, so ``--rounds`` can alternate the two: this shared CPU drifts
+    by 10-30% between runs, and a single offline pass followed by a single HTTP pass measured the
+    drift as much as the server (64 clients on the 2-core Xeon: ratios 0.62 to 1.41 over seven runs,
+    offline alone 7.7k to 12.0k tok/s)."""
+
+    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> None:
+        from lorastar import LLM, SamplingParams
+
+        self.prompts = prompts
+        self.llm = LLM(model=model, dtype="float32", max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+        self.sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        self.llm.generate(prompts[:2], self.sp)
+
+    def run(self) -> float:
+        """Output tokens/s of one pass over all the prompts."""
+        t0 = time.perf_counter()
+        outs = self.llm.generate(self.prompts, self.sp)
+        wall = time.perf_counter() - t0
+        return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+
+    def close(self) -> None:
+        self.llm.engine.close()
 
 
 def start_server(
@@ -285,28 +304,49 @@ def main() -> None:
         prompts = common.text_prompts(tok, n, a.prompt_len, seed=c)
         both = [(ids, tok.decode(ids)) for ids in prompts]
         per_client = [both[i::c] for i in range(c)]
-        off = offline(model, prompts, a.new_tokens, max(c, 1))
+        off_engine = Offline(model, prompts, a.new_tokens, max(c, 1))
+        offs = [off_engine.run()]  # one timed pass before any server; --rounds adds one per round
         for name, (checkout, extra) in checkouts.items():
             port = common.free_port()
             server = start_server(model, port, max(c, 1), env, checkout, extra)
             try:
                 for route in routes:  # one server, each API in turn
-                    srv = asyncio.run(serve_load(port, per_client, a.new_tokens, a.client, ROUTES[route]))
                     label = name if routes == ["completions"] else f"{name} {route}"
                     labels += [label] if label not in labels else []
-                    ratio = srv["tok_s"] / off
-                    print(
-                        f"{label}, {c} clients: HTTP {srv['tok_s']:.0f} tok/s, offline {off:.0f}, ratio {ratio:.2f}",
-                        flush=True,
-                    )
-                    rows.append([label, c, off, srv["tok_s"], ratio, srv["ttft_p50_ms"], srv["ttft_p99_ms"],
-                                 srv["itl_p50_ms"], srv["itl_p99_ms"]])  # fmt: skip
+                    rounds: list[tuple[float, dict[str, float]]] = []
+                    for r in range(a.rounds):
+                        if r:  # the offline pass beside this HTTP pass
+                            offs.append(off_engine.run())
+                        srv = asyncio.run(
+                            serve_load(port, per_client, a.new_tokens, a.client, ROUTES[route], warm=r == 0)
+                        )
+                        rounds.append((offs[-1], srv))
+                        print(
+                            f"{label}, {c} clients, round {r + 1}/{a.rounds}: HTTP {srv['tok_s']:.0f} tok/s, "
+                            f"offline {offs[-1]:.0f}, ratio {srv['tok_s'] / offs[-1]:.2f}",
+                            flush=True,
+                        )
+                    ratios = sorted(s["tok_s"] / o for o, s in rounds)
+                    med = {k: statistics.median(s[k] for _, s in rounds) for k in rounds[0][1]}
+                    off = statistics.median(o for o, _ in rounds)
+                    ratio = statistics.median(ratios)
+                    spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}" if a.rounds > 1 else "-"
+                    rows.append([label, c, off, med["tok_s"], ratio, spread, med["ttft_p50_ms"],
+                                 med["ttft_p99_ms"], med["itl_p50_ms"], med["itl_p99_ms"]])  # fmt: skip
                     data.append(
-                        {"checkout": label, "clients": c, "offline_tok_s": off, **srv, "ratio": ratio}
+                        {
+                            "checkout": label,
+                            "clients": c,
+                            "offline_tok_s": off,
+                            **med,
+                            "ratio": ratio,
+                            "round_ratios": ratios,
+                        }  # fmt: skip
                     )
             finally:
                 server.terminate()
                 server.wait(30)
+        off_engine.close()
     table = common.markdown_table(
         [
             "server",
@@ -314,6 +354,7 @@ def main() -> None:
             "offline tok/s",
             "HTTP tok/s",
             "HTTP / offline",
+            "ratio range",
             "TTFT p50 ms",
             "TTFT p99 ms",
             "ITL p50 ms",
@@ -325,7 +366,10 @@ def main() -> None:
     env_desc = common.env_line(f"{a.threads} torch thread(s) per process")
     desc = (
         f"Model: {a.model}; prompts of {a.prompt_len} tokens, {a.new_tokens} greedy tokens each (ignore_eos), "
-        f"{a.requests_per_client} requests per client in turn; the server's max_num_seqs = clients."
+        f"{a.requests_per_client} requests per client in turn; the server's max_num_seqs = clients. "
+        f"{a.rounds} timed round(s) per server and route, each an offline pass then an HTTP pass (the "
+        "first round's offline pass runs before the servers start); each figure is the median over the "
+        "rounds, the ratio the median of the rounds' ratios."
     )
     stem = "serving" if routes == ["completions"] else "serving_routes"
     common.write_results(stem, a.out, [desc, table], {"env": env_desc, "rows": data})
