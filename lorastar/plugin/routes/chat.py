@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
@@ -33,13 +35,13 @@ from lorastar.plugin.routes.common import (
     collect,
     decoded,
     generation_route,
-    in_thread,
+    in_thread_if_long,
     logprobs_tokenizer,
     make_usage,
     prime_or_404,
     prompt_logprobs_of,
     ranked,
-    sampling_params,
+    request_sampling_params,
     stream_usage,
     truncate_prompt,
     usage_of,
@@ -323,7 +325,9 @@ async def render_messages(
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, str]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
-    """The messages as the template takes them and their token ids, rendered on a worker thread.
+    """The messages as the template takes them and their token ids, rendered on a worker thread
+    unless short (``in_thread_if_long``: the messages, tools, documents and template arguments as
+    JSON).
     A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
     naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400. (A request's
     own ``chat_template`` never gets here: the schemas refuse it, as vLLM does unless its operator
@@ -331,7 +335,8 @@ async def render_messages(
     normalized = _normalize_messages(messages)
     # documents only when sent: an engine client written before them takes no such argument
     extra: dict[str, Any] = {"documents": documents} if documents is not None else {}
-    ids = await in_thread(
+    ids = await in_thread_if_long(
+        _json_size(normalized, tools, documents, chat_template_kwargs),
         partial(
             engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
@@ -339,6 +344,18 @@ async def render_messages(
         )
     )  # fmt: skip
     return normalized, list(ids)
+
+
+def _json_size(*parts: Any) -> int:
+    """Characters of ``parts`` as JSON: what a template renders scales with it (unbounded where
+    something will not encode, so it goes to a worker thread)."""
+    try:
+        return len(_size_encoder.encode(parts))
+    except (TypeError, ValueError, OverflowError):
+        return sys.maxsize
+
+
+_size_encoder = msgspec.json.Encoder()
 
 
 def chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:
@@ -447,11 +464,11 @@ async def plan_chat(
     aliases = {"logprobs": "top_logprobs"}
     if data.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
-    params = await in_thread(partial(  # a schema's check can take long: never on the event loop
-        sampling_params, data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
+    params = await request_sampling_params(
+        data, max_tokens=max_tokens, logprobs=num_top if data.logprobs else None,
         aliases=aliases, guided_json=tools.schema, defaults=defaults, max_logprobs=engine.max_logprobs,
         vocab_size=engine.vocab_size,
-    ))  # fmt: skip
+    )  # fmt: skip
     if tool_parser and tool_parser not in (REQUIRED, REQUIRED_MISTRAL):  # markers may be control tokens
         params.skip_special_tokens = False
     configured = service.config.reasoning_parser

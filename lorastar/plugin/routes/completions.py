@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from litestar import Request, Response
@@ -30,13 +29,13 @@ from lorastar.plugin.routes.common import (
     collect,
     decoded,
     generation_route,
-    in_thread,
+    in_thread_if_long,
     logprobs_tokenizer,
     parse_prompts,
     prime_or_404,
     prompt_logprobs_of,
     ranked,
-    sampling_params,
+    request_sampling_params,
     stream_usage,
     tokenize,
     truncate_prompt,
@@ -174,7 +173,9 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             max_tokens = 1
         # Tokenized once, off the event loop (the engine refuses text over max_prompt_bytes first).
         token_ids = [
-            p if isinstance(p, list) else await in_thread(tokenize, engine, p, data.add_special_tokens)
+            p
+            if isinstance(p, list)
+            else await in_thread_if_long(len(p), tokenize, engine, p, data.add_special_tokens)
             for p in prompts
         ]
         if data.truncate_prompt_tokens is not None:
@@ -194,11 +195,11 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
         defaults = service.default_sampling
         if not prompt_only:  # the model's max_new_tokens caps each (vLLM's get_max_tokens)
             limits = [capped_max_tokens(limit, defaults) for limit in limits]
-        params = await in_thread(partial(  # a schema's check can take long: never on the event loop
-            sampling_params, data, max_tokens=min(limits), logprobs=data.logprobs,
+        params = await request_sampling_params(
+            data, max_tokens=min(limits), logprobs=data.logprobs,
             prompt_logprobs=data.logprobs if echo and data.logprobs is not None else None,
             defaults=defaults, max_logprobs=engine.max_logprobs, vocab_size=engine.vocab_size,
-        ))  # fmt: skip
+        )  # fmt: skip
         request_id, engine_id = request_ids("cmpl", request, data.request_id)
         created = int(time.time())
         model_name = data.model or service.served_model_name
