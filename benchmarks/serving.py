@@ -18,6 +18,7 @@ loop cost each other. ``--model smollm2`` uses the embedded SmolLM2-135M.
     .venv/bin/python benchmarks/serving.py                      # 1, 16, 64 clients
     .venv/bin/python benchmarks/serving.py --model smollm2 --clients 16 --prompt-len 128 --new-tokens 64
     .venv/bin/python benchmarks/serving.py --modes process --routes completions,chat,responses,messages
+    .venv/bin/python benchmarks/serving.py --clients 64 --modes process --rounds 9   # drift-cancelling ratio
 """
 
 from __future__ import annotations
