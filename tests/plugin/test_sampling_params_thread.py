@@ -1,7 +1,7 @@
-"""What a generating route does on the event loop and what on a worker thread: a plain request's
-sampling parameters, short prompts' tokenizing and short chats' templates on the loop (a worker-
-thread hop cost a loaded server ~20 ms of every request's time to first token); a constrained
-output's schema or grammar check and long text on a worker thread (they can take long)."""
+"""Where a request's sampling parameters are built: on the event loop for a plain request (the
+worker-thread hop cost a loaded server ~20 ms of every request's time to first token), on a worker
+thread where the body constrains the output (a JSON schema or grammar can take long to check).
+Tokenizing and chat templates stay on worker threads (``request_sampling_params`` says why)."""
 
 from __future__ import annotations
 
@@ -106,53 +106,3 @@ def test_an_unparsable_schema_is_a_400_from_the_worker_thread() -> None:
     with pytest.raises(APIError) as err:
         asyncio.run(common.request_sampling_params(req, max_tokens=8, logprobs=None))
     assert err.value.param == "guided_regex"
-
-
-def _on_loop(coro_fn: Any) -> bool:
-    """Whether the function ``coro_fn(record)`` hands ``record`` to runs on the event loop's thread."""
-    seen: list[threading.Thread] = []
-
-    def record(*_: Any, **__: Any) -> list[int]:
-        seen.append(threading.current_thread())
-        return [1, 2, 3]
-
-    async def main() -> threading.Thread:
-        await coro_fn(record)
-        return threading.current_thread()
-
-    loop_thread = asyncio.run(main())
-    assert len(seen) == 1
-    return seen[0] is loop_thread
-
-
-@pytest.mark.parametrize("extra, on_loop", [(0, True), (1, False)])
-def test_text_is_tokenized_on_the_loop_up_to_the_inline_size(extra: int, on_loop: bool) -> None:
-    text = "x" * (common.INLINE_TEXT_CHARS + extra)
-    assert _on_loop(lambda fn: common.in_thread_if_long(len(text), fn, text)) is on_loop
-
-
-class _TemplateEngine:
-    def __init__(self, render: Any) -> None:
-        self.apply_chat_template = render
-
-
-@pytest.mark.parametrize(
-    "messages, tools, on_loop",
-    [
-        ([{"role": "user", "content": "hi"}], None, True),
-        ([{"role": "user", "content": "x" * (2 * common.INLINE_TEXT_CHARS)}], None, False),
-        # the tools are rendered too: a short message beside a large tools list goes to a thread
-        (
-            [{"role": "user", "content": "hi"}],
-            [{"type": "function", "function": {"name": "f" * 5000}}],
-            False,
-        ),
-    ],
-    ids=["short", "long message", "long tools"],
-)
-def test_a_chat_is_rendered_on_the_loop_when_short(messages: Any, tools: Any, on_loop: bool) -> None:
-    from lorastar.plugin.routes.chat import render_messages
-    from lorastar.plugin.schemas import ChatCompletionRequest
-
-    msgs = msgspec.convert({"model": "m", "messages": messages}, ChatCompletionRequest).messages
-    assert _on_loop(lambda fn: render_messages(_TemplateEngine(fn), msgs, True, tools=tools)) is on_loop  # type: ignore[arg-type]

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import msgspec
 from litestar import Request, Response
 from litestar.response import Stream
 from litestar.status_codes import HTTP_200_OK
@@ -35,7 +33,7 @@ from lorastar.plugin.routes.common import (
     collect,
     decoded,
     generation_route,
-    in_thread_if_long,
+    in_thread,
     logprobs_tokenizer,
     make_usage,
     prime_or_404,
@@ -325,9 +323,7 @@ async def render_messages(
     tools: list[dict[str, Any]] | None = None,
     documents: list[dict[str, str]] | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
-    """The messages as the template takes them and their token ids, rendered on a worker thread
-    unless short (``in_thread_if_long``: the messages, tools, documents and template arguments as
-    JSON).
+    """The messages as the template takes them and their token ids, rendered on a worker thread.
     A template that rejects them ("roles must alternate") raises the engine's InvalidParamError
     naming ``messages`` (``InputProcessor.apply_chat_template``): the client's 400. (A request's
     own ``chat_template`` never gets here: the schemas refuse it, as vLLM does unless its operator
@@ -335,8 +331,7 @@ async def render_messages(
     normalized = _normalize_messages(messages)
     # documents only when sent: an engine client written before them takes no such argument
     extra: dict[str, Any] = {"documents": documents} if documents is not None else {}
-    ids = await in_thread_if_long(
-        _json_size(normalized, tools, documents, chat_template_kwargs),
+    ids = await in_thread(
         partial(
             engine.apply_chat_template, normalized, add_generation_prompt, add_special_tokens,
             continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
@@ -344,18 +339,6 @@ async def render_messages(
         )
     )  # fmt: skip
     return normalized, list(ids)
-
-
-def _json_size(*parts: Any) -> int:
-    """Characters of ``parts`` as JSON: what a template renders scales with it (unbounded where
-    something will not encode, so it goes to a worker thread)."""
-    try:
-        return len(_size_encoder.encode(parts))
-    except (TypeError, ValueError, OverflowError):
-        return sys.maxsize
-
-
-_size_encoder = msgspec.json.Encoder()
 
 
 def chat_logprobs(tokenizer: Any, out: CompletionOutput, start: int, num_top: int) -> ChatChoiceLogprobs:

@@ -29,7 +29,7 @@ from lorastar.plugin.routes.common import (
     collect,
     decoded,
     generation_route,
-    in_thread_if_long,
+    in_thread,
     logprobs_tokenizer,
     parse_prompts,
     prime_or_404,
@@ -173,9 +173,7 @@ def build_completion_handler(service: LoraStarService, guards: list[Any]) -> Any
             max_tokens = 1
         # Tokenized once, off the event loop (the engine refuses text over max_prompt_bytes first).
         token_ids = [
-            p
-            if isinstance(p, list)
-            else await in_thread_if_long(len(p), tokenize, engine, p, data.add_special_tokens)
+            p if isinstance(p, list) else await in_thread(tokenize, engine, p, data.add_special_tokens)
             for p in prompts
         ]
         if data.truncate_prompt_tokens is not None:

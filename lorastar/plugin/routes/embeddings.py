@@ -20,7 +20,7 @@ from lorastar.plugin.routes.common import (
     OK_DOC,
     check_batch_size,
     collect,
-    in_thread_if_long,
+    in_thread,
     make_usage,
     parse_prompts,
     tokenize,
@@ -56,9 +56,7 @@ def build_embeddings_handler(service: LoraStarService, guards: list[Any]) -> Any
         check_batch_size(len(inputs), engine.max_waiting, "input", "inputs")  # a request each
         max_model_len = int(engine.max_model_len)
         token_ids = [
-            p
-            if isinstance(p, list)
-            else await in_thread_if_long(len(p), tokenize, engine, p, data.add_special_tokens)
+            p if isinstance(p, list) else await in_thread(tokenize, engine, p, data.add_special_tokens)
             for p in inputs
         ]
         token_ids = [truncate_prompt(ids, data.truncate_prompt_tokens, max_model_len) for ids in token_ids]
