@@ -29,6 +29,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--len-spread",
+        type=int,
+        default=0,
+        help="each request's max_tokens drawn (seeded, the same for offline and HTTP) from "
+        "new_tokens +- this: requests then end at different steps, as real ones do, instead of every "
+        "client's ending and sending its next in the same step",
+    )
     p.add_argument("--model", default="tiny", help="tiny (1 layer, hidden 32) or smollm2")
     p.add_argument("--threads", type=int, default=1, help="torch threads, server and offline alike")
     p.add_argument("--other", type=Path, default=None, help="a second checkout whose servers run too")
@@ -142,18 +151,18 @@ class Offline:
     drift as much as the server (64 clients on the 2-core Xeon: ratios 0.62 to 1.41 over seven runs,
     offline alone 7.7k to 12.0k tok/s)."""
 
-    def __init__(self, model: str, prompts: list[list[int]], new_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, model: str, prompts: list[list[int]], lengths: list[int], max_num_seqs: int) -> None:
         from lorastar import LLM, SamplingParams
 
         self.prompts = prompts
         self.llm = LLM(model=model, dtype="float32", max_num_seqs=max_num_seqs, enable_prefix_caching=False)
-        self.sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-        self.llm.generate(prompts[:2], self.sp)
+        self.sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        self.llm.generate(prompts[:2], self.sps[:2])
 
     def run(self) -> float:
         """Output tokens/s of one pass over all the prompts."""
         t0 = time.perf_counter()
-        outs = self.llm.generate(self.prompts, self.sp)
+        outs = self.llm.generate(self.prompts, self.sps)
         wall = time.perf_counter() - t0
         return sum(len(o.outputs[0].token_ids) for o in outs) / wall
 
@@ -205,13 +214,12 @@ async def aiohttp_events(session: Any, url: str, body: dict[str, Any]) -> AsyncI
 async def one_client(
     events: Callable[[str, dict[str, Any]], AsyncIterator[tuple[float, str | bytes]]],
     url: str,
-    prompts: list[tuple[list[int], str]],
-    new_tokens: int,
+    prompts: list[tuple[list[int], str, int]],
     route: Route,
 ) -> list[dict[str, Any]]:
     """Stream each prompt in turn through ``events``; per request: TTFT, frame gaps, tokens."""
     results = []
-    for ids, text in prompts:
+    for ids, text, new_tokens in prompts:
         body = {"model": "m", "temperature": 0, "stream": True, **route.body(ids, text, new_tokens)}
         t0 = time.perf_counter()
         stamps: list[float] = []
@@ -231,8 +239,7 @@ async def one_client(
 
 async def serve_load(
     port: int,
-    per_client: list[list[tuple[list[int], str]]],
-    new_tokens: int,
+    per_client: list[list[tuple[list[int], str, int]]],
     client_lib: str = "aiohttp",
     route: Route = ROUTES["completions"],
     warm: bool = True,
@@ -255,9 +262,9 @@ async def serve_load(
             client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(per_client) + 4))
             events = functools.partial(httpx_events, await stack.enter_async_context(client))
         if warm:  # the whole load once, untimed (as vLLM's bench serve runs are warmed up here)
-            await asyncio.gather(*(one_client(events, url, ps, new_tokens, route) for ps in per_client))
+            await asyncio.gather(*(one_client(events, url, ps, route) for ps in per_client))
         t0 = time.perf_counter()
-        runs = await asyncio.gather(*(one_client(events, url, ps, new_tokens, route) for ps in per_client))
+        runs = await asyncio.gather(*(one_client(events, url, ps, route) for ps in per_client))
         wall = time.perf_counter() - t0
     reqs = [r for run in runs for r in run]
     ttft = sorted(r["ttft"] for r in reqs)
@@ -296,6 +303,8 @@ def main() -> None:
     if a.other:  # the same modes (a checkout from before --engine-process existed: thread only)
         for m in a.modes.split(","):
             checkouts[f"other ({m})"] = (a.other.resolve(), flags[m])
+    if not 0 <= a.len_spread < a.new_tokens:
+        raise SystemExit(f"--len-spread must be in [0, --new-tokens), got {a.len_spread}")
     routes = a.routes.split(",")
     if unknown := [r for r in routes if r not in ROUTES]:
         raise SystemExit(f"--routes: unknown {unknown}; choose from {', '.join(ROUTES)}")
@@ -303,9 +312,11 @@ def main() -> None:
     for c in [int(x) for x in a.clients.split(",")]:
         n = c * a.requests_per_client
         prompts = common.text_prompts(tok, n, a.prompt_len, seed=c)
-        both = [(ids, tok.decode(ids)) for ids in prompts]
+        rng = random.Random(c)
+        lengths = [a.new_tokens + rng.randint(-a.len_spread, a.len_spread) for _ in prompts]
+        both = [(ids, tok.decode(ids), k) for ids, k in zip(prompts, lengths, strict=True)]
         per_client = [both[i::c] for i in range(c)]
-        off_engine = Offline(model, prompts, a.new_tokens, max(c, 1))
+        off_engine = Offline(model, prompts, lengths, max(c, 1))
         offs = [off_engine.run()]  # one timed pass before any server; --rounds adds one per round
         for name, (checkout, extra) in checkouts.items():
             port = common.free_port()
@@ -318,9 +329,7 @@ def main() -> None:
                     for r in range(a.rounds):
                         if r:  # the offline pass beside this HTTP pass
                             offs.append(off_engine.run())
-                        srv = asyncio.run(
-                            serve_load(port, per_client, a.new_tokens, a.client, ROUTES[route], warm=r == 0)
-                        )
+                        srv = asyncio.run(serve_load(port, per_client, a.client, ROUTES[route], warm=r == 0))
                         rounds.append((offs[-1], srv))
                         print(
                             f"{label}, {c} clients, round {r + 1}/{a.rounds}: HTTP {srv['tok_s']:.0f} tok/s, "
@@ -366,7 +375,8 @@ def main() -> None:
     print(table)
     env_desc = common.env_line(f"{a.threads} torch thread(s) per process")
     desc = (
-        f"Model: {a.model}; prompts of {a.prompt_len} tokens, {a.new_tokens} greedy tokens each (ignore_eos), "
+        f"Model: {a.model}; prompts of {a.prompt_len} tokens, {a.new_tokens}"
+        f"{f' +- {a.len_spread}' if a.len_spread else ''} greedy tokens each (ignore_eos), "
         f"{a.requests_per_client} requests per client in turn; the server's max_num_seqs = clients. "
         f"{a.rounds} timed round(s) per server and route, each an offline pass then an HTTP pass (the "
         "first round's offline pass runs before the servers start); each figure is the median over the "
