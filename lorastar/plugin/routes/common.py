@@ -172,16 +172,10 @@ async def request_sampling_params(req: Any, **kw: Any) -> SamplingParams:
 
 
 def constrained(req: Any) -> bool:
-    """Whether the body asks for structured output in any of its forms (the engine's fields,
-    ``structured_outputs``, a ``response_format`` other than text)."""
-    if any(
-        getattr(req, name) is not None
-        for name in ("guided_choice", "guided_json", "guided_regex", "guided_grammar")
-    ):
-        return True
-    if req.structured_outputs is not None:
-        return True
-    return (req.response_format or {}).get("type", "text") != "text"
+    """Whether the body asks for structured output in any of its forms (``structured_fields``' reading
+    of them; a whitespace option alone constrains nothing)."""
+    guided, _ = structured_fields(req)
+    return any(name != "disable_any_whitespace" for name in guided)
 
 
 # structured_outputs' keys -> the engine's fields
